@@ -1,0 +1,34 @@
+# Two targets do all the set-up: each creates (once) and reuses .venv.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.dpmp-installed
+
+.PHONY: setup run test test-all lint clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The main job.
+run: $(STAMP)
+	$(BIN)/python examples/mixed_precision_step.py
+
+# The default test suite (a few minutes on 2 CPU cores); slow end-to-end tests are separate.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Everything, slow end-to-end runs included (what CI runs).
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check dpmp tests examples benchmarks
+	$(BIN)/ruff format --check dpmp tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

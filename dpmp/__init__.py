@@ -1,0 +1,36 @@
+"""dpmp: differentially private training in JAX with precision controls.
+
+Importing dpmp creates no arrays and starts no backend.
+"""
+
+from dpmp._src.casting import cast_function as cast_function
+from dpmp._src.casting import cast_tree as cast_tree
+from dpmp._src.casting import force_full_precision as force_full_precision
+from dpmp._src.loss_scale import DynamicLossScale as DynamicLossScale
+from dpmp._src.loss_scale import NoOpLossScale as NoOpLossScale
+from dpmp._src.loss_scale import StaticLossScale as StaticLossScale
+from dpmp._src.loss_scale import all_finite as all_finite
+from dpmp._src.loss_scale import select_tree as select_tree
+from dpmp._src.policy import Policy as Policy
+from dpmp._src.policy import PrecisionError as PrecisionError
+from dpmp._src.scaled_grad import ScaledGrad as ScaledGrad
+from dpmp._src.scaled_grad import update_if_finite as update_if_finite
+from dpmp._src.scaled_grad import value_and_grad as value_and_grad
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScale",
+    "NoOpLossScale",
+    "Policy",
+    "PrecisionError",
+    "ScaledGrad",
+    "StaticLossScale",
+    "all_finite",
+    "cast_function",
+    "cast_tree",
+    "force_full_precision",
+    "select_tree",
+    "update_if_finite",
+    "value_and_grad",
+]
