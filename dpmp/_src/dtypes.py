@@ -32,6 +32,8 @@ _SHORT_NAME = {
     np.dtype(jnp.float32): "f32",
     np.dtype(jnp.float64): "f64",
 }
+
+
 def canonical_dtype(value: Any, *, field: str = "dtype") -> np.dtype:
     """Returns the numpy dtype for a dtype-like or one of the accepted names.
 
@@ -43,8 +45,7 @@ def canonical_dtype(value: Any, *, field: str = "dtype") -> np.dtype:
         key = value.strip().lower()
         if key not in _DTYPE_ALIASES:
             raise ValueError(
-                f"{field}: unknown dtype {value!r}; allowed: "
-                + ", ".join(sorted(_DTYPE_ALIASES))
+                f"{field}: unknown dtype {value!r}; allowed: " + ", ".join(sorted(_DTYPE_ALIASES))
             )
         return np.dtype(_DTYPE_ALIASES[key])
     try:
@@ -65,6 +66,4 @@ def dtype_name(dtype: Any) -> str:
 
 
 def below_float32(dtype: np.dtype) -> bool:
-    return np.finfo(dtype).bits < 32
-
-
+    return jnp.finfo(dtype).bits < 32

@@ -257,7 +257,9 @@ def select_tree(pred, a, b):
     """
     pred = jnp.asarray(pred)
     if pred.shape != () or pred.dtype != jnp.bool_:
-        raise ValueError(f"select_tree: pred must be a boolean scalar, got {pred.dtype}{pred.shape}")
+        raise ValueError(
+            f"select_tree: pred must be a boolean scalar, got {pred.dtype}{pred.shape}"
+        )
     sa, sb = jax.tree.structure(a), jax.tree.structure(b)
     if sa != sb:
         raise ValueError(f"select_tree: trees differ in structure: {sa} vs {sb}")

@@ -29,7 +29,6 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from dpmp._src.casting import cast_tree
 from dpmp._src.dtypes import below_float32, canonical_dtype, dtype_name
@@ -137,8 +136,13 @@ class Policy:
         items = [s.strip() for s in spec.split(",") if s.strip()]
         if not items:
             raise ValueError("policy: empty string; give a preset (fp32, bf16, fp16) or key=dtype")
-        presets = {"fp32": cls.fp32, "f32": cls.fp32, "bf16": cls.bf16, "fp16": cls.fp16,
-                   "f16": cls.fp16}
+        presets = {
+            "fp32": cls.fp32,
+            "f32": cls.fp32,
+            "bf16": cls.bf16,
+            "fp16": cls.fp16,
+            "f16": cls.fp16,
+        }
         first = items[0].lower()
         if "=" not in first:
             if first not in presets:

@@ -71,7 +71,9 @@ def value_and_grad(
         loss, aux = out if has_aux else (out, None)
         loss = jnp.asarray(loss)
         if loss.shape != ():
-            raise ValueError(f"value_and_grad: fun must return a scalar loss, got shape {loss.shape}")
+            raise ValueError(
+                f"value_and_grad: fun must return a scalar loss, got shape {loss.shape}"
+            )
         loss32 = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
         return loss_scale.scale(loss32), (loss32, aux)
 

@@ -1,0 +1,27 @@
+"""Importing dpmp does no work: no arrays, no backend."""
+
+import subprocess
+import sys
+
+import dpmp
+
+
+def test_import_starts_no_backend_and_creates_no_arrays():
+    code = (
+        "import jax, jax._src.xla_bridge as xb\n"
+        "import dpmp, dpmp.accounting\n"
+        "assert not xb._backends, xb._backends\n"
+        "import gc, jax\n"
+        "arrays = [o for o in gc.get_objects() if isinstance(o, jax.Array)]\n"
+        "assert not arrays, arrays\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_every_public_name_imports():
+    assert len(dpmp.__all__) == len(set(dpmp.__all__))
+    for name in dpmp.__all__:
+        assert getattr(dpmp, name) is not None, name
