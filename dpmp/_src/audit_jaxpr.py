@@ -16,8 +16,10 @@ Taint flags and where they come from:
 * ``NOISE``   a float Gaussian sample (the ``erf_inv`` that ``jax.random.normal``
   lowers to, applied to random bits) or derived from one without mixing with a
   gradient;
-* ``SQUARE``  squares of a gradient and their sums (the inside of a norm);
-* ``NORM``    a square root of ``SQUARE`` and what is computed from it without a
+* ``SQUARE``  elementwise squares of a gradient;
+* ``SQSUM``   a sum of ``SQUARE`` values (a squared norm) and what is computed
+  from it;
+* ``NORM``    a square root of ``SQSUM`` and what is computed from it without a
   gradient: the norm and the clip factor;
 * ``CLIPPED`` a gradient multiplied (or divided) by a clip factor;
 * ``NOISY``   a gradient with noise added;
@@ -56,6 +58,8 @@ CLIPPED = 256
 NOISY = 512
 UPDATED = 1024
 REDUCED = 2048
+SQSUM = 4096
+_NORM_LINE = SQUARE | SQSUM | NORM
 
 _NOT_INHERITED = IS_PARAM
 
@@ -531,7 +535,7 @@ class Analyzer:
             added = self._envs.get(id(jaxpr), {}).get(other)
             if added is None:
                 continue
-            if not added.has(GRAD) or added.has(NOISE) or added.has(SQUARE | NORM):
+            if not added.has(GRAD) or added.has(NOISE) or added.has(_NORM_LINE):
                 continue
             carry_dtype = _dtype(env_in[k])
             if not _is_float(carry_dtype):
@@ -665,10 +669,10 @@ class Analyzer:
             and ins[0].has(GRAD)
         )
         if squaring:
-            flags = (flags & ~(GRAD | CLIPPED | NOISY | NORM)) | SQUARE
+            flags = (flags & ~(GRAD | CLIPPED | NOISY | REDUCED | _NORM_LINE)) | SQUARE
             sq = _narrowest(_narrowest(sq, in_dtypes[0]), out_dtype)
             return self._outs(eqn, flags, bax, sq, ())
-        if self_dot or (name == "reduce_sum" and ins[0].has(SQUARE)):
+        if out_float and (self_dot or (name == "reduce_sum" and ins[0].has(SQUARE))):
             in_d = _narrowest(ins[0].sq, in_dtypes[0]) if not self_dot else in_dtypes[0]
             acc = eqn.params.get("preferred_element_type") or out_dtype
             self._record(
@@ -682,9 +686,12 @@ class Analyzer:
                 pol.clip,
                 "sum of squares of a gradient (norm)",
             )
-            flags = (flags & ~(GRAD | CLIPPED | NOISY | NORM)) | SQUARE
+            flags = (flags & ~(GRAD | CLIPPED | NOISY | REDUCED | _NORM_LINE)) | SQSUM
             return self._outs(eqn, flags, bax, _narrowest(sq, out_dtype), ())
-        if name in _SQRTS and ins[0].has(SQUARE):
+        if name in _SQRTS and ins[0].has(SQUARE) and not ins[0].has(SQSUM | NORM):
+            # elementwise root of squares (e.g. Adam's second moment): not a norm
+            return self._outs(eqn, flags & ~SQUARE, bax, None, src)
+        if name in _SQRTS and ins[0].has(SQSUM):
             self._record(
                 ("norm", loc),
                 "norm",
@@ -696,10 +703,10 @@ class Analyzer:
                 pol.clip,
                 "square root of a sum of squares (norm)",
             )
-            flags = (flags & ~SQUARE) | NORM
+            flags = (flags & ~(SQUARE | SQSUM)) | NORM
             return self._outs(eqn, flags, bax, _narrowest(sq, out_dtype), ())
-        norm_ops = [av.has(NORM | SQUARE) for av in ins]
-        grad_ops = [av.has(GRAD) and not av.has(NORM | SQUARE) for av in ins]
+        norm_ops = [av.has(NORM) for av in ins]
+        grad_ops = [av.has(GRAD) and not av.has(_NORM_LINE) for av in ins]
         if any(norm_ops) and any(grad_ops) and name in ("mul", "div"):
             gi = grad_ops.index(True)
             ni = norm_ops.index(True)
@@ -714,9 +721,9 @@ class Analyzer:
                 pol.clip,
                 "clip factor applied to a gradient",
             )
-            flags = (flags & ~(NORM | SQUARE)) | GRAD | CLIPPED
+            flags = (flags & ~_NORM_LINE) | GRAD | CLIPPED
             return self._outs(eqn, flags, bax, None, src)
-        if any(norm_ops) and not any(grad_ops):
+        if any(av.has(NORM | SQSUM) for av in ins) and not any(grad_ops):
             if name == "div" and ins[1].has(NORM) and len(ins) == 2:
                 self._record(
                     ("norm", loc),
@@ -748,8 +755,8 @@ class Analyzer:
                 )
             if out_float:
                 return self._outs(eqn, flags, bax, _narrowest(sq, out_dtype), src)
-        if flags & (NORM | SQUARE) and flags & GRAD:
-            flags &= ~(NORM | SQUARE)
+        if flags & _NORM_LINE and flags & GRAD:
+            flags &= ~_NORM_LINE
 
         # -- noise addition --------------------------------------------------------
         if name in _ADDS and len(ins) == 2:
@@ -852,7 +859,9 @@ class Analyzer:
         if name in _PSUM_LIKE:
             outs = []
             for k, (v, av) in enumerate(zip(eqn.invars, ins, strict=False)):
-                if av.has(GRAD) and _is_float(_dtype(v)):
+                if av.has(GRAD) and _is_float(_dtype(v)) and not av.has(_NORM_LINE):
+                    axes = tuple(eqn.params.get("axes", ()))
+                    per_example = bool(av.bax) and not av.has(CLIPPED | REDUCED)
                     self._record(
                         ("all_reduce", loc, k),
                         "all_reduce",
@@ -862,8 +871,17 @@ class Analyzer:
                         _dtype(eqn.outvars[k]),
                         site,
                         pol.accumulate,
-                        f"cross-device sum over axes {tuple(eqn.params.get('axes', ()))}",
+                        f"cross-device sum over axes {axes}"
+                        + (
+                            " of PER-EXAMPLE gradients before clipping (examples on different "
+                            "devices are mixed: the clip bound no longer holds per example)"
+                            if per_example
+                            else ""
+                        ),
                     )
+                    if per_example and self.recording:
+                        f = self.findings[("all_reduce", loc, k)]
+                        self.findings[("all_reduce", loc, k)] = dataclasses.replace(f, ok=False)
             for v, av in zip(eqn.outvars, ins, strict=False):
                 f = (av.flags & ~_NOT_INHERITED) | (GRAD if tr and _is_float(_dtype(v)) else 0)
                 outs.append(_AV(f, av.bax, av.sq, av.src))
@@ -887,7 +905,7 @@ class Analyzer:
             )
             flags |= REDUCED
 
-        return self._outs(eqn, flags, bax, sq if flags & (SQUARE | NORM) else None, src)
+        return self._outs(eqn, flags, bax, sq if flags & _NORM_LINE else None, src)
 
     def _outs(self, eqn, flags, bax, sq, src):
         outs = []
@@ -895,8 +913,8 @@ class Analyzer:
             b = bax if k == 0 or _shape(v) == _shape(eqn.outvars[0]) else frozenset()
             b = frozenset(a for a in b if a < len(_shape(v)))
             f = flags
-            if not _is_float(_dtype(v)) and f & GRAD:
-                f &= ~GRAD
+            if not _is_float(_dtype(v)):
+                f &= ~(GRAD | _NORM_LINE | NOISE | NOISY | CLIPPED | REDUCED | UPDATED)
             outs.append(_AV(f, b, sq, src if f & NOISY else ()))
         return outs
 
