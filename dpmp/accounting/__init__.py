@@ -1,0 +1,41 @@
+"""Privacy accounting of a dpmp run, on dp-accounting events.
+
+``epsilon``, ``calibrate_noise_multiplier`` and ``calibrate_steps`` answer
+one-shot questions about a plan; ``BudgetTracker`` follows a run step by step.
+Every release of a run is composed: the DP-SGD steps and, when a private
+dynamic loss scale is used, its noised overflow counts.
+"""
+
+from dpmp._src.accounting import ACCOUNTANTS as ACCOUNTANTS
+from dpmp._src.accounting import NEIGHBORING_RELATIONS as NEIGHBORING_RELATIONS
+from dpmp._src.accounting import REPORT_DISCRETIZATION as REPORT_DISCRETIZATION
+from dpmp._src.accounting import TRACKING_DISCRETIZATION as TRACKING_DISCRETIZATION
+from dpmp._src.accounting import BudgetExceededError as BudgetExceededError
+from dpmp._src.accounting import BudgetTracker as BudgetTracker
+from dpmp._src.accounting import EpsilonBreakdown as EpsilonBreakdown
+from dpmp._src.accounting import PrivacyBudget as PrivacyBudget
+from dpmp._src.accounting import calibrate_noise_multiplier as calibrate_noise_multiplier
+from dpmp._src.accounting import calibrate_steps as calibrate_steps
+from dpmp._src.accounting import count_releases as count_releases
+from dpmp._src.accounting import dpsgd_event as dpsgd_event
+from dpmp._src.accounting import effective_noise_multiplier as effective_noise_multiplier
+from dpmp._src.accounting import epsilon as epsilon
+from dpmp._src.accounting import epsilon_breakdown as epsilon_breakdown
+
+__all__ = [
+    "ACCOUNTANTS",
+    "NEIGHBORING_RELATIONS",
+    "REPORT_DISCRETIZATION",
+    "TRACKING_DISCRETIZATION",
+    "BudgetExceededError",
+    "BudgetTracker",
+    "EpsilonBreakdown",
+    "PrivacyBudget",
+    "calibrate_noise_multiplier",
+    "calibrate_steps",
+    "count_releases",
+    "dpsgd_event",
+    "effective_noise_multiplier",
+    "epsilon",
+    "epsilon_breakdown",
+]
