@@ -266,7 +266,8 @@ def audit_precision(
         first. Default: argument 1, or, when ``batch_size`` is given, every leaf
         outside ``params_argnums`` whose leading dimension is ``batch_size``.
       batch_size: number of examples. Default: the leading dimension of the
-        batch leaves.
+        batch leaves. Batch leaves laid out ``(devices, per_device, ...)`` for
+        ``pmap`` are understood when ``batch_size`` is the total.
       expect: kinds (from :data:`KINDS`) that must be found; a missing kind
         makes the report fail (guards against a site the audit cannot see).
       name: name shown in the report (default: ``fn.__name__``).
@@ -311,13 +312,14 @@ def audit_precision(
                 roles.append("param")
             elif i in b_nums:
                 shape = tuple(getattr(leaf, "shape", ()))
-                if by_size and not (shape and shape[0] == batch_size):
+                if by_size and not audit_jaxpr.example_axes(shape, batch_size):
                     roles.append("other")
                 else:
                     roles.append("batch")
             else:
                 roles.append("other")
     if batch_size is None:
+        # without a batch size, the example axis is the leading one
         sizes = {
             tuple(getattr(leaf, "shape", ()))[0]
             for leaf, role in zip(leaves, roles, strict=True)
@@ -338,12 +340,6 @@ def audit_precision(
             "leaves; pass static values by closing over them (functools.partial)"
         )
     avs = audit_jaxpr.initial_avs(leaves, roles, batch_size)
-    param_dtypes = [
-        np.dtype(leaf.dtype)
-        for leaf, r in zip(leaves, roles, strict=True)
-        if r == "param" and hasattr(leaf, "dtype")
-    ]
-    del param_dtypes  # the policy's param dtype is the requirement
     fn_name = name or getattr(fn, "__name__", None) or type(fn).__name__
     raw = audit_jaxpr.analyze(closed, avs, policy, root=fn_name)
     t2 = time.perf_counter()

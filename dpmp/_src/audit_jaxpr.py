@@ -919,6 +919,27 @@ class Analyzer:
         return outs
 
 
+def example_axes(shape: tuple, batch_size: int | None) -> tuple[int, ...]:
+    """Leading axes of a batch leaf that index examples.
+
+    Axis 0, or, when ``batch_size`` is given and the leaf is laid out as
+    ``(devices, per_device, ...)`` (pmap), the leading axes whose sizes
+    multiply to ``batch_size``. Axes of size 1 carry no example index.
+    """
+    if not shape:
+        return ()
+    if batch_size is None or shape[0] == batch_size:
+        return (0,) if shape[0] > 1 else ()
+    prod = 1
+    for k, size in enumerate(shape):
+        prod *= size
+        if prod == batch_size:
+            return tuple(i for i in range(k + 1) if shape[i] > 1)
+        if prod > batch_size:
+            break
+    return ()
+
+
 def initial_avs(
     leaves: Sequence[Any],
     roles: Sequence[str],
@@ -940,8 +961,7 @@ def initial_avs(
             flags |= PARAM | IS_PARAM
         elif role == "batch":
             flags |= BATCH
-            if shape and (batch_size is None or shape[0] == batch_size) and shape[0] > 1:
-                bax = frozenset({0})
+            bax = frozenset(example_axes(shape, batch_size))
         avs.append(_AV(flags, bax))
     return avs
 
