@@ -1,0 +1,472 @@
+"""Tests for dpmp.accounting, against dp-accounting events built by hand."""
+
+import dataclasses
+import json
+import math
+import time
+
+import dp_accounting
+import pytest
+
+import dpmp.accounting as acc
+
+ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
+
+
+# ---------------------------------------------------------------------------
+# Independent reference: dp-accounting, events and accountants built by hand.
+# ---------------------------------------------------------------------------
+
+
+def _accountant(name, interval=1e-4, relation=ADD_REMOVE):
+    if name == "rdp":
+        return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+    return dp_accounting.pld.PLDAccountant(
+        neighboring_relation=relation, value_discretization_interval=interval
+    )
+
+
+def _sampled_gaussian(q, sigma):
+    return dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+
+
+def _reference_epsilon(name, q, sigma, steps, delta, interval=1e-4, relation=ADD_REMOVE):
+    event = dp_accounting.SelfComposedDpEvent(_sampled_gaussian(q, sigma), steps)
+    return _accountant(name, interval, relation).compose(event).get_epsilon(delta)
+
+
+def _reference_with_counts(name, q, sigma, sigma_c, steps, count_every, delta, interval=1e-4):
+    """Steps k, 2k, ... release the gradient and a count of the same sample."""
+    with_count = steps // count_every
+    plain = steps - with_count
+    if name == "rdp":
+        # dp-accounting itself reduces a Poisson-sampled composition of
+        # Gaussians on one sample to a single Gaussian.
+        joint = dp_accounting.PoissonSampledDpEvent(
+            q,
+            dp_accounting.ComposedDpEvent(
+                [dp_accounting.GaussianDpEvent(sigma), dp_accounting.GaussianDpEvent(sigma_c)]
+            ),
+        )
+    else:
+        # The PLD accountant only takes a Gaussian under a Poisson event: the
+        # joint mechanism on (sum / sigma, count / sigma_c) has whitened L2
+        # sensitivity sqrt(sigma**-2 + sigma_c**-2).
+        joint = _sampled_gaussian(q, 1 / math.sqrt(sigma**-2 + sigma_c**-2))
+    parts = [(_sampled_gaussian(q, sigma), plain), (joint, with_count)]
+    event = dp_accounting.ComposedDpEvent(
+        [dp_accounting.SelfComposedDpEvent(e, n) for e, n in parts if n > 0]
+    )
+    return _accountant(name, interval).compose(event).get_epsilon(delta)
+
+
+# (sampling_prob, noise_multiplier, steps, delta, PLD value_discretization_interval):
+# dp-accounting's default 1e-4 where it is fast, the tracking 1e-3 elsewhere.
+PLANS = [
+    (0.01, 1.0, 1000, 1e-5, 1e-4),
+    (4096 / 50000, 10.0, 875, 1e-5, 1e-4),
+    (256 / 1437, 2.0, 224, 1e-5, 1e-3),
+    (0.05, 0.9, 100, 1e-6, 1e-3),
+    (0.001, 1.5, 10000, 1e-5, 1e-4),
+    (1.0, 5.0, 10, 1e-5, 1e-3),
+    (0.2, 3.0, 50, 1e-3, 1e-3),
+    (0.02, 1.2, 3000, 1e-7, 1e-4),
+    (0.5, 4.0, 20, 1e-5, 1e-3),
+    (0.1, 2.0, 1, 1e-5, 1e-3),
+    (0.003, 0.8, 500, 1e-5, 1e-3),
+]
+
+
+# ---------------------------------------------------------------------------
+# epsilon
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("q,sigma,steps,delta,interval", PLANS)
+def test_epsilon_matches_dp_accounting(accountant, q, sigma, steps, delta, interval):
+    got = acc.epsilon(
+        noise_multiplier=sigma,
+        sampling_prob=q,
+        steps=steps,
+        delta=delta,
+        accountant=accountant,
+        value_discretization_interval=interval,
+    )
+    want = _reference_epsilon(accountant, q, sigma, steps, delta, interval)
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_zero_steps_cost_nothing():
+    for accountant in acc.ACCOUNTANTS:
+        eps = acc.epsilon(
+            noise_multiplier=1.0, sampling_prob=0.1, steps=0, delta=1e-5, accountant=accountant
+        )
+        assert eps == 0.0
+
+
+def test_de_et_al_2022_cifar10_plan():
+    # De et al. 2022: CIFAR-10, batch 4096 of 50,000, sigma 10, 875 steps,
+    # delta 1e-5 -> epsilon 1. Measured: RDP 0.98771, PLD 0.90277.
+    plan = dict(noise_multiplier=10.0, sampling_prob=4096 / 50000, steps=875, delta=1e-5)
+    rdp = acc.epsilon(**plan, accountant="rdp")
+    pld = acc.epsilon(**plan, accountant="pld")
+    assert 0.9 <= rdp <= 1.1
+    # PLD is tighter than RDP, and both are upper bounds of the same quantity.
+    assert 0.8 <= pld <= rdp
+
+
+@pytest.mark.parametrize("q,sigma,steps", [(0.05, 1.5, 200), (0.2, 3.0, 40), (1.0, 8.0, 5)])
+def test_replace_one_matches_dp_accounting(q, sigma, steps):
+    got = acc.epsilon(
+        noise_multiplier=sigma,
+        sampling_prob=q,
+        steps=steps,
+        delta=1e-5,
+        neighboring="replace_one",
+        value_discretization_interval=1e-3,
+    )
+    want = _reference_epsilon("pld", q, sigma, steps, 1e-5, 1e-3, REPLACE_ONE)
+    assert got == pytest.approx(want, rel=1e-6)
+    add_remove = _reference_epsilon("pld", q, sigma, steps, 1e-5, 1e-3, ADD_REMOVE)
+    assert got >= add_remove
+
+
+def test_replace_one_with_rdp_is_refused():
+    with pytest.raises(ValueError, match='accountant="pld"'):
+        acc.epsilon(
+            noise_multiplier=1.0,
+            sampling_prob=0.1,
+            steps=10,
+            delta=1e-5,
+            accountant="rdp",
+            neighboring="replace_one",
+        )
+
+
+# ---------------------------------------------------------------------------
+# Calibration
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize(
+    "target,q,steps",
+    [(1.0, 256 / 1437, 224), (2.0, 0.01, 1000), (8.0, 0.05, 100)],
+)
+def test_calibrated_noise_hits_target(accountant, target, q, steps):
+    sigma = acc.calibrate_noise_multiplier(
+        target_epsilon=target,
+        sampling_prob=q,
+        steps=steps,
+        delta=1e-5,
+        accountant=accountant,
+        value_discretization_interval=1e-3,
+    )
+    eps = _reference_epsilon(accountant, q, sigma, steps, 1e-5, 1e-3)
+    assert eps <= target
+    assert eps == pytest.approx(target, rel=1e-2)
+
+
+@pytest.mark.parametrize("accountant", ["pld"])
+def test_calibrated_noise_with_counts_hits_target(accountant):
+    q, steps, sigma_c, every = 0.05, 100, 8.0, 4
+    sigma = acc.calibrate_noise_multiplier(
+        target_epsilon=3.0,
+        sampling_prob=q,
+        steps=steps,
+        delta=1e-5,
+        accountant=accountant,
+        count_noise_stddev=sigma_c,
+        count_every=every,
+        value_discretization_interval=1e-3,
+    )
+    eps = _reference_with_counts(accountant, q, sigma, sigma_c, steps, every, 1e-5, 1e-3)
+    assert eps <= 3.0
+    assert eps == pytest.approx(3.0, rel=1e-2)
+
+
+def test_calibration_refuses_counts_that_exceed_the_target_alone():
+    with pytest.raises(ValueError, match="count_noise_stddev"):
+        acc.calibrate_noise_multiplier(
+            target_epsilon=0.5,
+            sampling_prob=0.5,
+            steps=100,
+            delta=1e-5,
+            accountant="rdp",
+            count_noise_stddev=0.5,
+        )
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("target,q,sigma", [(1.0, 0.05, 1.5), (4.0, 256 / 1437, 2.5)])
+def test_calibrate_steps_is_the_most_steps_within_target(accountant, target, q, sigma):
+    n = acc.calibrate_steps(
+        target_epsilon=target,
+        noise_multiplier=sigma,
+        sampling_prob=q,
+        delta=1e-5,
+        accountant=accountant,
+        value_discretization_interval=1e-3,
+    )
+    assert n >= 1
+    assert _reference_epsilon(accountant, q, sigma, n, 1e-5, 1e-3) <= target
+    assert _reference_epsilon(accountant, q, sigma, n + 1, 1e-5, 1e-3) > target
+
+
+# ---------------------------------------------------------------------------
+# Composition with the loss scale's count releases
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("sigma_c,every,steps", [(5.0, 1, 100), (2.0, 7, 150), (20.0, 3, 301)])
+def test_counts_match_hand_built_composed_event(accountant, sigma_c, every, steps):
+    q, sigma, delta = 0.05, 1.2, 1e-5
+    got = acc.epsilon(
+        noise_multiplier=sigma,
+        sampling_prob=q,
+        steps=steps,
+        delta=delta,
+        accountant=accountant,
+        count_noise_stddev=sigma_c,
+        count_every=every,
+        value_discretization_interval=1e-3,
+    )
+    want = _reference_with_counts(accountant, q, sigma, sigma_c, steps, every, delta, 1e-3)
+    assert got == pytest.approx(want, rel=1e-6)
+    alone = _reference_epsilon(accountant, q, sigma, steps, delta, 1e-3)
+    assert got >= alone
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_counts_cost_tends_to_zero_with_infinite_noise(accountant):
+    plan = dict(
+        noise_multiplier=1.5,
+        sampling_prob=0.05,
+        steps=200,
+        delta=1e-5,
+        accountant=accountant,
+        value_discretization_interval=1e-3,
+    )
+    dpsgd = _reference_epsilon(accountant, 0.05, 1.5, 200, 1e-5, 1e-3)
+    extras = []
+    for sigma_c in [1.0, 4.0, 16.0, 1e3, 1e6]:
+        eps = acc.epsilon(**plan, count_noise_stddev=sigma_c)
+        extras.append(eps - dpsgd)
+    assert all(e >= -1e-9 for e in extras)
+    assert extras == sorted(extras, reverse=True)  # more count noise, less cost
+    assert extras[-1] == pytest.approx(0.0, abs=1e-4 * dpsgd)
+    assert acc.epsilon(**plan, count_noise_stddev=math.inf) == pytest.approx(dpsgd, rel=1e-9)
+
+
+def test_epsilon_breakdown_reports_the_cost_of_the_counts():
+    plan = dict(noise_multiplier=1.0, sampling_prob=0.02, steps=300, delta=1e-5)
+    b = acc.epsilon_breakdown(**plan, count_noise_stddev=3.0, count_every=2, accountant="rdp")
+    want_total = _reference_with_counts("rdp", 0.02, 1.0, 3.0, 300, 2, 1e-5)
+    want_dpsgd = _reference_epsilon("rdp", 0.02, 1.0, 300, 1e-5)
+    assert b.total == pytest.approx(want_total, rel=1e-6)
+    assert b.dpsgd == pytest.approx(want_dpsgd, rel=1e-6)
+    assert b.counts == pytest.approx(want_total - want_dpsgd, rel=1e-6, abs=1e-9)
+    assert b.counts > 0
+
+
+def test_effective_noise_multiplier_matches_dp_accounting_rdp_reduction():
+    # dp-accounting's RDP accountant reduces Poisson(q, Composed(G(a), G(b)))
+    # itself; the closed form must give the same epsilon.
+    q, a, b = 0.1, 1.3, 2.1
+    joint = dp_accounting.PoissonSampledDpEvent(
+        q,
+        dp_accounting.ComposedDpEvent(
+            [dp_accounting.GaussianDpEvent(a), dp_accounting.GaussianDpEvent(b)]
+        ),
+    )
+    want = _accountant("rdp").compose(dp_accounting.SelfComposedDpEvent(joint, 50))
+    got = _reference_epsilon("rdp", q, acc.effective_noise_multiplier(a, b), 50, 1e-5)
+    assert got == pytest.approx(want.get_epsilon(1e-5), rel=1e-9)
+
+
+# ---------------------------------------------------------------------------
+# Budget tracker
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("counts", [None, (6.0, 3)])
+def test_tracker_refuses_the_step_that_would_exceed_the_target(accountant, counts):
+    q, sigma, delta, target = 0.1, 1.5, 1e-5, 1.5
+    sigma_c, every = counts if counts else (None, 1)
+    budget = acc.PrivacyBudget(
+        noise_multiplier=sigma,
+        sampling_prob=q,
+        delta=delta,
+        target_epsilon=target,
+        accountant=accountant,
+        count_noise_stddev=sigma_c,
+        count_every=every,
+    )
+    tracker = acc.BudgetTracker(budget)
+    while tracker.can_step():
+        tracker.step()
+    n = tracker.steps
+    assert n >= 5
+
+    def reference(steps):
+        if sigma_c is None:
+            return _reference_epsilon(accountant, q, sigma, steps, delta, 1e-3)
+        return _reference_with_counts(accountant, q, sigma, sigma_c, steps, every, delta, 1e-3)
+
+    assert reference(n) <= target < reference(n + 1)
+    assert tracker.spent() == pytest.approx(reference(n), rel=1e-6)
+    assert tracker.count_releases == (n // every if sigma_c else 0)
+    spent = tracker.spent()
+    with pytest.raises(acc.BudgetExceededError, match="target_epsilon"):
+        tracker.step()
+    assert tracker.steps == n and tracker.spent() == spent  # unchanged
+    assert tracker.remaining_steps() == 0
+
+
+def test_tracker_remaining_steps_agrees_with_calibrate_steps():
+    budget = acc.PrivacyBudget(
+        noise_multiplier=2.0, sampling_prob=0.05, delta=1e-5, target_epsilon=2.0
+    )
+    total = acc.calibrate_steps(
+        target_epsilon=2.0,
+        noise_multiplier=2.0,
+        sampling_prob=0.05,
+        delta=1e-5,
+        value_discretization_interval=acc.TRACKING_DISCRETIZATION,
+    )
+    tracker = acc.BudgetTracker(budget, steps=100)
+    assert tracker.remaining_steps() == total - 100
+
+
+def test_tracker_explicit_count_releases():
+    budget = acc.PrivacyBudget(
+        noise_multiplier=1.0,
+        sampling_prob=0.02,
+        delta=1e-5,
+        target_epsilon=10.0,
+        accountant="rdp",
+        count_noise_stddev=4.0,
+        count_every=1000,  # the schedule would release nothing in 30 steps
+    )
+    tracker = acc.BudgetTracker(budget)
+    for i in range(30):
+        tracker.step(count_released=(i % 2 == 0))
+    assert (tracker.steps, tracker.count_releases) == (30, 15)
+    want = _reference_with_counts("rdp", 0.02, 1.0, 4.0, 30, 2, 1e-5)
+    assert tracker.spent() == pytest.approx(want, rel=1e-6)
+    b = tracker.breakdown()
+    assert b.dpsgd == pytest.approx(_reference_epsilon("rdp", 0.02, 1.0, 30, 1e-5), rel=1e-6)
+    assert b.total == tracker.spent() and b.counts > 0
+    no_counts = acc.BudgetTracker(dataclasses.replace(budget, count_noise_stddev=None))
+    with pytest.raises(ValueError, match="count_noise_stddev"):
+        no_counts.step(count_released=True)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_tracker_state_round_trips_through_json(accountant):
+    budget = acc.PrivacyBudget(
+        noise_multiplier=1.2,
+        sampling_prob=0.05,
+        delta=1e-5,
+        target_epsilon=5.0,
+        accountant=accountant,
+        count_noise_stddev=10.0,
+        count_every=4,
+    )
+    run = acc.BudgetTracker(budget)
+    for _ in range(37):
+        run.step()
+    text = run.to_json()
+    json.loads(text)  # plain JSON
+    resumed = acc.BudgetTracker.from_json(text)
+    assert resumed.budget == budget
+    assert (resumed.steps, resumed.count_releases) == (run.steps, run.count_releases)
+    assert resumed.spent() == run.spent()
+    for _ in range(20):
+        assert resumed.step() == pytest.approx(run.step(), rel=1e-9)
+    want = _reference_with_counts(accountant, 0.05, 1.2, 10.0, 57, 4, 1e-5, 1e-3)
+    assert resumed.spent() == pytest.approx(want, rel=1e-6)
+
+
+def test_tracker_restore_rejects_a_state_from_another_plan():
+    budget = acc.PrivacyBudget(
+        noise_multiplier=1.2, sampling_prob=0.05, delta=1e-5, target_epsilon=5.0
+    )
+    state = acc.BudgetTracker(budget, steps=10).state_dict()
+    state["epsilon"] *= 0.5
+    with pytest.raises(ValueError, match="does not match"):
+        acc.BudgetTracker.from_state_dict(state)
+    state = acc.BudgetTracker(budget, steps=10).state_dict()
+    state["budget"]["noise_multipler"] = 1.0
+    with pytest.raises(ValueError, match="unknown PrivacyBudget fields"):
+        acc.BudgetTracker.from_state_dict(state)
+
+
+def test_tracker_queries_are_cheap_with_pld():
+    # A trainer asks can_step() and spent() every step of a 224-step run.
+    budget = acc.PrivacyBudget(
+        noise_multiplier=1.9,
+        sampling_prob=256 / 1437,
+        delta=1e-5,
+        target_epsilon=8.0,
+        count_noise_stddev=25.0,
+    )
+    tracker = acc.BudgetTracker(budget)
+    start = time.perf_counter()
+    for _ in range(224):
+        assert tracker.can_step()
+        tracker.step()
+        tracker.spent()
+    elapsed = time.perf_counter() - start
+    assert elapsed < 15.0, elapsed  # measured ~0.5 s on 2 shared CPU cores
+    want = _reference_with_counts("pld", 256 / 1437, 1.9, 25.0, 224, 1, 1e-5, 1e-3)
+    assert tracker.spent() == pytest.approx(want, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Validation: errors name the field and its allowed range.
+# ---------------------------------------------------------------------------
+
+GOOD = dict(noise_multiplier=1.0, sampling_prob=0.1, steps=10, delta=1e-5)
+
+
+@pytest.mark.parametrize(
+    "field,value,error,message",
+    [
+        ("sampling_prob", 0.0, ValueError, r"sampling_prob must be in \(0, 1\]"),
+        ("sampling_prob", 1.5, ValueError, r"sampling_prob must be in \(0, 1\]"),
+        ("delta", 0.0, ValueError, r"delta must be in \(0, 1\)"),
+        ("delta", 1.0, ValueError, r"delta must be in \(0, 1\)"),
+        ("steps", -1, ValueError, r"steps must be an integer >= 0"),
+        ("steps", 2.5, TypeError, r"steps must be an integer >= 0"),
+        ("steps", True, TypeError, r"steps must be an integer >= 0"),
+        ("noise_multiplier", 0.0, ValueError, r"noise_multiplier must be in \(0, inf\]"),
+        ("noise_multiplier", float("nan"), ValueError, "noise_multiplier must not be NaN"),
+        ("accountant", "moments", ValueError, r"accountant must be one of \('rdp', 'pld'\)"),
+        ("neighboring", "zero_out", ValueError, "neighboring must be one of"),
+        ("count_every", 0, ValueError, r"count_every must be an integer >= 1"),
+        ("count_noise_stddev", -1.0, ValueError, r"count_noise_stddev must be in \(0, inf\]"),
+    ],
+)
+def test_epsilon_errors_name_the_field(field, value, error, message):
+    with pytest.raises(error, match=message):
+        acc.epsilon(**{**GOOD, field: value})
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("target_epsilon", 0.0, r"target_epsilon must be in \(0, inf\)"),
+        ("target_epsilon", math.inf, r"target_epsilon must be in \(0, inf\)"),
+        ("value_discretization_interval", 0.0, "value_discretization_interval must be in"),
+        ("sampling_prob", -0.1, r"sampling_prob must be in \(0, 1\]"),
+    ],
+)
+def test_budget_errors_name_the_field(field, value, message):
+    good = dict(noise_multiplier=1.0, sampling_prob=0.1, delta=1e-5, target_epsilon=1.0)
+    with pytest.raises(ValueError, match=message):
+        acc.PrivacyBudget(**{**good, field: value})
