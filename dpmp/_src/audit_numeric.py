@@ -201,11 +201,12 @@ def numeric_audit(
     acc_name = _leaf_dtype(summed)
     s = _flat64(summed)
 
+    ref_fn = reference_fn if reference_fn is not None else sum_fn
     with jax.enable_x64(True):
-        p64 = _cast_floats(params, jnp.float64)
-        b64 = _cast_floats(batch, jnp.float64)
-        ref_fn = reference_fn if reference_fn is not None else sum_fn
-        ref = jax.jit(ref_fn)(p64, b64)
+        # the casts happen inside the jitted function: one compilation
+        ref = jax.jit(
+            lambda p, b: ref_fn(_cast_floats(p, jnp.float64), _cast_floats(b, jnp.float64))
+        )(params, batch)
         ref_name = _leaf_dtype(ref)
         r = _flat64(ref)
 
@@ -216,13 +217,14 @@ def numeric_audit(
     m = n if max_examples is None else min(n, max_examples)
     ratio = None
     if m > 0:
-        one = jax.tree.map(lambda x: x[:m, None], batch)
-        per = jax.jit(jax.vmap(lambda b: sum_fn(params, b)))(one)
-        flat = np.stack(
-            [
-                np.concatenate([np.asarray(x[i], np.float64).ravel() for x in jax.tree.leaves(per)])
-                for i in range(m)
-            ]
+
+        def per_example(p, b):
+            ones = jax.tree.map(lambda x: x[:m, None], b)
+            return jax.vmap(lambda one: sum_fn(p, one))(ones)
+
+        per = jax.jit(per_example)(params, batch)
+        flat = np.concatenate(
+            [np.asarray(x, np.float64).reshape(m, -1) for x in jax.tree.leaves(per)], axis=1
         )
         ratio = float(np.max(np.linalg.norm(flat, axis=1)) / l2_clip_norm)
 
