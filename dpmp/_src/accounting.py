@@ -63,6 +63,7 @@ sigma = 10, 875 steps, delta = 1e-5, reports epsilon = 1; this module gives
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -552,10 +553,12 @@ class _EpsilonCurve:
     """
 
     _INCREMENTAL_LIMIT = 8
+    _MEMO_SIZE = 4096
 
     def __init__(self, budget: PrivacyBudget):
         self._budget = budget
-        self._memo: dict[tuple[int, int], float] = {(0, 0): 0.0}
+        # Bounded: a long run's trainer only ever asks about recent steps.
+        self._memo: collections.OrderedDict[tuple[int, int], float] = collections.OrderedDict()
         sigma = budget.noise_multiplier
         sigma_eff = effective_noise_multiplier(sigma, budget.count_noise_stddev)
         self._sigmas = (sigma, sigma_eff)
@@ -609,7 +612,10 @@ class _EpsilonCurve:
         plain = 0 if self._sigmas[0] == math.inf else plain
         with_count = 0 if self._sigmas[1] == math.inf else with_count
         key = (plain, with_count)
+        if key == (0, 0):
+            return 0.0
         if key in self._memo:
+            self._memo.move_to_end(key)
             return self._memo[key]
         delta = self._budget.delta
         if self._budget.accountant == "rdp":
@@ -624,12 +630,9 @@ class _EpsilonCurve:
             self._cursor = (plain, with_count, pld)
             eps = pld.get_epsilon_for_delta(delta)
         self._memo[key] = float(eps)
-        return self._memo[key]
-
-    def remember(self, plain: int, with_count: int, eps: float) -> None:
-        plain = 0 if self._sigmas[0] == math.inf else plain
-        with_count = 0 if self._sigmas[1] == math.inf else with_count
-        self._memo[(plain, with_count)] = float(eps)
+        if len(self._memo) > self._MEMO_SIZE:
+            self._memo.popitem(last=False)
+        return float(eps)
 
 
 _CURVES: dict[PrivacyBudget, _EpsilonCurve] = {}
@@ -759,6 +762,8 @@ class BudgetTracker:
         self._steps = steps
         self._count_releases = count_releases
         self._curve = _curve_for(budget)
+        # ((steps, count_releases), epsilon) restored from a checkpoint.
+        self._pinned: tuple[tuple[int, int], float] | None = None
 
     @property
     def budget(self) -> PrivacyBudget:
@@ -783,6 +788,8 @@ class BudgetTracker:
         return bool(count_released)
 
     def _eps(self, steps: int, count_releases: int) -> float:
+        if self._pinned is not None and self._pinned[0] == (steps, count_releases):
+            return self._pinned[1]
         return self._curve(steps - count_releases, count_releases)
 
     def spent(self) -> float:
@@ -877,9 +884,7 @@ class BudgetTracker:
                 f"saved epsilon {saved} does not match the plan and history "
                 f"(recomputed {recomputed}); the state was not made by this plan."
             )
-        tracker._curve.remember(
-            tracker._steps - tracker._count_releases, tracker._count_releases, saved
-        )
+        tracker._pinned = ((tracker._steps, tracker._count_releases), saved)
         return tracker
 
     def to_json(self) -> str:
