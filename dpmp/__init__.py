@@ -6,13 +6,20 @@ Importing dpmp creates no arrays and starts no backend.
 from dpmp._src.casting import cast_function as cast_function
 from dpmp._src.casting import cast_tree as cast_tree
 from dpmp._src.casting import force_full_precision as force_full_precision
+from dpmp._src.clipping import PrivateGrad as PrivateGrad
+from dpmp._src.clipping import PrivateGradFn as PrivateGradFn
+from dpmp._src.clipping import PrivateGradStats as PrivateGradStats
+from dpmp._src.clipping import private_grad as private_grad
 from dpmp._src.loss_scale import DynamicLossScale as DynamicLossScale
 from dpmp._src.loss_scale import NoOpLossScale as NoOpLossScale
 from dpmp._src.loss_scale import StaticLossScale as StaticLossScale
 from dpmp._src.loss_scale import all_finite as all_finite
 from dpmp._src.loss_scale import select_tree as select_tree
+from dpmp._src.noise import gaussian_privatizer as gaussian_privatizer
+from dpmp._src.noise import private_optimizer as private_optimizer
 from dpmp._src.policy import Policy as Policy
 from dpmp._src.policy import PrecisionError as PrecisionError
+from dpmp._src.private_loss_scale import PrivateDynamicLossScale as PrivateDynamicLossScale
 from dpmp._src.scaled_grad import ScaledGrad as ScaledGrad
 from dpmp._src.scaled_grad import update_if_finite as update_if_finite
 from dpmp._src.scaled_grad import value_and_grad as value_and_grad
@@ -24,12 +31,19 @@ __all__ = [
     "NoOpLossScale",
     "Policy",
     "PrecisionError",
+    "PrivateDynamicLossScale",
+    "PrivateGrad",
+    "PrivateGradFn",
+    "PrivateGradStats",
     "ScaledGrad",
     "StaticLossScale",
     "all_finite",
     "cast_function",
     "cast_tree",
     "force_full_precision",
+    "gaussian_privatizer",
+    "private_grad",
+    "private_optimizer",
     "select_tree",
     "update_if_finite",
     "value_and_grad",

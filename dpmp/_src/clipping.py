@@ -1,0 +1,362 @@
+"""Per-example clipped gradients in half precision, with fp32 norms and sums.
+
+The data path of ``private_grad`` for one example ``i`` of a batch:
+
+    loss_i   = loss_fn(params in grad dtype, batch_i in compute dtype)
+    g_i      = grad(float32(loss_i) * S)          # grad dtype (bf16/fp16 possible)
+    u_i      = clip_dtype(g_i) / S                 # the loss scale leaves FIRST
+    finite_i = every entry of u_i is finite and ||u_i|| is finite
+    u_i      = u_i if finite_i and not padding_i else 0    # whole example zeroed
+    c_i      = u_i * min(1, C / ||u_i||)          # norm and factor in clip dtype
+    grads    = sum_i c_i                           # accumulate dtype, across
+                                                   # microbatches too
+
+It follows ``jax_privacy.clipping.clipped_grad`` (per-example ``jax.grad``
+under ``vmap``, padding examples zeroed as in ``clip_pytree``'s
+``return_zero``, microbatches summed by ``optax.microbatching.microbatch``),
+and departs from it on four points, each needed for the guarantee or for the
+point of half precision:
+
+* ``clipped_grad`` reports the norm of the raw gradient in its native dtype,
+  i.e. with the loss scale still inside and in half precision. dpmp removes the
+  scale in float32 before anything is measured, so clipping happens at C, not
+  at C / S.
+* jax-privacy 2.0's ``nan_safe`` zeroes only the non-finite *entries*: an
+  example whose fp16 gradient overflowed in one layer still contributes a
+  norm-C vector built from the other layers. dpmp zeroes the whole example and
+  counts it (the count must be taken before zeroing, which ``clipped_grad``
+  gives no hook for).
+* ``clipped_fun`` casts each per-example gradient to its ``dtype`` inside the
+  vmapped function, so the B x P per-example buffer is float32 whatever the
+  gradient dtype. dpmp keeps per-example gradients in the grad dtype and lets
+  the cast happen inside the norm and the clip-weighted sum (one fused
+  ``convert -> multiply -> reduce``), so the buffer stays half size where the
+  backend computes natively in half precision (GPU/TPU; XLA:CPU emulates bf16
+  through float32 and gains nothing).
+* jax-privacy clips and sums in a single ``dtype``; dpmp computes norms and
+  factors in ``policy.clip`` and sums in ``promote(clip, accumulate)``.
+
+Formal guarantees (add/remove-one adjacency; replace-one doubles the bound):
+  * every clipped per-example gradient has L2 norm at most ``l2_clip_norm``
+    (up to the rounding of one float32 multiply, < C * (1 + 2^-20));
+  * the sum has L2 sensitivity ``l2_clip_norm`` in exact arithmetic; in float32
+    with batch size n the extra rounding is bounded as in Casacuberta et al.
+    2022 (see ``dpmp.audit_precision``'s numeric audit);
+  * padding and non-finite examples contribute exactly zero;
+  * ``stats`` are per-batch functions of private data, for monitoring only —
+    except ``noised_overflow_count``, which is a privatized release accounted
+    by ``dpmp.accounting``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import dp_accounting
+import jax
+import jax.numpy as jnp
+import optax
+
+from dpmp._src.casting import cast_tree
+from dpmp._src.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from dpmp._src.policy import Policy
+from dpmp._src.private_loss_scale import PrivateDynamicLossScale
+
+__all__ = ["PrivateGrad", "PrivateGradStats", "PrivateGradFn", "private_grad"]
+
+_METHODS = ("auto", "vmap")
+
+
+class PrivateGradStats(NamedTuple):
+    """Per-batch statistics of a private gradient (monitoring; see the guarantees).
+
+    Attributes:
+      num_examples: real (non-padding) examples in the batch.
+      num_nonfinite: real examples whose unscaled gradient was not finite
+        (they contributed zero).
+      num_clipped: real, finite examples whose norm exceeded the clip norm.
+      norm_mean, norm_max, norm_median: over real, finite examples, of the
+        unscaled per-example gradient norm (clip dtype).
+      loss_mean: mean per-example loss over real examples (float32).
+      loss_scale: the loss scale used in this step (float32).
+      noised_overflow_count: the privatized overflow count released by a
+        ``PrivateDynamicLossScale`` (NaN when none was released).
+    """
+
+    num_examples: jax.Array
+    num_nonfinite: jax.Array
+    num_clipped: jax.Array
+    norm_mean: jax.Array
+    norm_max: jax.Array
+    norm_median: jax.Array
+    loss_mean: jax.Array
+    loss_scale: jax.Array
+    noised_overflow_count: jax.Array
+
+
+class PrivateGrad(NamedTuple):
+    """What a ``private_grad`` function returns.
+
+    Attributes:
+      grads: the SUM of clipped per-example gradients, before noise, in the
+        accumulate dtype (at least float32).
+      stats: a ``PrivateGradStats``.
+      loss_scale: the loss scale for the next step.
+    """
+
+    grads: Any
+    stats: PrivateGradStats
+    loss_scale: Any
+
+
+class PrivateGradFn:
+    """A function computing clipped-gradient sums that knows its sensitivity.
+
+    Call as ``g(params, batch, loss_scale=dpmp.NoOpLossScale(),
+    is_padding_example=None)``; with ``batch_argnums=(1, 2)`` pass
+    ``g(params, x, y, ...)``.
+    """
+
+    def __init__(self, fun: Callable, *, l2_norm_bound: float, method: str, policy: Policy):
+        self._fun = fun
+        self.l2_norm_bound = l2_norm_bound
+        self.method = method
+        self.policy = policy
+
+    def __call__(self, *args, **kwargs) -> PrivateGrad:
+        return self._fun(*args, **kwargs)
+
+    def sensitivity(
+        self,
+        neighboring_relation: dp_accounting.NeighboringRelation = (
+            dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+        ),
+    ) -> float:
+        """L2 sensitivity of ``grads`` under ``neighboring_relation``."""
+        rel = dp_accounting.NeighboringRelation
+        match neighboring_relation:
+            case rel.ADD_OR_REMOVE_ONE | rel.REPLACE_SPECIAL:
+                return self.l2_norm_bound
+            case rel.REPLACE_ONE:
+                return 2 * self.l2_norm_bound
+            case _:
+                raise ValueError(f"unsupported neighboring relation {neighboring_relation}")
+
+    def __repr__(self):
+        return (
+            f"PrivateGradFn(l2_norm_bound={self.l2_norm_bound}, method={self.method!r}, "
+            f"policy='{self.policy}')"
+        )
+
+
+def _global_sq_norm(tree):
+    """Sum of squares over all leaves, in the leaves' dtype."""
+    leaves = [jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)]
+    return sum(leaves[1:], leaves[0])
+
+
+def private_grad(
+    loss_fn: Callable,
+    *,
+    l2_clip_norm: float,
+    policy: Policy | str,
+    batch_argnums: int | Sequence[int] = 1,
+    method: str = "auto",
+    microbatch_size: int | None = None,
+    keep_batch_dim: bool = True,
+    allow_nonprivate_loss_scale: bool = False,
+) -> PrivateGradFn:
+    """Sum of clipped per-example gradients, computed in the policy's precisions.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch)`` returning the scalar loss of the batch
+        it is given (jax-privacy's convention); the per-example machinery hands
+        it batches of one (``keep_batch_dim=True``) or single examples.
+      l2_clip_norm: C, the per-example clip norm (> 0; ``inf`` disables clipping
+        and leaves the sensitivity unbounded).
+      policy: a ``dpmp.Policy`` or its string form. ``loss_fn`` receives the
+        params cast to ``policy.grad`` and the floating leaves of the batch cast
+        to ``policy.compute``.
+      batch_argnums: which positional arguments carry the batch axis.
+      method: ``"vmap"`` (jax-privacy per-example gradients) or ``"auto"``
+        (currently always ``"vmap"``; the choice is reported as ``.method``).
+      microbatch_size: examples per vmapped microbatch; microbatches run
+        sequentially and are summed in the accumulate dtype.
+      keep_batch_dim: pass each example with a leading axis of size 1.
+      allow_nonprivate_loss_scale: permit a plain ``DynamicLossScale``, whose
+        decisions use the exact overflow count and are NOT differentially
+        private (a diagnostic mode; a warning says so at every construction).
+
+    Returns:
+      A ``PrivateGradFn`` ``g(params, *batch, loss_scale=NoOpLossScale(),
+      is_padding_example=None) -> PrivateGrad``.
+
+    Example::
+
+      >>> import jax, jax.numpy as jnp, dpmp
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> g = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="bf16")
+      >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros(8)}
+      >>> out = g(jnp.ones(3), batch)
+      >>> out.grads.dtype, int(out.stats.num_clipped)
+      (dtype('float32'), 8)
+    """
+    policy = Policy.parse(policy)
+    if method not in _METHODS:
+        raise ValueError(f"method: unknown {method!r}; allowed: {', '.join(_METHODS)}")
+    chosen = "vmap"
+    try:
+        clip_norm = float(l2_clip_norm)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"l2_clip_norm: must be a number, got {l2_clip_norm!r}") from e
+    if not clip_norm > 0:
+        raise ValueError(f"l2_clip_norm: must be > 0 (or inf), got {l2_clip_norm!r}")
+    if microbatch_size is not None and (
+        int(microbatch_size) != microbatch_size or microbatch_size < 1
+    ):
+        raise ValueError(f"microbatch_size: must be a positive integer, got {microbatch_size!r}")
+    if allow_nonprivate_loss_scale:
+        warnings.warn(
+            "private_grad(allow_nonprivate_loss_scale=True): a DynamicLossScale adjusted from "
+            "the EXACT overflow count leaks private data and is not accounted. Use it only as a "
+            "diagnostic; use dpmp.PrivateDynamicLossScale for private training.",
+            UserWarning,
+            stacklevel=2,
+        )
+    argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+    if not argnums or min(argnums) < 1:
+        raise ValueError(f"batch_argnums: must be >= 1 (params come first), got {batch_argnums!r}")
+    sum_dtype = jnp.promote_types(policy.clip, policy.accumulate)
+    clip_dtype = policy.clip
+    n_batch = len(argnums)
+
+    def per_example(params, s, others, *example):
+        """Scaled gradient of one example (grad dtype), its unscaled norm and finiteness."""
+        args = dict(others)
+        for pos, value in zip(argnums, example):
+            value = cast_tree(value, policy.compute)
+            if keep_batch_dim:
+                value = jax.tree.map(lambda x: x[None], value)
+            args[pos] = value
+        args = [args[i] for i in range(1, len(args) + 1)]
+
+        def scaled_loss(p):
+            loss = jnp.asarray(loss_fn(p, *args))
+            if loss.shape != ():
+                raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}")
+            loss32 = loss.astype(jnp.float32)
+            return loss32 * s, loss32
+
+        grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+        # The scale leaves before any norm: cast up, then divide (exact for powers of two).
+        s_clip = s.astype(clip_dtype)
+        sq = _global_sq_norm(jax.tree.map(lambda g: g.astype(clip_dtype) / s_clip, grads))
+        finite = jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]).all()
+        finite = finite & jnp.isfinite(sq)
+        return grads, jnp.sqrt(sq), finite, loss
+
+    def microbatch_sum(params, s, others, is_padding, *batch):
+        """Clipped sum over one (micro)batch: the cast to float32 is fused into the sum."""
+        grads, norms, finite, losses = jax.vmap(
+            per_example, in_axes=(None, None, None) + (0,) * n_batch
+        )(params, s, others, *batch)
+        keep = finite & ~is_padding
+        safe = jnp.where(keep, norms, jnp.ones_like(norms))
+        factor = jnp.minimum(jnp.ones_like(safe), jnp.asarray(clip_norm, clip_dtype) / safe)
+        factor = jnp.where(keep, factor, jnp.zeros_like(factor)) / s.astype(clip_dtype)
+
+        def weighted_sum(g):
+            shape = (-1,) + (1,) * (g.ndim - 1)
+            contrib = g.astype(sum_dtype) * factor.astype(sum_dtype).reshape(shape)
+            # where, not multiply by 0: an overflowed example's inf * 0 would be NaN.
+            contrib = jnp.where(keep.reshape(shape), contrib, jnp.zeros_like(contrib))
+            return jnp.sum(contrib, axis=0)
+
+        return jax.tree.map(weighted_sum, grads), (norms, finite, losses)
+
+    acc = optax.microbatching.AccumulationType
+    if microbatch_size is None:
+        summed = microbatch_sum
+    else:
+        summed = optax.microbatching.microbatch(
+            microbatch_sum,
+            argnums=tuple(range(3, 4 + n_batch)),
+            microbatch_size=int(microbatch_size),
+            accumulator=(acc.SUM, (acc.CONCAT, acc.CONCAT, acc.CONCAT)),
+        )
+
+    def fun(params, *args, loss_scale=None, is_padding_example=None) -> PrivateGrad:
+        if loss_scale is None:
+            loss_scale = NoOpLossScale()
+        if isinstance(loss_scale, DynamicLossScale) and not allow_nonprivate_loss_scale:
+            raise ValueError(
+                "loss_scale: a DynamicLossScale decides from the exact overflow count, a "
+                "function of private data. Use dpmp.PrivateDynamicLossScale (noised count, "
+                "accounted), StaticLossScale or NoOpLossScale; or pass "
+                "allow_nonprivate_loss_scale=True for a non-private diagnostic run."
+            )
+        if not isinstance(
+            loss_scale,
+            NoOpLossScale | StaticLossScale | DynamicLossScale | PrivateDynamicLossScale,
+        ):
+            raise ValueError(
+                f"loss_scale: expected a dpmp loss scale, got {type(loss_scale).__name__}"
+            )
+        if len(args) < max(argnums):
+            raise ValueError(
+                f"expected batch arguments at positions {argnums}, got {len(args) + 1} arguments"
+            )
+        s = loss_scale.loss_scale.astype(jnp.float32)
+        diff_params = cast_tree(params, policy.grad)
+        batch_args = [args[i - 1] for i in argnums]
+        others = {j: a for j, a in enumerate(args, start=1) if j not in argnums}
+        sizes = {x.shape[0] for x in jax.tree.leaves(batch_args)}
+        if len(sizes) != 1:
+            raise ValueError(f"batch arguments disagree on the batch size: {sorted(sizes)}")
+        (batch_size,) = sizes
+        if is_padding_example is None:
+            is_padding_example = jnp.zeros((batch_size,), jnp.bool_)
+        is_padding_example = jnp.asarray(is_padding_example, jnp.bool_)
+        if is_padding_example.shape != (batch_size,):
+            raise ValueError(
+                f"is_padding_example: expected shape ({batch_size},), got "
+                f"{is_padding_example.shape}"
+            )
+        if microbatch_size is not None and batch_size % int(microbatch_size):
+            raise ValueError(
+                f"microbatch_size: {microbatch_size} does not divide the batch size {batch_size}"
+            )
+        sums, (norms, finite, losses) = summed(
+            diff_params, s, others, is_padding_example, *batch_args
+        )
+        real = ~is_padding_example
+        ok = real & finite
+        n_real = real.sum(dtype=jnp.int32)
+        n_ok = ok.sum(dtype=jnp.int32)
+        norms32 = norms.astype(jnp.float32)
+        safe_norms = jnp.where(ok, norms32, 0.0)
+        masked_for_median = jnp.where(ok, norms32, jnp.nan)
+        stats = PrivateGradStats(
+            num_examples=n_real,
+            num_nonfinite=(real & ~finite).sum(dtype=jnp.int32),
+            num_clipped=(ok & (norms32 > jnp.float32(clip_norm))).sum(dtype=jnp.int32),
+            norm_mean=safe_norms.sum() / jnp.maximum(n_ok, 1).astype(jnp.float32),
+            norm_max=safe_norms.max(),
+            norm_median=jnp.nan_to_num(jnp.nanmedian(masked_for_median)),
+            loss_mean=jnp.where(real, losses, 0.0).sum()
+            / jnp.maximum(n_real, 1).astype(jnp.float32),
+            loss_scale=s,
+            noised_overflow_count=jnp.float32(jnp.nan),
+        )
+        if isinstance(loss_scale, PrivateDynamicLossScale):
+            next_scale, noised = loss_scale.adjust_private(stats.num_nonfinite)
+            stats = stats._replace(noised_overflow_count=noised)
+        elif isinstance(loss_scale, DynamicLossScale):
+            next_scale = loss_scale.adjust(stats.num_nonfinite == 0)
+        else:
+            next_scale = loss_scale
+        return PrivateGrad(sums, stats, next_scale)
+
+    return PrivateGradFn(fun, l2_norm_bound=clip_norm, method=chosen, policy=policy)

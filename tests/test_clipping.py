@@ -1,0 +1,358 @@
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dpmp
+
+from ._reference import (
+    classification_batch,
+    clipped_sum_f64,
+    flat,
+    mlp_init,
+    mlp_loss,
+    per_example_grads_f64,
+)
+
+POLICIES = {"bf16": "bf16", "fp16": "fp16"}
+# relative error of a half-precision per-example gradient vs float64 (stated tolerances)
+HALF_RTOL = {"bf16": 3e-2, "fp16": 4e-3}
+
+
+def run(policy, batch, params=None, clip=1.0, **kw):
+    params = mlp_init() if params is None else params
+    loss_scale = kw.pop("loss_scale", dpmp.NoOpLossScale())
+    pad = kw.pop("is_padding_example", None)
+    g = dpmp.private_grad(mlp_loss, l2_clip_norm=clip, policy=policy, **kw)
+    return jax.jit(g)(params, batch, loss_scale=loss_scale, is_padding_example=pad)
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp16", "fp32"])
+def test_clipped_sum_matches_float64_reference(policy):
+    batch = classification_batch(64)
+    out = run(policy, batch, clip=0.5, loss_scale=dpmp.StaticLossScale(2.0**8))
+    ref, norms = clipped_sum_f64(per_example_grads_f64(mlp_loss, mlp_init(), batch), 0.5)
+    got = flat(out.grads)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(out.grads))
+    rtol = HALF_RTOL.get(policy, 1e-5)
+    assert np.linalg.norm(got - ref) <= rtol * np.linalg.norm(ref)
+    assert int(out.stats.num_clipped) == int((norms > 0.5).sum())
+    np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=rtol)
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp16"])
+def test_every_clipped_per_example_gradient_within_bound(policy):
+    """Each example alone (a batch of one): its clipped gradient has norm <= C (1 + 2^-20)."""
+    batch = classification_batch(512, scale=4.0)
+    params = mlp_init()
+    C = 0.25
+    g = dpmp.private_grad(mlp_loss, l2_clip_norm=C, policy=policy)
+
+    def single(x, y):
+        return g(
+            params, {"x": x[None], "y": y[None]}, loss_scale=dpmp.StaticLossScale(2.0**4)
+        ).grads
+
+    per = jax.jit(jax.vmap(single))(batch["x"], batch["y"])
+    leaves = jax.tree.leaves(per)
+    flat_g = np.concatenate([np.reshape(np.asarray(x, np.float64), (512, -1)) for x in leaves], 1)
+    norms = np.linalg.norm(flat_g, axis=1)
+    assert norms.max() <= C * (1 + 2**-20)
+    # and they are clipped copies of the float64 gradients (direction preserved)
+    ref = per_example_grads_f64(mlp_loss, params, batch)
+    ref_flat = np.concatenate([np.reshape(x, (512, -1)) for x in jax.tree.leaves(ref)], 1)
+    ref_norms = np.linalg.norm(ref_flat, axis=1)
+    ref_clipped = ref_flat * np.minimum(1, C / ref_norms)[:, None]
+    err = np.linalg.norm(flat_g - ref_clipped, axis=1) / np.linalg.norm(ref_clipped, axis=1)
+    assert err.max() < HALF_RTOL[policy] * 2
+    assert (ref_norms > C).mean() > 0.5  # clipping was active
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp16"])
+def test_neighbour_sensitivity_with_microbatches(policy):
+    """1,024 examples in microbatches of 32, C = 1: removing any one example (making it
+    padding) moves the pre-noise sum by at most C (1 + 1e-5) in L2."""
+    n, C = 1024, 1.0
+    batch = classification_batch(n, scale=4.0)
+    params = mlp_init()
+    g = dpmp.private_grad(mlp_loss, l2_clip_norm=C, policy=policy, microbatch_size=32)
+    ls = dpmp.StaticLossScale(2.0**6)
+
+    def total(pad):
+        return jnp.concatenate(
+            [
+                x.ravel()
+                for x in jax.tree.leaves(
+                    g(params, batch, loss_scale=ls, is_padding_example=pad).grads
+                )
+            ]
+        )
+
+    full = jax.jit(total)(jnp.zeros(n, bool))
+    removed = jax.jit(lambda idx: jax.lax.map(lambda i: total(jnp.arange(n) == i), idx))(
+        jnp.arange(n)
+    )
+    dist = np.linalg.norm(np.asarray(removed, np.float64) - np.asarray(full, np.float64), axis=1)
+    assert dist.max() <= C * (1 + 1e-5), dist.max()
+    assert dist.max() > 0.99 * C  # clipped examples really do move it by ~C
+
+
+def test_bf16_running_sum_fails_the_neighbour_test():
+    """The control: the same clipped vectors summed in bf16 across microbatches
+    (what a bf16 accumulator does) violate the bound (FACTS.md: up to ~2x C)."""
+    rng = np.random.default_rng(0)
+    n, d, mb = 1024, 256, 32
+    v = rng.normal(size=(n, d))
+    v = v / np.linalg.norm(v, axis=1, keepdims=True)  # norm exactly C = 1
+
+    def bf16_running_sum(x):
+        def body(acc, chunk):
+            return (acc + chunk.astype(jnp.bfloat16).sum(0).astype(jnp.bfloat16)), None
+
+        return jax.lax.scan(body, jnp.zeros(d, jnp.bfloat16), x.reshape(n // mb, mb, d))[0]
+
+    x = jnp.asarray(v, jnp.float32)
+    full = np.asarray(bf16_running_sum(x), np.float64)
+    worst = max(
+        np.linalg.norm(np.asarray(bf16_running_sum(x.at[i].set(0.0)), np.float64) - full)
+        for i in range(0, n, 16)
+    )
+    assert worst > 1.0 + 1e-5
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp16"])
+def test_loss_scale_invariance(policy):
+    """Scales 1, 2^8 and 2^15 give the same clipped sum within fp32 rounding when
+    nothing overflows (inputs of unit scale keep fp16 gradients * 2^15 below 65504)."""
+    batch = classification_batch(128, scale=1.0)
+    results = [
+        run(policy, batch, loss_scale=dpmp.StaticLossScale(s)) for s in (1.0, 2.0**8, 2.0**15)
+    ]
+    assert all(int(r.stats.num_nonfinite) == 0 for r in results)
+    outs = [flat(r.grads) for r in results]
+    for o in outs[1:]:
+        assert np.linalg.norm(o - outs[0]) <= 1e-6 * np.linalg.norm(outs[0])
+
+
+def test_scale_removed_before_the_norm():
+    """Clipping sees the unscaled norm: with S = 2^10 the number clipped is that of S = 1
+    (clipping with the scale inside would clip every example, at C / S)."""
+    batch = classification_batch(128, scale=1.0)
+    _, norms = clipped_sum_f64(per_example_grads_f64(mlp_loss, mlp_init(), batch), 1.0)
+    C = float(np.median(norms))
+    a = run("fp16", batch, clip=C, loss_scale=dpmp.StaticLossScale(1.0))
+    b = run("fp16", batch, clip=C, loss_scale=dpmp.StaticLossScale(2.0**10))
+    assert int(a.stats.num_clipped) == int(b.stats.num_clipped)
+    assert abs(int(b.stats.num_clipped) - 64) <= 2
+    assert float(b.stats.loss_scale) == 2.0**10
+
+
+def overflowing(n, idx):
+    """Params and a batch in which example ``idx`` has a w1 gradient of ~3000 x the
+    others (through an input feature whose weights are zero, so the forward pass is
+    unaffected): times a loss scale of 2^8 it overflows float16."""
+    params = mlp_init()
+    params["w1"][0, :] = 0.0
+    batch = classification_batch(n, scale=1.0)
+    batch["x"][:, 0] = 0.0
+    batch["x"][idx, 0] = 3000.0
+    return params, batch
+
+
+def test_overflow_injection_fp16():
+    """An example whose scaled fp16 gradient overflows contributes exactly zero, is
+    counted, the sum stays finite, and the others' contributions are unchanged."""
+    params, batch = overflowing(64, 5)
+    ls = dpmp.StaticLossScale(2.0**8)
+    # in float32 the same example is finite: the overflow is a half-precision event
+    assert int(run("fp32", batch, params, loss_scale=ls).stats.num_nonfinite) == 0
+    out = run("fp16", batch, params, loss_scale=ls, microbatch_size=16)
+    assert int(out.stats.num_nonfinite) == 1
+    assert np.isfinite(flat(out.grads)).all()
+    # identical to the same batch with that example marked as padding
+    ref = run(
+        "fp16",
+        batch,
+        params,
+        loss_scale=ls,
+        microbatch_size=16,
+        is_padding_example=np.arange(64) == 5,
+    )
+    np.testing.assert_array_equal(flat(out.grads), flat(ref.grads))
+    assert int(ref.stats.num_nonfinite) == 0 and int(ref.stats.num_examples) == 63
+    # and equal to the float64 clipped sum of the other 63
+    keep = (np.arange(64) != 5).astype(np.float64)
+    ref64, _ = clipped_sum_f64(per_example_grads_f64(mlp_loss, params, batch), 1.0, keep)
+    assert np.linalg.norm(flat(out.grads) - ref64) <= HALF_RTOL["fp16"] * np.linalg.norm(ref64)
+
+
+def test_jax_privacy_nan_safe_leaves_a_partial_vector():
+    """Why dpmp zeroes whole examples: jax-privacy 2.0's nan_safe keeps the finite part."""
+    from jax_privacy import clipping as jp
+
+    params = {"a": jnp.ones(2, jnp.float16), "b": jnp.ones(2, jnp.float16)}
+
+    def loss(p, x):
+        return jnp.sum(p["a"] * x[0, :2] * 2.0**14) + jnp.sum(p["b"] * x[0, 2:])
+
+    x = jnp.array([[8.0, 8.0, 0.6, 0.8]], jnp.float16)  # a-grad overflows, b-grad finite
+    jp_sum = jp.clipped_grad(loss, l2_clip_norm=1.0, nan_safe=True, dtype=jnp.float32)(params, x)
+    assert float(jnp.linalg.norm(jp_sum["b"])) > 0.9  # a norm-~1 vector survives
+    ours = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="fp16")(params, x)
+    assert int(ours.stats.num_nonfinite) == 1
+    assert all(float(jnp.abs(v).max()) == 0.0 for v in jax.tree.leaves(ours.grads))
+
+
+def test_padding_contributes_zero_and_is_not_counted():
+    batch = classification_batch(32)
+    pad = np.arange(32) >= 20
+    out = run("bf16", batch, is_padding_example=pad)
+    only = run("bf16", {k: v[:20] for k, v in batch.items()})
+    np.testing.assert_allclose(flat(out.grads), flat(only.grads), rtol=1e-6, atol=1e-7)
+    assert int(out.stats.num_examples) == 20
+
+
+def test_bf16_policy_sum_and_noisy_gradient_are_fp32():
+    batch = classification_batch(32)
+    out = run("bf16", batch)
+    assert {x.dtype for x in jax.tree.leaves(out.grads)} == {np.dtype("float32")}
+    priv = dpmp.gaussian_privatizer(stddev=1.0, prng_key=0, policy="bf16")
+    noisy, _ = priv.update(out.grads, priv.init(out.grads))
+    assert {x.dtype for x in jax.tree.leaves(noisy)} == {np.dtype("float32")}
+
+
+def test_per_example_gradients_are_in_the_grad_dtype():
+    batch = classification_batch(8)
+    g = dpmp.private_grad(mlp_loss, l2_clip_norm=1.0, policy="bf16")
+    jaxpr = jax.make_jaxpr(lambda p, b: g(p, b))(mlp_init(), batch)
+    text = str(jaxpr)
+    # the vmapped weight gradient of w1 is a bf16 [8,16,32] array, and the only float32
+    # [8,16,32] values are the fused cast feeding the norm and the weighted sum
+    assert "bf16[8,16,32]" in text
+
+
+def test_sensitivity_and_repr():
+    import dp_accounting
+
+    g = dpmp.private_grad(mlp_loss, l2_clip_norm=0.7, policy="bf16")
+    assert g.sensitivity() == 0.7 and g.l2_norm_bound == 0.7
+    assert g.sensitivity(dp_accounting.NeighboringRelation.REPLACE_ONE) == 1.4
+    assert g.method == "vmap" and "bf16" in repr(g)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"l2_clip_norm": 0.0}, "l2_clip_norm"),
+        ({"l2_clip_norm": -1.0}, "l2_clip_norm"),
+        ({"method": "ghostly"}, "method.*allowed"),
+        ({"microbatch_size": 0}, "microbatch_size"),
+        ({"batch_argnums": 0}, "batch_argnums"),
+        ({"policy": "bf16,accumulate=bf16"}, "accumulate"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    args = {"l2_clip_norm": 1.0, "policy": "bf16", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        dpmp.private_grad(mlp_loss, **args)
+
+
+def test_call_errors_name_the_problem():
+    g = dpmp.private_grad(mlp_loss, l2_clip_norm=1.0, policy="bf16", microbatch_size=5)
+    batch = classification_batch(8)
+    with pytest.raises(ValueError, match="microbatch_size"):
+        g(mlp_init(), batch)
+    g = dpmp.private_grad(mlp_loss, l2_clip_norm=1.0, policy="bf16")
+    with pytest.raises(ValueError, match="is_padding_example"):
+        g(mlp_init(), batch, is_padding_example=np.zeros(3, bool))
+    with pytest.raises(ValueError, match="DynamicLossScale"):
+        g(mlp_init(), batch, loss_scale=dpmp.DynamicLossScale(2.0**8))
+
+
+def test_nonprivate_dynamic_scale_is_an_explicit_diagnostic():
+    with pytest.warns(UserWarning, match="not accounted|NOT"):
+        g = dpmp.private_grad(
+            mlp_loss, l2_clip_norm=1.0, policy="fp16", allow_nonprivate_loss_scale=True
+        )
+    params, batch = overflowing(16, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = g(params, batch, loss_scale=dpmp.DynamicLossScale(2.0**8))
+    assert float(out.loss_scale.loss_scale) == 2.0**7  # backed off on the exact count
+
+
+# ---- flax linen, flax nnx, plain functions -------------------------------------------
+
+
+class LinenMLP(nn.Module):
+    dtype: object = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.tanh(nn.Dense(32, dtype=self.dtype)(x))
+        return nn.Dense(4, dtype=self.dtype)(h)
+
+
+def xent(logits, y):
+    logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)))
+    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp16"])
+def test_flax_linen(policy):
+    batch = classification_batch(32)
+    pol = dpmp.Policy.parse(policy)
+    model = LinenMLP(dtype=pol.compute)
+    params = model.init(jax.random.key(0), batch["x"][:1])["params"]
+
+    def loss(p, b):
+        return xent(model.apply({"params": p}, b["x"]), b["y"])
+
+    out = jax.jit(dpmp.private_grad(loss, l2_clip_norm=1.0, policy=pol))(params, batch)
+    # reference: the same model in float64
+    with jax.enable_x64(True):
+        m64 = LinenMLP(dtype=jnp.float64)
+        p64 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float64)), params)
+        per = jax.vmap(
+            lambda x, y: jax.grad(lambda p: xent(m64.apply({"params": p}, x[None]), y[None]))(p64)
+        )(jnp.asarray(batch["x"], jnp.float64), jnp.asarray(batch["y"]))
+        per = jax.tree.map(np.asarray, per)
+    ref, _ = clipped_sum_f64(per, 1.0)
+    assert np.linalg.norm(flat(out.grads) - ref) <= HALF_RTOL[policy] * np.linalg.norm(ref)
+
+
+def test_flax_nnx():
+    batch = classification_batch(32)
+    model = nnx.Sequential(
+        nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.tanh, nnx.Linear(32, 4, rngs=nnx.Rngs(1))
+    )
+    graphdef, state = nnx.split(model)
+
+    def loss(st, b):
+        return xent(nnx.merge(graphdef, st)(b["x"]), b["y"])
+
+    out = jax.jit(dpmp.private_grad(loss, l2_clip_norm=1.0, policy="bf16"))(state, batch)
+    ref_fp32 = jax.jit(dpmp.private_grad(loss, l2_clip_norm=1.0, policy="fp32"))(state, batch)
+    assert jax.tree.structure(out.grads) == jax.tree.structure(state)
+    a, b = flat(out.grads), flat(ref_fp32.grads)
+    assert np.linalg.norm(a - b) <= HALF_RTOL["bf16"] * np.linalg.norm(b)
+
+
+def test_plain_function_with_separate_batch_args():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 3)).astype(np.float32), rng.normal(size=24).astype(np.float32)
+    w = np.ones(3, np.float32)
+
+    def loss(w, temperature, x, y):
+        return jnp.mean((x @ w - y) ** 2) * temperature
+
+    g = dpmp.private_grad(loss, l2_clip_norm=2.0, policy="fp32", batch_argnums=(2, 3))
+    out = g(jnp.asarray(w), 0.5, x, y)
+    per = 0.5 * 2 * (x @ w - y)[:, None] * x
+    norms = np.linalg.norm(per, axis=1)
+    ref = (per * np.minimum(1, 2.0 / norms)[:, None]).sum(0)
+    np.testing.assert_allclose(out.grads, ref, rtol=1e-5)
