@@ -3,6 +3,14 @@
 Importing dpmp creates no arrays and starts no backend.
 """
 
+from dpmp._src.audit import KINDS as AUDIT_KINDS
+from dpmp._src.audit import Finding as Finding
+from dpmp._src.audit import PrecisionAuditError as PrecisionAuditError
+from dpmp._src.audit import PrecisionReport as PrecisionReport
+from dpmp._src.audit import audit_precision as audit_precision
+from dpmp._src.audit_numeric import NumericReport as NumericReport
+from dpmp._src.audit_numeric import fp_sum_sensitivity as fp_sum_sensitivity
+from dpmp._src.audit_numeric import numeric_audit as numeric_audit
 from dpmp._src.casting import cast_function as cast_function
 from dpmp._src.casting import cast_tree as cast_tree
 from dpmp._src.casting import force_full_precision as force_full_precision
@@ -27,6 +35,14 @@ from dpmp._src.scaled_grad import value_and_grad as value_and_grad
 __version__ = "0.1.0"
 
 __all__ = [
+    "AUDIT_KINDS",
+    "Finding",
+    "NumericReport",
+    "PrecisionAuditError",
+    "PrecisionReport",
+    "audit_precision",
+    "fp_sum_sensitivity",
+    "numeric_audit",
     "DynamicLossScale",
     "NoOpLossScale",
     "Policy",

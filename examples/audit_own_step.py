@@ -31,11 +31,7 @@ import numpy as np
 import optax
 from jax_privacy import clipping, noise_addition
 
-try:
-    from dpmp import audit_precision, numeric_audit
-except ImportError:  # names not re-exported from dpmp yet
-    from dpmp._src.audit import audit_precision
-    from dpmp._src.audit_numeric import numeric_audit
+from dpmp import audit_precision, numeric_audit
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 CLIP, SIGMA, BATCH = 1.0, 1.0, 32
