@@ -3,6 +3,7 @@
 Importing dpmp creates no arrays and starts no backend.
 """
 
+from dpmp import accounting as accounting
 from dpmp._src.audit import KINDS as AUDIT_KINDS
 from dpmp._src.audit import Finding as Finding
 from dpmp._src.audit import PrecisionAuditError as PrecisionAuditError
@@ -28,6 +29,9 @@ from dpmp._src.noise import private_optimizer as private_optimizer
 from dpmp._src.policy import Policy as Policy
 from dpmp._src.policy import PrecisionError as PrecisionError
 from dpmp._src.private_loss_scale import PrivateDynamicLossScale as PrivateDynamicLossScale
+from dpmp._src.sampling import PoissonSampler as PoissonSampler
+from dpmp._src.sampling import SampledBatch as SampledBatch
+from dpmp._src.sampling import ShuffledSampler as ShuffledSampler
 from dpmp._src.scaled_grad import ScaledGrad as ScaledGrad
 from dpmp._src.scaled_grad import update_if_finite as update_if_finite
 from dpmp._src.scaled_grad import value_and_grad as value_and_grad
@@ -40,18 +44,22 @@ __all__ = [
     "NumericReport",
     "PrecisionAuditError",
     "PrecisionReport",
+    "accounting",
     "audit_precision",
     "fp_sum_sensitivity",
     "numeric_audit",
     "DynamicLossScale",
     "NoOpLossScale",
     "Policy",
+    "PoissonSampler",
     "PrecisionError",
     "PrivateDynamicLossScale",
     "PrivateGrad",
     "PrivateGradFn",
     "PrivateGradStats",
+    "SampledBatch",
     "ScaledGrad",
+    "ShuffledSampler",
     "StaticLossScale",
     "all_finite",
     "cast_function",

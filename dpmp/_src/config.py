@@ -1,0 +1,352 @@
+"""Run configuration: frozen, keyword-only dataclasses, validated in one place.
+
+A config is a TOML file with one table per section::
+
+    policy = "bf16"
+
+    [data]
+    dataset = "digits"
+
+    [model]
+    kind = "mlp"
+    hidden = [256]
+
+    [privacy]
+    target_epsilon = 2.0
+    delta = 1e-5
+
+    [training]
+    expected_batch_size = 256
+    steps = 224
+
+Every key has a default (the default run trains a private MLP on the digits
+data in bf16 at epsilon 2). ``--set section.key=value`` on the command line
+overrides a key; values are parsed as TOML literals (``4``, ``1e-5``, ``"adam"``,
+``[128, 128]``, ``true``), and a bare word is taken as a string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from dpmp._src.policy import Policy
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LossScaleConfig",
+    "ModelConfig",
+    "PrivacyConfig",
+    "TrainingConfig",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A bad config field or value; the message names the field and what is allowed."""
+
+
+def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{field}: {value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+def _positive(field: str, value: Any, *, integer: bool = False, allow_zero: bool = False) -> None:
+    ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok_type:
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"{field}: must be {kind}, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{field}: must be finite and {bound}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the examples come from.
+
+    dataset: ``"digits"`` (scikit-learn's handwritten digits, shipped with the
+      package) or ``"npz"`` (``path`` with arrays ``x``, ``y`` and optionally
+      ``x_test``, ``y_test``).
+    path: the ``.npz`` file when ``dataset = "npz"``.
+    test_fraction: share held out for testing when the data has no test split.
+    standardize: scale features by the training mean and std.
+    """
+
+    dataset: str = "digits"
+    path: str | None = None
+    test_fraction: float = 0.2
+    standardize: bool = True
+
+    def __post_init__(self):
+        _choice("data.dataset", self.dataset, ("digits", "npz"))
+        if self.dataset == "npz" and not self.path:
+            raise ConfigError('data.path: required when data.dataset = "npz"')
+        if not (isinstance(self.test_fraction, int | float) and 0 < self.test_fraction < 1):
+            raise ConfigError(f"data.test_fraction: must be in (0, 1), got {self.test_fraction!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The model.
+
+    kind: ``"mlp"`` (flax linen), ``"nnx_mlp"`` (flax nnx), ``"linear"`` (a plain
+      JAX function of a params dict), ``"vit"`` (a small flax linen vision
+      transformer on square images).
+    hidden: hidden layer widths of the MLPs.
+    patch, dim, depth, heads: ViT patch size (pixels), width, blocks, heads.
+    """
+
+    kind: str = "mlp"
+    hidden: tuple[int, ...] = (256,)
+    patch: int = 2
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+
+    def __post_init__(self):
+        _choice("model.kind", self.kind, ("mlp", "nnx_mlp", "linear", "vit"))
+        hidden = self.hidden
+        if isinstance(hidden, int):
+            hidden = (hidden,)
+        if not isinstance(hidden, list | tuple):
+            raise ConfigError(f"model.hidden: must be a list of widths, got {hidden!r}")
+        for h in hidden:
+            _positive("model.hidden", h, integer=True)
+        object.__setattr__(self, "hidden", tuple(hidden))
+        for name in ("patch", "dim", "depth", "heads"):
+            _positive(f"model.{name}", getattr(self, name), integer=True)
+        if self.dim % self.heads:
+            raise ConfigError(
+                f"model.dim ({self.dim}) must be divisible by model.heads ({self.heads})"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrivacyConfig:
+    """The privacy guarantee and how it is spent.
+
+    target_epsilon, delta: the (epsilon, delta) budget of the whole run.
+    noise_multiplier: sigma; if unset it is calibrated so that the run's
+      ``steps`` spend exactly ``target_epsilon``.
+    l2_clip_norm: C, the per-example clip norm.
+    accountant: ``"pld"`` or ``"rdp"``.
+    sampling: ``"poisson"`` (what the accounting assumes) or ``"shuffle"``
+      (fixed shuffled batches: the report says the Poisson epsilon does not apply).
+    """
+
+    target_epsilon: float = 2.0
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    l2_clip_norm: float = 1.0
+    accountant: str = "pld"
+    sampling: str = "poisson"
+
+    def __post_init__(self):
+        _positive("privacy.target_epsilon", self.target_epsilon)
+        if not (isinstance(self.delta, int | float) and 0 < self.delta < 1):
+            raise ConfigError(f"privacy.delta: must be in (0, 1), got {self.delta!r}")
+        if self.noise_multiplier is not None:
+            _positive("privacy.noise_multiplier", self.noise_multiplier)
+        _positive("privacy.l2_clip_norm", self.l2_clip_norm)
+        _choice("privacy.accountant", self.accountant, ("pld", "rdp"))
+        _choice("privacy.sampling", self.sampling, ("poisson", "shuffle"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """The optimisation.
+
+    steps: number of private steps.
+    expected_batch_size: Poisson sampling rate times the number of examples.
+    optimizer: ``"adam"``, ``"sgd"`` or ``"momentum"``; learning_rate its step size.
+    microbatch_size: examples per vmapped microbatch (must divide the padded batch).
+    eval_every, log_every, checkpoint_every: in steps (0 = only at the end).
+    seed: one seed for initialisation, sampling and noise.
+    """
+
+    steps: int = 224
+    expected_batch_size: int = 256
+    optimizer: str = "adam"
+    learning_rate: float = 3e-3
+    microbatch_size: int | None = None
+    eval_every: int = 0
+    log_every: int = 8
+    checkpoint_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self):
+        _positive("training.steps", self.steps, integer=True)
+        _positive("training.expected_batch_size", self.expected_batch_size, integer=True)
+        _choice("training.optimizer", self.optimizer, ("adam", "sgd", "momentum"))
+        _positive("training.learning_rate", self.learning_rate)
+        if self.microbatch_size is not None:
+            _positive("training.microbatch_size", self.microbatch_size, integer=True)
+        for name in ("eval_every", "log_every", "checkpoint_every"):
+            _positive(f"training.{name}", getattr(self, name), integer=True, allow_zero=True)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"training.seed: must be an integer, got {self.seed!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """Loss scaling.
+
+    kind: ``"none"`` (the bf16 default), ``"static"``, ``"private_dynamic"`` (driven
+      by a noised overflow count, accounted) or ``"nonprivate_dynamic"`` (exact
+      count: a diagnostic that is NOT differentially private).
+    initial: the initial (or static) scale.
+    period, factor, min_scale, max_scale: the dynamic rule.
+    count_noise_stddev: noise on the released overflow count (private_dynamic).
+    """
+
+    kind: str = "none"
+    initial: float = 2.0**15
+    period: int = 50
+    factor: float = 2.0
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    count_noise_stddev: float = 8.0
+
+    def __post_init__(self):
+        _choice(
+            "loss_scale.kind",
+            self.kind,
+            ("none", "static", "private_dynamic", "nonprivate_dynamic"),
+        )
+        for name in ("initial", "factor", "min_scale", "max_scale", "count_noise_stddev"):
+            _positive(f"loss_scale.{name}", getattr(self, name))
+        _positive("loss_scale.period", self.period, integer=True)
+        if self.factor <= 1:
+            raise ConfigError(f"loss_scale.factor: must be > 1, got {self.factor}")
+        if self.min_scale > self.max_scale:
+            raise ConfigError("loss_scale.min_scale: must not exceed loss_scale.max_scale")
+
+
+_SECTIONS = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "privacy": PrivacyConfig,
+    "training": TrainingConfig,
+    "loss_scale": LossScaleConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """A whole run: the policy string plus one section per concern."""
+
+    policy: str = "bf16"
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
+
+    def __post_init__(self):
+        try:
+            policy = Policy.parse(self.policy)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        object.__setattr__(self, "policy", str(policy))
+
+    @property
+    def precision(self) -> Policy:
+        return Policy.parse(self.policy)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["model"]["hidden"] = list(self.model.hidden)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Config:
+        """Builds a config from nested dicts; unknown sections or keys are errors."""
+        if not isinstance(raw, dict):
+            raise ConfigError("config: expected a table of sections")
+        kwargs: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key == "policy":
+                kwargs["policy"] = value
+                continue
+            if key not in _SECTIONS:
+                raise ConfigError(
+                    f"unknown section {key!r}; allowed: policy, {', '.join(_SECTIONS)}"
+                )
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a table of keys, got {value!r}")
+            section = _SECTIONS[key]
+            names = [f.name for f in dataclasses.fields(section)]
+            for k in value:
+                if k not in names:
+                    raise ConfigError(f"unknown key {key}.{k}; allowed: {', '.join(names)}")
+            try:
+                kwargs[key] = section(**value)
+            except TypeError as e:  # pragma: no cover - keys are checked above
+                raise ConfigError(f"{key}: {e}") from e
+        return cls(**kwargs)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word: a string
+
+
+def _coerce(section, key: str, value: Any) -> Any:
+    """Ints given where floats are expected (``--set privacy.delta=1``) become floats."""
+    hints = typing.get_type_hints(section)
+    hint = str(hints.get(key, ""))
+    if (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and "float" in hint
+        and "int" not in hint
+    ):
+        return float(value)
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Reads a TOML config (or the defaults) and applies ``section.key=value`` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config: no such file {str(path)!r}")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config: {path} is not valid TOML: {e}") from e
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        value = _parse_value(text.strip())
+        if key == "policy":
+            raw["policy"] = value
+            continue
+        if "." not in key:
+            raise ConfigError(
+                f"--set {item!r}: expected section.key=value with a section of: "
+                f"{', '.join(_SECTIONS)} (or policy=...)"
+            )
+        section, name = key.split(".", 1)
+        if section not in _SECTIONS:
+            raise ConfigError(
+                f"unknown section {section!r}; allowed: policy, {', '.join(_SECTIONS)}"
+            )
+        raw.setdefault(section, {})[name] = _coerce(_SECTIONS[section], name, value)
+    # ints in TOML files where floats are expected
+    for section, cls in _SECTIONS.items():
+        for name, value in list(raw.get(section, {}).items()):
+            raw[section][name] = _coerce(cls, name, value)
+    return Config.from_dict(raw)
