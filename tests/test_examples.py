@@ -32,3 +32,14 @@ def test_mixed_precision_step_agrees_with_hand_written():
 )
 def test_other_examples_run(name):
     run(name)
+
+
+def test_readme_quick_start_runs():
+    """The README's quick start is code that works, not prose."""
+    import re
+
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", readme, re.S)[0]
+    code += "\nassert out.grads['w'].dtype == jnp.float32\nassert float(abs(params['w']).max()) > 0\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr

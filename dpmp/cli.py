@@ -1,0 +1,302 @@
+"""The ``dpmp`` command: train, audit, budget, report.
+
+Errors in arguments, configs or data print one line naming the field and what
+is allowed, and exit with status 2 (no traceback). ``dpmp audit`` exits 1 when
+the audit finds a violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+_EXAMPLE_CONFIGS = "configs/default.toml, configs/fp16.toml, configs/fp32.toml, ..."
+
+
+class _UsageError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help=f"TOML config (default: the built-in default run; see {_EXAMPLE_CONFIGS})",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override a config key, e.g. --set privacy.target_epsilon=4 (repeatable)",
+    )
+    p.add_argument(
+        "--data",
+        metavar="PATH.npz",
+        help="train on your own arrays: x, y (and optionally x_test, y_test)",
+    )
+
+
+def _load(args):
+    from dpmp._src.config import load_config
+
+    overrides = list(args.overrides)
+    if getattr(args, "data", None):
+        path = Path(args.data)
+        if path.suffix != ".npz":
+            raise _UsageError(f"--data: expected a .npz file, got {args.data!r}")
+        if not path.is_file():
+            raise _UsageError(f"--data: no such file {args.data!r}")
+        overrides += ["data.dataset=npz", f"data.path={json.dumps(str(path))}"]
+    return load_config(args.config, overrides)
+
+
+# ---- train -------------------------------------------------------------------------
+def _cmd_train(args) -> int:
+    from dpmp._src.trainer import train
+
+    config = _load(args)
+    out = Path(args.out)
+    report = train(config, out_dir=out, resume=not args.fresh, progress=not args.quiet)
+    try:
+        from dpmp._src.plots import plot_run
+
+        plots = plot_run(out)
+    except Exception as e:  # plots are a convenience; the run itself is saved
+        plots = []
+        print(f"dpmp train: warning: plots not written: {e}", file=sys.stderr)
+    print(_summary(report))
+    for p in plots:
+        print(f"plot: {p}")
+    print(f"run directory: {out}")
+    return 0
+
+
+def _fmt(value, spec=".4g"):
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def _summary(report: dict) -> str:
+    overflow = report.get("overflow", {}) or {}
+    audit = report.get("audit", {}) or {}
+    rows = [
+        ("policy", report.get("policy")),
+        (
+            "model",
+            (report.get("model") or {}).get("kind")
+            if isinstance(report.get("model"), dict)
+            else report.get("model"),
+        ),
+        ("steps", report.get("steps")),
+        ("test accuracy", _fmt(report.get("test_accuracy"))),
+        ("epsilon", f"{_fmt(report.get('epsilon'))} (delta {_fmt(report.get('delta'))})"),
+        ("noise multiplier", _fmt(report.get("noise_multiplier"))),
+        ("overflowed examples", _fmt(overflow.get("total"))),
+        ("loss-scale cost (epsilon)", _fmt(overflow.get("epsilon_cost"))),
+        ("audit", "ok" if audit.get("ok") else ("FAILED" if audit else "-")),
+        ("wall time (s)", _fmt(report.get("wall_time_s"), ".1f")),
+    ]
+    if report.get("stopped_early"):
+        rows.append(("stopped early", report["stopped_early"]))
+    note = (report.get("sampling") or {}) if isinstance(report.get("sampling"), dict) else {}
+    if note.get("privacy_note"):
+        rows.append(("privacy note", note["privacy_note"]))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+# ---- audit -------------------------------------------------------------------------
+def _cmd_audit(args) -> int:
+    import dpmp
+    from dpmp._src.data import load_data
+    from dpmp._src.trainer import build_private_step
+
+    config = _load(args)
+    data = load_data(config.data, config.training.seed)
+    step_fn, step_args = build_private_step(config, data)
+    report = dpmp.audit_precision(
+        step_fn, *step_args, policy=config.precision, name="dpmp train step"
+    )
+    if args.json:
+        print(report.to_json())
+    else:
+        print(report)
+    return 0 if report.ok else 1
+
+
+# ---- budget ------------------------------------------------------------------------
+def _cmd_budget(args) -> int:
+    from dpmp import accounting
+
+    q = args.sampling_prob
+    if q is None:
+        if args.batch_size is None or args.num_examples is None:
+            raise _UsageError("give --sampling-prob, or --batch-size and --num-examples")
+        if args.num_examples <= 0:
+            raise _UsageError(f"--num-examples: must be > 0, got {args.num_examples}")
+        q = args.batch_size / args.num_examples
+    common = dict(
+        sampling_prob=q,
+        delta=args.delta,
+        accountant=args.accountant,
+        count_noise_stddev=args.count_noise_stddev,
+    )
+    if (args.noise_multiplier is None) == (args.target_epsilon is None):
+        raise _UsageError("give exactly one of --noise-multiplier or --target-epsilon")
+    if args.noise_multiplier is not None:
+        if args.steps is None:
+            raise _UsageError("--steps is required with --noise-multiplier")
+        br = accounting.epsilon_breakdown(
+            noise_multiplier=args.noise_multiplier, steps=args.steps, **common
+        )
+        result = {
+            "epsilon": br.total,
+            "epsilon_dpsgd": br.dpsgd,
+            "epsilon_counts": br.counts,
+            "noise_multiplier": args.noise_multiplier,
+            "steps": args.steps,
+        }
+    else:
+        if args.steps is None:
+            raise _UsageError("--steps is required with --target-epsilon")
+        sigma = accounting.calibrate_noise_multiplier(
+            target_epsilon=args.target_epsilon, steps=args.steps, **common
+        )
+        eps = accounting.epsilon(noise_multiplier=sigma, steps=args.steps, **common)
+        result = {
+            "noise_multiplier": sigma,
+            "epsilon": eps,
+            "target_epsilon": args.target_epsilon,
+            "steps": args.steps,
+        }
+    result.update(sampling_prob=q, delta=args.delta, accountant=args.accountant)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        width = max(len(k) for k in result)
+        for k, v in result.items():
+            print(f"{k:<{width}}  {_fmt(v, '.6g')}")
+    return 0
+
+
+# ---- report ------------------------------------------------------------------------
+def _cmd_report(args) -> int:
+    from dpmp._src.plots import plot_run
+
+    run = Path(args.run_dir)
+    path = run / "report.json"
+    if not run.is_dir():
+        raise _UsageError(f"no such run directory {args.run_dir!r}")
+    if not path.is_file():
+        raise _UsageError(
+            f"{path} not found (the run has not finished; metrics.jsonl holds "
+            "what it logged so far)"
+        )
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise _UsageError(f"{path} is not valid JSON: {e}") from e
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(_summary(report))
+    for p in plot_run(run):
+        print(f"plot: {p}")
+    return 0
+
+
+# ---- parser ------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dpmp",
+        description="Differentially private training in JAX with precision controls.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser(
+        "train",
+        help="train a private model from a config",
+        description="Train a private model. With no arguments: a private MLP on the "
+        "handwritten digits data in bf16 at epsilon 2, delta 1e-5.",
+    )
+    _add_config_args(p)
+    p.add_argument("--out", default="runs/default", metavar="RUN_DIR", help="run directory")
+    p.add_argument("--fresh", action="store_true", help="ignore a checkpoint in RUN_DIR")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "audit",
+        help="audit the precision of a config's private step",
+        description="Trace the private step a config would train with and report, for "
+        "every batch reduction, norm, all-reduce, noise sample, noise addition and "
+        "update, the dtype it runs in. Exit status 1 on a violation.",
+    )
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_audit)
+
+    p = sub.add_parser(
+        "budget",
+        help="epsilon for a plan, or the noise multiplier for a target epsilon",
+        description="With --noise-multiplier: the epsilon the plan spends. With "
+        "--target-epsilon: the noise multiplier that spends exactly that.",
+    )
+    p.add_argument("--noise-multiplier", type=float, metavar="SIGMA")
+    p.add_argument("--target-epsilon", type=float, metavar="EPS")
+    p.add_argument("--steps", type=int, metavar="N")
+    p.add_argument("--sampling-prob", type=float, metavar="Q")
+    p.add_argument("--batch-size", type=int, metavar="B", help="expected batch size")
+    p.add_argument("--num-examples", type=int, metavar="N")
+    p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
+    p.add_argument(
+        "--count-noise-stddev",
+        type=float,
+        metavar="S",
+        help="include a noised overflow count released every step (private dynamic loss scale)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_budget)
+
+    p = sub.add_parser(
+        "report",
+        help="summary table and plots of a finished run",
+        description="Print a run's summary and (re)write its plots.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true", help="print report.json")
+    p.set_defaults(func=_cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"dpmp {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (_UsageError, ValueError) as e:
+        # ConfigError, DataError, PrecisionError and accounting errors are ValueErrors
+        # whose messages name the field and the allowed values. DPMP_DEBUG=1 re-raises.
+        if os.environ.get("DPMP_DEBUG"):
+            raise
+        print(f"dpmp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
