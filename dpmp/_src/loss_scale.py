@@ -166,6 +166,31 @@ def _check_static(name: str, value: Any, *, positive: bool = True, integer: bool
     return int(v) if integer else float(v)
 
 
+def _validate_dynamic_fields(obj) -> None:
+    """Normalises and checks period, factor, min_scale and max_scale of a dynamic scale."""
+    object.__setattr__(obj, "period", _check_static("period", obj.period, integer=True))
+    object.__setattr__(obj, "factor", _check_static("factor", obj.factor))
+    object.__setattr__(obj, "min_scale", _check_static("min_scale", obj.min_scale))
+    object.__setattr__(obj, "max_scale", _check_static("max_scale", obj.max_scale))
+    if obj.factor <= 1:
+        raise ValueError(f"factor: must be > 1, got {obj.factor}")
+    if obj.min_scale > obj.max_scale:
+        raise ValueError(f"min_scale ({obj.min_scale}) must not exceed max_scale ({obj.max_scale})")
+
+
+def dynamic_rule(obj, finite) -> tuple[jax.Array, jax.Array]:
+    """The grow-after-``period`` / back-off rule: ``(next loss_scale, next counter)``."""
+    finite = jnp.asarray(finite, dtype=jnp.bool_)
+    f32 = jnp.float32
+    grow = obj.counter == (obj.period - 1)
+    up = jnp.minimum(obj.loss_scale * f32(obj.factor), f32(obj.max_scale))
+    down = jnp.maximum(obj.loss_scale / f32(obj.factor), f32(obj.min_scale))
+    loss_scale = jnp.where(finite, jnp.where(grow, up, obj.loss_scale), down)
+    loss_scale = jnp.clip(loss_scale, f32(obj.min_scale), f32(obj.max_scale))
+    counter = jnp.where(finite & ~grow, obj.counter + 1, 0).astype(jnp.int32)
+    return loss_scale, counter
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
@@ -194,16 +219,7 @@ class DynamicLossScale:
         object.__setattr__(self, "loss_scale", _as_f32_scale(self.loss_scale))
         counter = jnp.zeros((), jnp.int32) if self.counter is None else self.counter
         object.__setattr__(self, "counter", jnp.asarray(counter).astype(jnp.int32))
-        object.__setattr__(self, "period", _check_static("period", self.period, integer=True))
-        object.__setattr__(self, "factor", _check_static("factor", self.factor))
-        object.__setattr__(self, "min_scale", _check_static("min_scale", self.min_scale))
-        object.__setattr__(self, "max_scale", _check_static("max_scale", self.max_scale))
-        if self.factor <= 1:
-            raise ValueError(f"factor: must be > 1, got {self.factor}")
-        if self.min_scale > self.max_scale:
-            raise ValueError(
-                f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})"
-            )
+        _validate_dynamic_fields(self)
 
     def scale(self, tree):
         return _scale_tree(tree, self.loss_scale)
@@ -213,14 +229,7 @@ class DynamicLossScale:
 
     def adjust(self, grads_finite) -> DynamicLossScale:
         """The scale for the next step, given whether this step's grads were finite."""
-        grads_finite = jnp.asarray(grads_finite, dtype=jnp.bool_)
-        f32 = jnp.float32
-        grow = self.counter == (self.period - 1)
-        up = jnp.minimum(self.loss_scale * f32(self.factor), f32(self.max_scale))
-        down = jnp.maximum(self.loss_scale / f32(self.factor), f32(self.min_scale))
-        loss_scale = jnp.where(grads_finite, jnp.where(grow, up, self.loss_scale), down)
-        loss_scale = jnp.clip(loss_scale, f32(self.min_scale), f32(self.max_scale))
-        counter = jnp.where(grads_finite & ~grow, self.counter + 1, 0).astype(jnp.int32)
+        loss_scale, counter = dynamic_rule(self, grads_finite)
         return dataclasses.replace(self, loss_scale=loss_scale, counter=counter)
 
     def tree_flatten(self):

@@ -41,6 +41,8 @@ from dpmp._src.loss_scale import (
     _new,
     _scale_tree,
     _unscale_tree,
+    _validate_dynamic_fields,
+    dynamic_rule,
 )
 
 __all__ = ["PrivateDynamicLossScale"]
@@ -86,16 +88,7 @@ class PrivateDynamicLossScale:
         object.__setattr__(self, "count_noise_stddev", stddev)
         threshold = 3.0 * stddev if self.threshold is None else self.threshold
         object.__setattr__(self, "threshold", _check_static("threshold", threshold, positive=False))
-        object.__setattr__(self, "period", _check_static("period", self.period, integer=True))
-        object.__setattr__(self, "factor", _check_static("factor", self.factor))
-        object.__setattr__(self, "min_scale", _check_static("min_scale", self.min_scale))
-        object.__setattr__(self, "max_scale", _check_static("max_scale", self.max_scale))
-        if self.factor <= 1:
-            raise ValueError(f"factor: must be > 1, got {self.factor}")
-        if self.min_scale > self.max_scale:
-            raise ValueError(
-                f"min_scale ({self.min_scale}) must not exceed max_scale ({self.max_scale})"
-            )
+        _validate_dynamic_fields(self)
 
     def scale(self, tree):
         return _scale_tree(tree, self.loss_scale)
@@ -108,13 +101,7 @@ class PrivateDynamicLossScale:
         key, sub = jax.random.split(self.prng_key)
         noise = jax.random.normal(sub, (), jnp.float32) * jnp.float32(self.count_noise_stddev)
         noised = jnp.asarray(overflow_count).astype(jnp.float32) + noise
-        finite = noised <= jnp.float32(self.threshold)
-        f32 = jnp.float32
-        grow = self.counter == (self.period - 1)
-        up = jnp.minimum(self.loss_scale * f32(self.factor), f32(self.max_scale))
-        down = jnp.maximum(self.loss_scale / f32(self.factor), f32(self.min_scale))
-        loss_scale = jnp.where(finite, jnp.where(grow, up, self.loss_scale), down)
-        counter = jnp.where(finite & ~grow, self.counter + 1, 0).astype(jnp.int32)
+        loss_scale, counter = dynamic_rule(self, noised <= jnp.float32(self.threshold))
         new = dataclasses.replace(self, loss_scale=loss_scale, counter=counter, prng_key=key)
         return new, noised
 
