@@ -1,0 +1,257 @@
+"""Training data for the trainer: scikit-learn's digits, or a user ``.npz`` file.
+
+``load_data(config.data, seed)`` returns a :class:`Dataset` of float32 features
+and int32 labels, split into train and test, optionally standardised with the
+*training* mean and std (the test set never informs the scaling).
+
+Features keep the shape of one example (``input_shape``): the digits are
+8 x 8 x 1 images, so the vision transformer can cut them into patches and the
+MLPs flatten them. An ``.npz`` file's ``x`` of shape ``[n, h, w, c]`` keeps its
+image shape, ``[n, h, w]`` becomes ``[n, h, w, 1]``, and ``[n, d]`` stays flat.
+
+Every problem with a user file is a :class:`DataError` (a ``ValueError``)
+whose message names the array and what is wrong with it.
+
+Privacy note: the standardisation statistics are computed from the private
+training data and are not privatized; they shape the model's input only (a
+common, documented simplification). Use ``standardize = false`` for a run
+whose only access to the training data is through DP-SGD.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpmp._src.config import DataConfig
+
+__all__ = ["DataError", "Dataset", "MIN_TRAIN_EXAMPLES", "load_data"]
+
+# Fewer examples than this cannot be sampled, split and evaluated meaningfully.
+MIN_TRAIN_EXAMPLES = 10
+MIN_TEST_EXAMPLES = 1
+
+
+class DataError(ValueError):
+    """The data cannot be used; the message names the array and the problem."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dataset:
+    """Train and test arrays and what a model needs to know about them.
+
+    Attributes:
+      x_train, x_test: float32 features, ``[n, *input_shape]``.
+      y_train, y_test: int32 labels in ``[0, num_classes)``.
+      num_classes: ``max(label) + 1`` over both splits.
+      input_shape: shape of one example (``(8, 8, 1)`` for digits).
+      description: one line saying where the data came from.
+      standardized: whether features were scaled by the training mean and std.
+    """
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    input_shape: tuple[int, ...]
+    description: str
+    standardized: bool = False
+
+    @property
+    def num_train(self) -> int:
+        return int(self.x_train.shape[0])
+
+    @property
+    def num_test(self) -> int:
+        return int(self.x_test.shape[0])
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-serialisable description (for the run report)."""
+        return {
+            "description": self.description,
+            "num_train": self.num_train,
+            "num_test": self.num_test,
+            "num_classes": self.num_classes,
+            "input_shape": list(self.input_shape),
+            "standardized": self.standardized,
+        }
+
+
+def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
+    """Loads, validates, splits and (optionally) standardises the configured data.
+
+    Args:
+      config: a ``DataConfig`` (default: the digits data).
+      seed: seeds the stratified train/test split when the data has no test split.
+
+    Returns:
+      A :class:`Dataset`.
+
+    Raises:
+      DataError: the ``.npz`` file is missing, unreadable or malformed.
+    """
+    config = DataConfig() if config is None else config
+    if config.dataset == "digits":
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        x = digits.images.astype(np.float32)[..., None]  # [n, 8, 8, 1], values 0..16
+        y = digits.target.astype(np.int32)
+        x_train, x_test, y_train, y_test = _split(x, y, config.test_fraction, seed)
+        description = (
+            f"scikit-learn digits: {x.shape[0]} 8x8 grey images, 10 classes; "
+            f"stratified split (test_fraction={config.test_fraction}, seed={seed})"
+        )
+    elif config.dataset == "npz":
+        x_train, y_train, x_test, y_test, description = _load_npz(
+            config.path, config.test_fraction, seed
+        )
+    else:  # pragma: no cover - DataConfig validates the choice
+        raise DataError(f"data.dataset: unknown {config.dataset!r}")
+
+    num_classes = int(max(y_train.max(), y_test.max())) + 1
+    if config.standardize:
+        mean = x_train.mean(axis=0, dtype=np.float64)
+        std = x_train.std(axis=0, dtype=np.float64)
+        std = np.where(std > 1e-8, std, 1.0)  # constant features (digit borders) stay 0
+        x_train = ((x_train - mean) / std).astype(np.float32)
+        x_test = ((x_test - mean) / std).astype(np.float32)
+    return Dataset(
+        x_train=np.ascontiguousarray(x_train, np.float32),
+        y_train=np.ascontiguousarray(y_train, np.int32),
+        x_test=np.ascontiguousarray(x_test, np.float32),
+        y_test=np.ascontiguousarray(y_test, np.int32),
+        num_classes=num_classes,
+        input_shape=tuple(int(d) for d in x_train.shape[1:]),
+        description=description,
+        standardized=bool(config.standardize),
+    )
+
+
+def _split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int):
+    from sklearn.model_selection import train_test_split
+
+    counts = np.bincount(y)
+    n_test = int(np.ceil(test_fraction * len(y)))
+    # Stratify when every present class can appear on both sides.
+    stratify = y if counts[counts > 0].min() >= 2 and n_test >= np.count_nonzero(counts) else None
+    return train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=stratify)
+
+
+def _load_npz(path: str | None, test_fraction: float, seed: int):
+    if not path:
+        raise DataError('data.path: required when data.dataset = "npz"')
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"data.path: no such file {str(file)!r}")
+    try:
+        with np.load(file, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except ValueError as e:  # object arrays need pickle, which we refuse
+        raise DataError(
+            f"{file}: an array holds Python objects (not numbers); store numeric arrays: {e}"
+        ) from e
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        raise DataError(f"{file}: not a readable .npz file: {e}") from e
+
+    for name in ("x", "y"):
+        if name not in arrays:
+            raise DataError(
+                f"{file}: missing array {name!r}; found {sorted(arrays) or 'none'} "
+                "(expected x, y and optionally x_test, y_test)"
+            )
+    has_test = ("x_test" in arrays, "y_test" in arrays)
+    if has_test[0] != has_test[1]:
+        present, absent = ("x_test", "y_test") if has_test[0] else ("y_test", "x_test")
+        raise DataError(f"{file}: array {present!r} is given without {absent!r}")
+
+    x = _features("x", arrays["x"])
+    y = _labels("y", arrays["y"])
+    _same_length("x", x, "y", y)
+    if all(has_test):
+        x_train, y_train = x, y
+        x_test = _features("x_test", arrays["x_test"])
+        y_test = _labels("y_test", arrays["y_test"])
+        _same_length("x_test", x_test, "y_test", y_test)
+        if x_test.shape[1:] != x_train.shape[1:]:
+            raise DataError(
+                f"x_test: examples have shape {x_test.shape[1:]}, but x has {x_train.shape[1:]}"
+            )
+        split = "test split from the file"
+    else:
+        if len(x) < MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES:
+            raise DataError(
+                f"x: too few examples ({len(x)}); need at least "
+                f"{MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES} to hold out a test split"
+            )
+        x_train, x_test, y_train, y_test = _split(x, y, test_fraction, seed)
+        split = f"split test_fraction={test_fraction}, seed={seed}"
+    if len(x_train) < MIN_TRAIN_EXAMPLES:
+        raise DataError(
+            f"x: too few training examples ({len(x_train)}); need at least {MIN_TRAIN_EXAMPLES}"
+        )
+    if len(x_test) < MIN_TEST_EXAMPLES:
+        raise DataError("x_test: no test examples")
+    description = (
+        f"{file.name}: {len(x_train)} train / {len(x_test)} test examples of shape "
+        f"{tuple(x_train.shape[1:])}; {split}"
+    )
+    return x_train, y_train, x_test, y_test, description
+
+
+def _features(name: str, x: np.ndarray) -> np.ndarray:
+    if x.dtype.kind not in "biuf":
+        raise DataError(f"{name}: must be numeric, got dtype {x.dtype}")
+    if x.ndim < 2:
+        raise DataError(
+            f"{name}: must have shape [examples, features...], got shape {x.shape} "
+            "(one feature per example? reshape to [n, 1])"
+        )
+    if x.ndim == 3:  # [n, h, w] grey images
+        x = x[..., None]
+    if x.ndim > 4:
+        raise DataError(f"{name}: at most 4 dimensions [n, h, w, c], got shape {x.shape}")
+    if x.shape[0] == 0:
+        raise DataError(f"{name}: has no examples")
+    x = x.astype(np.float32)
+    bad = ~np.isfinite(x)
+    if bad.any():
+        rows = np.unique(np.nonzero(bad)[0])
+        kind = "NaN" if np.isnan(x).any() else "inf"
+        raise DataError(
+            f"{name}: {int(bad.sum())} non-finite values ({kind}) in {len(rows)} example(s), "
+            f"first at index {int(rows[0])}"
+        )
+    return x
+
+
+def _labels(name: str, y: np.ndarray) -> np.ndarray:
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise DataError(
+            f"{name}: must be a 1-D array of integer class labels, got shape {y.shape} "
+            "(one-hot labels? store their argmax)"
+        )
+    if y.dtype.kind == "b" or y.dtype.kind not in "iuf":
+        raise DataError(f"{name}: labels must be integers >= 0, got dtype {y.dtype}")
+    if y.dtype.kind == "f":
+        if not np.isfinite(y).all() or (y != np.round(y)).any():
+            raise DataError(f"{name}: labels must be integers >= 0, got non-integer values")
+    if y.size and y.min() < 0:
+        raise DataError(f"{name}: labels must be integers >= 0, got {y.min()}")
+    if y.size and y.max() >= 2**31:
+        raise DataError(f"{name}: label {y.max()} is too large")
+    return y.astype(np.int32)
+
+
+def _same_length(xname: str, x: np.ndarray, yname: str, y: np.ndarray) -> None:
+    if x.shape[0] != y.shape[0]:
+        raise DataError(
+            f"{xname} and {yname}: lengths differ ({x.shape[0]} examples vs {y.shape[0]} labels)"
+        )

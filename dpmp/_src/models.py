@@ -1,0 +1,298 @@
+"""Models the trainer can build: flax linen, flax nnx and plain JAX functions.
+
+``build_model(config.model, data, policy)`` returns a :class:`Model`:
+
+* ``init(key) -> params``: float32 master parameters (a pytree: nested dicts
+  for linen and plain JAX, an ``nnx.State`` for nnx);
+* ``loss_fn(params, batch)``: mean softmax cross-entropy of ``batch = {"x",
+  "y"}``; the forward pass runs in ``policy.compute``, the logits are cast to
+  ``policy.output`` and the cross-entropy is computed in float32;
+* ``predict(params, x) -> logits`` (``policy.output``), for evaluation;
+* ``framework`` and ``kind``: what was built.
+
+``dpmp.private_grad`` hands ``loss_fn`` batches of ONE example, so no model
+here uses batch statistics (no BatchNorm): each example's gradient must
+depend on that example only.
+
+Kinds:
+  ``mlp``      flax linen ``Dense`` layers (``dtype=policy.compute``,
+               ``param_dtype=float32``), ReLU.
+  ``nnx_mlp``  the same network in flax nnx; params are the ``nnx.State`` of
+               ``nnx.split`` and the loss ``nnx.merge`` s them back.
+  ``linear``   a plain JAX function of a params dict: softmax regression, or a
+               plain-JAX MLP when ``model.hidden`` is non-empty.
+  ``vit``      a small linen vision transformer: patch embedding (a strided
+               Conv), learned position embedding, ``depth`` pre-LayerNorm
+               blocks of multi-head self-attention and an MLP, mean pooling,
+               a linear head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dpmp._src.config import ModelConfig
+from dpmp._src.policy import Policy
+
+__all__ = ["Model", "build_model", "count_params"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    """A model as the trainer sees it (see the module docstring)."""
+
+    kind: str
+    framework: str
+    name: str
+    init: Callable[[Any], Any]
+    loss_fn: Callable[[Any, dict], jax.Array]
+    predict: Callable[[Any, jax.Array], jax.Array]
+    description: str
+
+    def summary(self, params=None) -> dict[str, Any]:
+        out = {"kind": self.kind, "framework": self.framework, "name": self.name}
+        out["description"] = self.description
+        if params is not None:
+            out["num_params"] = count_params(params)
+        return out
+
+
+def count_params(params) -> int:
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy, computed in float32 whatever the logits' dtype."""
+    logits = logits.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def build_model(config: ModelConfig | None, data_info: Any, policy: Policy | str) -> Model:
+    """Builds the configured model for data with ``data_info.input_shape`` and
+    ``data_info.num_classes`` (a :class:`dpmp._src.data.Dataset` works).
+
+    Raises:
+      ValueError: the ViT does not fit the input (not an image, or the patch
+        size does not divide its side).
+    """
+    config = ModelConfig() if config is None else config
+    policy = Policy.parse(policy)
+    input_shape = tuple(int(d) for d in data_info.input_shape)
+    num_classes = int(data_info.num_classes)
+    builders = {"mlp": _linen_mlp, "nnx_mlp": _nnx_mlp, "linear": _plain, "vit": _vit}
+    model = builders[config.kind](config, input_shape, num_classes, policy)
+    return model
+
+
+def _wrap(forward: Callable, policy: Policy):
+    """loss_fn and predict around ``forward(params, x) -> logits``."""
+
+    def predict(params, x):
+        logits = forward(params, jnp.asarray(x).astype(policy.compute))
+        return logits.astype(policy.output)
+
+    def loss_fn(params, batch):
+        return _cross_entropy(predict(params, batch["x"]), batch["y"])
+
+    return loss_fn, predict
+
+
+def _widths(config: ModelConfig, input_shape, num_classes) -> list[int]:
+    return [math.prod(input_shape), *config.hidden, num_classes]
+
+
+# ---- flax linen MLP ------------------------------------------------------------
+
+
+def _linen_mlp(config, input_shape, num_classes, policy) -> Model:
+    import flax.linen as nn
+
+    hidden = tuple(config.hidden)
+    compute = policy.compute
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = x.reshape((x.shape[0], -1))
+            for width in hidden:
+                x = nn.relu(nn.Dense(width, dtype=compute, param_dtype=jnp.float32)(x))
+            return nn.Dense(num_classes, dtype=compute, param_dtype=jnp.float32)(x)
+
+    module = MLP()
+
+    def init(key):
+        return module.init(key, jnp.zeros((1, *input_shape), jnp.float32))["params"]
+
+    loss_fn, predict = _wrap(lambda p, x: module.apply({"params": p}, x), policy)
+    widths = "-".join(map(str, _widths(config, input_shape, num_classes)))
+    return Model(
+        kind="mlp",
+        framework="flax.linen",
+        name=f"linen MLP {widths}",
+        init=init,
+        loss_fn=loss_fn,
+        predict=predict,
+        description=f"flax linen MLP {widths}, ReLU",
+    )
+
+
+# ---- flax nnx MLP --------------------------------------------------------------
+
+
+def _nnx_mlp(config, input_shape, num_classes, policy) -> Model:
+    from flax import nnx
+
+    widths = _widths(config, input_shape, num_classes)
+    compute = policy.compute
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.layers = nnx.List(
+                [
+                    nnx.Linear(a, b, dtype=compute, param_dtype=jnp.float32, rngs=rngs)
+                    for a, b in zip(widths[:-1], widths[1:])
+                ]
+            )
+
+        def __call__(self, x):
+            x = x.reshape((x.shape[0], -1))
+            for layer in self.layers[:-1]:
+                x = nnx.relu(layer(x))
+            return self.layers[-1](x)
+
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: MLP(nnx.Rngs(0))))
+
+    def init(key):
+        _, state = nnx.split(MLP(nnx.Rngs(params=key)))
+        return state
+
+    def forward(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    loss_fn, predict = _wrap(forward, policy)
+    text = "-".join(map(str, widths))
+    return Model(
+        kind="nnx_mlp",
+        framework="flax.nnx",
+        name=f"nnx MLP {text}",
+        init=init,
+        loss_fn=loss_fn,
+        predict=predict,
+        description=f"flax nnx MLP {text} (nnx.split/merge; params are an nnx.State), ReLU",
+    )
+
+
+# ---- plain JAX -------------------------------------------------------------------
+
+
+def _plain(config, input_shape, num_classes, policy) -> Model:
+    widths = _widths(config, input_shape, num_classes)
+    n_layers = len(widths) - 1
+
+    def init(key):
+        params = {}
+        for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+            key, sub = jax.random.split(key)
+            # LeCun normal for ReLU layers' inputs, as flax's Dense default.
+            w = jax.random.normal(sub, (a, b), jnp.float32) / jnp.sqrt(jnp.float32(a))
+            params[f"layer_{i}"] = {"w": w, "b": jnp.zeros((b,), jnp.float32)}
+        return params
+
+    def forward(params, x):
+        h = x.reshape((x.shape[0], -1))
+        for i in range(n_layers):
+            layer = params[f"layer_{i}"]
+            h = h @ layer["w"].astype(h.dtype) + layer["b"].astype(h.dtype)
+            if i < n_layers - 1:
+                h = jax.nn.relu(h)
+        return h
+
+    loss_fn, predict = _wrap(forward, policy)
+    text = "-".join(map(str, widths))
+    if config.hidden:
+        name, description = f"plain-JAX MLP {text}", f"plain JAX MLP {text}, ReLU (params dict)"
+    else:
+        name, description = f"linear {text}", f"plain JAX softmax regression {text}"
+    return Model(
+        kind="linear",
+        framework="jax",
+        name=name,
+        init=init,
+        loss_fn=loss_fn,
+        predict=predict,
+        description=description,
+    )
+
+
+# ---- flax linen ViT ----------------------------------------------------------------
+
+
+def _vit(config, input_shape, num_classes, policy) -> Model:
+    import flax.linen as nn
+
+    if len(input_shape) != 3:
+        raise ValueError(
+            f"model.kind = 'vit' needs image inputs [h, w, c], got examples of shape "
+            f"{input_shape}; use an .npz x of shape [n, h, w] or [n, h, w, c]"
+        )
+    h, w, _ = input_shape
+    p = config.patch
+    if h % p or w % p:
+        raise ValueError(f"model.patch: {p} must divide the image size {h}x{w}")
+    num_tokens = (h // p) * (w // p)
+    dim, depth, heads = config.dim, config.depth, config.heads
+    compute, f32 = policy.compute, jnp.float32
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            y = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
+            y = nn.MultiHeadDotProductAttention(
+                num_heads=heads, dtype=compute, param_dtype=f32, deterministic=True
+            )(y, y)
+            x = x + y
+            y = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
+            y = nn.Dense(2 * dim, dtype=compute, param_dtype=f32)(y)
+            y = nn.Dense(dim, dtype=compute, param_dtype=f32)(nn.gelu(y))
+            return x + y
+
+    class ViT(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(
+                dim, (p, p), strides=(p, p), padding="VALID", dtype=compute, param_dtype=f32
+            )(x)
+            x = x.reshape((x.shape[0], num_tokens, dim))
+            pos = self.param("pos_embedding", nn.initializers.normal(0.02), (1, num_tokens, dim))
+            x = x + pos.astype(x.dtype)
+            for _ in range(depth):
+                x = Block()(x)
+            x = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
+            x = x.mean(axis=1)  # over tokens, within one example
+            return nn.Dense(num_classes, dtype=compute, param_dtype=f32)(x)
+
+    module = ViT()
+
+    def init(key):
+        return module.init(key, jnp.zeros((1, *input_shape), jnp.float32))["params"]
+
+    loss_fn, predict = _wrap(lambda prm, x: module.apply({"params": prm}, x), policy)
+    return Model(
+        kind="vit",
+        framework="flax.linen",
+        name=f"ViT patch {p} dim {dim} depth {depth} heads {heads}",
+        init=init,
+        loss_fn=loss_fn,
+        predict=predict,
+        description=(
+            f"flax linen ViT: {p}x{p} patches ({num_tokens} tokens), dim {dim}, {depth} "
+            f"pre-LN blocks with {heads}-head attention and MLP {2 * dim}, mean pooling"
+        ),
+    )

@@ -1,0 +1,807 @@
+"""A private trainer that reports epsilon next to overflow statistics.
+
+``train(config, out_dir=...)`` runs DP-SGD as the config says and writes a run
+directory (``metrics.jsonl``, ``train.log``, ``report.json``, checkpoints).
+One step, jitted (``build_private_step``)::
+
+    batch    = Poisson sample of the training set, padded to a fixed size
+    out      = dpmp.private_grad(model.loss_fn, ...)(params, batch, loss_scale,
+                                                     is_padding_example)
+    updates  = dpmp.private_optimizer(optax opt, ...)   # fp32 noise, / E[B]
+    params   = params + updates                          # fp32 master params
+    tracker.step()                                       # accountant, host side
+
+Privacy plan: the noise multiplier is calibrated (``dpmp.accounting``) so that
+``training.steps`` steps at ``q = expected_batch_size / num_train`` spend
+``privacy.target_epsilon`` at ``privacy.delta`` -- including the noised
+overflow count released every step by a private dynamic loss scale -- or
+taken from ``privacy.noise_multiplier``. A ``BudgetTracker`` is advanced
+every step and a step that would exceed the target is refused: the run stops
+after the last step within budget and says so (``stopped_early`` in the
+report, a line in ``train.log``).
+
+Resuming: with ``resume=True`` the newest checkpoint in ``out_dir`` is
+restored (params, optimizer and noise state, loss scale and its key, sampler,
+budget tracker, metric totals) if its config matches. The batch of step ``t``
+is a function of ``(seed, t)`` and every key lives in the state, so a killed
+and resumed run computes the same parameters, bit for bit on CPU, and the
+same epsilon as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+import time
+import warnings
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dpmp._src import accounting
+from dpmp._src.audit import audit_precision
+from dpmp._src.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    restore_latest,
+    save_checkpoint,
+)
+from dpmp._src.clipping import private_grad
+from dpmp._src.config import Config, ConfigError
+from dpmp._src.data import Dataset, load_data
+from dpmp._src.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from dpmp._src.models import Model, build_model, count_params
+from dpmp._src.noise import private_optimizer
+from dpmp._src.private_loss_scale import PrivateDynamicLossScale
+from dpmp._src.run_dir import ProgressBar, RunDir
+from dpmp._src.sampling import PoissonSampler, ShuffledSampler
+
+__all__ = [
+    "AUDIT_EXPECT",
+    "PrivateStep",
+    "audit_step",
+    "build_private_step",
+    "train",
+]
+
+# Sites every private step must show; all_reduce only exists on several devices.
+AUDIT_EXPECT = ("batch_reduction", "norm", "noise_sample", "noise_add", "update")
+
+# Config fields that may change between a run and its resumption.
+_RESUMABLE_CHANGES = {
+    ("training", "eval_every"),
+    ("training", "log_every"),
+    ("training", "checkpoint_every"),
+}
+
+_NONPRIVATE_WARNING = (
+    "loss_scale.kind = 'nonprivate_dynamic': the loss scale was adjusted from the EXACT "
+    "overflow count, a function of the private data that is neither noised nor accounted. "
+    "This run is NOT differentially private; its epsilon covers the noised gradients only."
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrivateStep:
+    """Everything one private step of a config is made of (see ``build_private_step``).
+
+    Attributes:
+      step_fn: jitted ``step_fn(params, batch, is_padding_example, opt_state,
+        loss_scale) -> (params, opt_state, loss_scale, stats)``; ``batch`` is
+        ``{"x": [B, ...] float32, "y": [B] int32}``.
+      example_args: real arguments for ``step_fn`` (initial state, batch 0).
+      config, policy, data, model, sampler, optimizer: the parts.
+      noise_multiplier: sigma of the gradient noise.
+      noise_calibrated: whether sigma was calibrated to the target epsilon.
+      budget: the ``PrivacyBudget`` the run is tracked against.
+      count_noise_stddev: noise on each released overflow count, or None.
+      sampling_prob: q = expected_batch_size / num_train.
+    """
+
+    step_fn: Callable
+    example_args: tuple
+    config: Config
+    policy: Any
+    data: Dataset
+    model: Model
+    sampler: Any
+    optimizer: optax.GradientTransformation
+    noise_multiplier: float
+    noise_calibrated: bool
+    budget: accounting.PrivacyBudget
+    count_noise_stddev: float | None
+    sampling_prob: float
+    init_state: dict[str, Any]
+
+    def __iter__(self):  # ``step_fn, example_args = build_private_step(...)``
+        return iter((self.step_fn, self.example_args))
+
+
+def _make_optimizer(config: Config) -> optax.GradientTransformation:
+    t = config.training
+    if t.optimizer == "adam":
+        return optax.adam(t.learning_rate)
+    if t.optimizer == "momentum":
+        return optax.sgd(t.learning_rate, momentum=0.9)
+    return optax.sgd(t.learning_rate)
+
+
+def _make_loss_scale(config: Config, key) -> Any:
+    ls = config.loss_scale
+    if ls.kind == "none":
+        return NoOpLossScale()
+    if ls.kind == "static":
+        return StaticLossScale(ls.initial)
+    if ls.kind == "private_dynamic":
+        return PrivateDynamicLossScale(
+            ls.initial,
+            key,
+            count_noise_stddev=ls.count_noise_stddev,
+            period=ls.period,
+            factor=ls.factor,
+            min_scale=ls.min_scale,
+            max_scale=ls.max_scale,
+        )
+    return DynamicLossScale(
+        ls.initial,
+        period=ls.period,
+        factor=ls.factor,
+        min_scale=ls.min_scale,
+        max_scale=ls.max_scale,
+    )
+
+
+def _noise_multiplier(
+    config: Config, q: float, count_sigma: float | None
+) -> tuple[float, bool, accounting.PrivacyBudget]:
+    p = config.privacy
+    steps = config.training.steps
+
+    def budget(sigma):
+        return accounting.PrivacyBudget(
+            noise_multiplier=sigma,
+            sampling_prob=q,
+            delta=p.delta,
+            target_epsilon=p.target_epsilon,
+            accountant=p.accountant,
+            count_noise_stddev=count_sigma,
+            count_every=1,
+        )
+
+    if p.noise_multiplier is not None:
+        sigma = float(p.noise_multiplier)
+        return sigma, False, budget(sigma)
+    try:
+        # Calibrate with the tracker's discretisation, so that the tracker --
+        # which enforces the budget step by step -- admits all ``steps``.
+        sigma = accounting.calibrate_noise_multiplier(
+            target_epsilon=p.target_epsilon,
+            sampling_prob=q,
+            steps=steps,
+            delta=p.delta,
+            accountant=p.accountant,
+            count_noise_stddev=count_sigma,
+            count_every=1,
+            value_discretization_interval=accounting.TRACKING_DISCRETIZATION,
+        )
+    except ValueError as e:
+        raise ConfigError(f"privacy.target_epsilon: cannot be reached: {e}") from e
+    for _ in range(100):  # guard against rounding between accountant code paths
+        if accounting.BudgetTracker(budget(sigma)).remaining_steps(steps) >= steps:
+            break
+        sigma *= 1 + 1e-4
+    return sigma, True, budget(sigma)
+
+
+def _make_sampler(config: Config, num_train: int, microbatch: int | None):
+    t = config.training
+    if t.expected_batch_size > num_train:
+        raise ConfigError(
+            f"training.expected_batch_size: {t.expected_batch_size} exceeds the "
+            f"{num_train} training examples"
+        )
+    if config.privacy.sampling == "shuffle":
+        return ShuffledSampler(num_train, t.expected_batch_size, seed=t.seed, num_steps=t.steps)
+    sampler = PoissonSampler(num_train, t.expected_batch_size, seed=t.seed, num_steps=t.steps)
+    if microbatch and sampler.padded_batch_size % microbatch:
+        padded = -(-sampler.padded_batch_size // microbatch) * microbatch
+        sampler = PoissonSampler(
+            num_train,
+            t.expected_batch_size,
+            padded_batch_size=padded,
+            seed=t.seed,
+            num_steps=t.steps,
+        )
+    return sampler
+
+
+def _gather(data: Dataset, batch) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    pad = np.asarray(batch.is_padding_example, bool)
+    idx = np.where(pad, 0, np.asarray(batch.indices))  # padding rows: any example
+    return {"x": data.x_train[idx], "y": data.y_train[idx]}, pad
+
+
+def build_private_step(config: Config, data: Dataset | None = None) -> PrivateStep:
+    """The jitted private step of ``config`` and real arguments for it.
+
+    ``step_fn, example_args = build_private_step(config)`` unpacks it; the
+    precision audit of a config is
+    ``dpmp.audit_precision(step_fn, *example_args, policy=config.precision,
+    params_argnums=0, batch_argnums=1)`` (``audit_step`` does exactly this).
+
+    Args:
+      config: a ``dpmp`` run ``Config``.
+      data: a loaded ``Dataset``; default ``load_data(config.data, seed)``.
+    """
+    policy = config.precision
+    t = config.training
+    if data is None:
+        data = load_data(config.data, t.seed)
+    model = build_model(config.model, data, policy)
+    init_key, noise_key, scale_key = jax.random.split(jax.random.key(t.seed), 3)
+    count_sigma = (
+        float(config.loss_scale.count_noise_stddev)
+        if config.loss_scale.kind == "private_dynamic"
+        else None
+    )
+    sampler = _make_sampler(config, data.num_train, t.microbatch_size)
+    q = t.expected_batch_size / data.num_train
+    sigma, calibrated, budget = _noise_multiplier(config, q, count_sigma)
+    grad_fn = private_grad(
+        model.loss_fn,
+        l2_clip_norm=config.privacy.l2_clip_norm,
+        policy=policy,
+        microbatch_size=t.microbatch_size,
+        allow_nonprivate_loss_scale=config.loss_scale.kind == "nonprivate_dynamic",
+    )
+    optimizer = private_optimizer(
+        _make_optimizer(config),
+        noise_multiplier=sigma,
+        l2_clip_norm=config.privacy.l2_clip_norm,
+        expected_batch_size=t.expected_batch_size,
+        prng_key=noise_key,
+        policy=policy,
+    )
+
+    def private_step(params, batch, is_padding_example, opt_state, loss_scale):
+        out = grad_fn(params, batch, loss_scale=loss_scale, is_padding_example=is_padding_example)
+        updates, opt_state = optimizer.update(out.grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, out.loss_scale, out.stats
+
+    params = model.init(init_key)
+    init_state = {
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "loss_scale": _make_loss_scale(config, scale_key),
+    }
+    batch, pad = _gather(data, sampler.batch(0))
+    example_args = (
+        init_state["params"],
+        jax.tree.map(jnp.asarray, batch),
+        jnp.asarray(pad),
+        init_state["opt_state"],
+        init_state["loss_scale"],
+    )
+    return PrivateStep(
+        step_fn=jax.jit(private_step),
+        example_args=example_args,
+        config=config,
+        policy=policy,
+        data=data,
+        model=model,
+        sampler=sampler,
+        optimizer=optimizer,
+        noise_multiplier=sigma,
+        noise_calibrated=calibrated,
+        budget=budget,
+        count_noise_stddev=count_sigma,
+        sampling_prob=q,
+        init_state=init_state,
+    )
+
+
+def audit_step(config: Config, data: Dataset | None = None, *, step: PrivateStep | None = None):
+    """Precision audit (``dpmp.audit_precision``) of the config's private step."""
+    step = build_private_step(config, data) if step is None else step
+    return audit_precision(
+        step.step_fn,
+        *step.example_args,
+        policy=step.policy,
+        params_argnums=0,
+        batch_argnums=1,
+        expect=AUDIT_EXPECT,
+        name=f"private step ({step.model.name}, {config.policy})",
+    )
+
+
+def _audit_summary(step: PrivateStep) -> dict[str, Any]:
+    try:
+        report = audit_step(step.config, step=step)
+    except Exception as e:  # the audit must never take the run down
+        return {"ok": None, "error": f"{type(e).__name__}: {e}"}
+    return {
+        "ok": report.ok,
+        "violations": [f.to_dict() for f in report.violations],
+        "missing": list(report.missing),
+        "counts": report.counts(),
+        "expect": list(AUDIT_EXPECT),
+    }
+
+
+def _evaluator(model: Model, chunk: int = 2048):
+    @jax.jit
+    def sums(params, x, y, valid):
+        logits = model.predict(params, x).astype(jnp.float32)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        correct = (jnp.argmax(logits, axis=-1) == y) & valid
+        return jnp.where(valid, losses, 0.0).sum(), correct.sum()
+
+    def evaluate(params, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        n = len(x)
+        size = min(chunk, n)
+        loss, correct = 0.0, 0
+        for start in range(0, n, size):
+            xb, yb = x[start : start + size], y[start : start + size]
+            valid = np.ones(size, bool)
+            if len(xb) < size:  # pad the last chunk: one compiled shape
+                valid[len(xb) :] = False
+                fill = size - len(xb)
+                xb = np.concatenate([xb, np.repeat(xb[:1], fill, 0)])
+                yb = np.concatenate([yb, np.repeat(yb[:1], fill, 0)])
+            s_loss, s_correct = sums(params, xb, yb, valid)
+            loss += float(s_loss)
+            correct += int(s_correct)
+        return correct / n, loss / n
+
+    return evaluate
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for name in ("dpmp", "jax", "jaxlib", "flax", "optax", "jax-privacy", "dp-accounting", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    out["python"] = platform.python_version()
+    return out
+
+
+def _config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    diffs = []
+    for section in sorted(set(saved) | set(current)):
+        a, b = saved.get(section), current.get(section)
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                if (section, key) in _RESUMABLE_CHANGES:
+                    continue
+                if a.get(key) != b.get(key):
+                    diffs.append(
+                        f"{section}.{key}: checkpoint {a.get(key)!r}, config {b.get(key)!r}"
+                    )
+        elif a != b:
+            diffs.append(f"{section}: checkpoint {a!r}, config {b!r}")
+    return diffs
+
+
+def _json_config(config: Config) -> dict[str, Any]:
+    import json
+
+    return json.loads(json.dumps(config.to_dict()))
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def train(
+    config: Config | None = None,
+    *,
+    out_dir: str | Path,
+    resume: bool = True,
+    progress: bool = True,
+    data: Dataset | None = None,
+    callback: Callable[[int, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Trains privately as ``config`` says and returns the report (also ``report.json``).
+
+    Args:
+      config: a ``Config`` (default: ``Config()``, the digits MLP at epsilon 2).
+      out_dir: the run directory (created if needed).
+      resume: continue from the newest checkpoint in ``out_dir`` (its config
+        must match, apart from the eval/log/checkpoint periods); with False an
+        existing run there is replaced.
+      progress: draw a progress bar and echo log lines on stderr.
+      data: a loaded ``Dataset`` to use instead of ``load_data(config.data)``.
+      callback: ``callback(step, info)`` after every step (1-based ``step``;
+        ``info`` has ``loss``, ``epsilon``, ``loss_scale``, ``overflow``).
+
+    Returns:
+      The report dict (see ``report.json``).
+
+    Raises:
+      CheckpointError: ``resume=True`` and the checkpoint in ``out_dir`` was
+        made by a different config (the message lists the differences).
+    """
+    started = time.perf_counter()
+    config = Config() if config is None else config
+    t = config.training
+    run = RunDir(out_dir, echo=progress)
+    ckpt_dir = run.path / "checkpoints"
+    if not resume:
+        run.reset()
+        for _, p in list_checkpoints(ckpt_dir):
+            p.unlink()
+
+    nonprivate = config.loss_scale.kind == "nonprivate_dynamic"
+    with warnings.catch_warnings():
+        if nonprivate:  # said loudly below, in the log and the report
+            warnings.simplefilter("ignore", UserWarning)
+        step = build_private_step(config, data)
+    data, model = step.data, step.model
+    evaluate = _evaluator(model)
+    state = dict(step.init_state)
+    sampler = step.sampler
+    tracker = accounting.BudgetTracker(step.budget)
+    totals = {
+        "overflow": 0,
+        "noised_overflow": 0.0,
+        "steps_with_overflow": 0,
+        "clipped": 0,
+        "examples": 0,
+        "loss_scale_changes": 0,
+        "elapsed_s": 0.0,
+    }
+    scale0 = float(state["loss_scale"].loss_scale)
+    scale_history: list[list[float]] = [[1, scale0]]
+    last_eval: dict[str, Any] = {}
+    completed = 0
+
+    restored = None
+    if resume:
+        restored = restore_latest(
+            ckpt_dir,
+            state,
+            on_skip=lambda p, e: run.log(f"skipping unreadable checkpoint {p.name}: {e}"),
+        )
+    if restored is not None:
+        state, meta, path = restored
+        diffs = _config_diff(meta["config"], _json_config(config))
+        if diffs:
+            raise CheckpointError(
+                f"{path}: made by a different config; use resume=False (or another out_dir) "
+                "to start a new run. Differences: " + "; ".join(diffs)
+            )
+        tracker = accounting.BudgetTracker.from_state_dict(meta["tracker"])
+        if tracker.budget != step.budget:
+            raise CheckpointError(
+                f"{path}: privacy plan differs from this config's: checkpoint "
+                f"{tracker.budget}, config {step.budget}"
+            )
+        sampler.load_state_dict(meta["sampler"])
+        totals.update(meta["totals"])
+        scale_history = [list(x) for x in meta["loss_scale_history"]]
+        last_eval = dict(meta.get("last_eval", {}))
+        completed = int(meta["step"])
+        run.truncate_metrics(completed)
+        run.log(f"resumed from {path.name} (step {completed}, epsilon {tracker.spent():.4f})")
+    else:
+        run.reset()
+        run.log(
+            f"new run: {model.name} on {data.num_train} examples, policy {config.policy}, "
+            f"loss scale {config.loss_scale.kind}"
+        )
+    run.log(
+        f"noise multiplier {step.noise_multiplier:.6g} "
+        f"({'calibrated to' if step.noise_calibrated else 'given; target'} epsilon "
+        f"{config.privacy.target_epsilon:g} at delta {config.privacy.delta:g} over {t.steps} "
+        f"steps, q = {step.sampling_prob:.6g}, accountant {config.privacy.accountant})"
+    )
+    if nonprivate:
+        run.log("WARNING: " + _NONPRIVATE_WARNING, echo=True)
+    if config.privacy.sampling == "shuffle":
+        run.log("WARNING: " + ShuffledSampler.privacy_note, echo=True)
+
+    audit = _audit_summary(step)
+    verdict = {True: "ok", False: "VIOLATIONS", None: "error"}[audit["ok"]]
+    run.log(f"precision audit of the step: {verdict}")
+
+    def save(finished: bool, stopped: dict | None):
+        meta = {
+            "config": _json_config(config),
+            "tracker": tracker.state_dict(),
+            "sampler": sampler.state_dict(),
+            "totals": totals,
+            "loss_scale_history": scale_history,
+            "last_eval": last_eval,
+            "noise_multiplier": step.noise_multiplier,
+            "finished": finished,
+            "stopped_early": stopped,
+        }
+        save_checkpoint(ckpt_dir, step=completed, state=state, meta=meta)
+
+    bar = ProgressBar(t.steps, enabled=progress)
+    is_private_dynamic = isinstance(state["loss_scale"], PrivateDynamicLossScale)
+    session_start = time.perf_counter()
+    elapsed_before = float(totals["elapsed_s"])
+    stopped: dict[str, Any] | None = None
+
+    def stop_reason() -> dict[str, Any] | None:
+        if completed >= t.steps or tracker.can_step():
+            return None
+        return {
+            "step": completed,
+            "planned_steps": t.steps,
+            "epsilon": tracker.spent(),
+            "next_epsilon": tracker.peek(),
+            "target_epsilon": config.privacy.target_epsilon,
+            "reason": (
+                f"step {completed + 1} would spend epsilon {tracker.peek():.6g} > target "
+                f"{config.privacy.target_epsilon:g} (delta {config.privacy.delta:g}); "
+                f"stopped after {completed} of {t.steps} steps"
+            ),
+        }
+
+    stopped = stop_reason()
+    while completed < t.steps and stopped is None:
+        tic = time.perf_counter()
+        sampled = next(sampler)
+        batch, pad = _gather(data, sampled)
+        params, opt_state, loss_scale, stats = step.step_fn(
+            state["params"], batch, pad, state["opt_state"], state["loss_scale"]
+        )
+        stats = jax.device_get(stats)
+        eps = tracker.step()  # accounts this step's release(s); never exceeds the target
+        state = {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}
+        completed += 1
+        step_time = time.perf_counter() - tic
+
+        overflow = int(stats.num_nonfinite)
+        totals["overflow"] += overflow
+        totals["steps_with_overflow"] += overflow > 0
+        totals["clipped"] += int(stats.num_clipped)
+        totals["examples"] += int(stats.num_examples)
+        noised = float(stats.noised_overflow_count)
+        if is_private_dynamic:
+            totals["noised_overflow"] += noised
+        new_scale = float(loss_scale.loss_scale)
+        if new_scale != scale_history[-1][1]:
+            scale_history.append([completed + 1, new_scale])
+            totals["loss_scale_changes"] += 1
+        totals["elapsed_s"] = elapsed_before + (time.perf_counter() - session_start)
+
+        stopped = stop_reason()
+        last = completed >= t.steps or stopped is not None
+        if _due(completed, t.eval_every) or last:
+            train_acc, train_loss = evaluate(params, data.x_train, data.y_train)
+            test_acc, test_loss = evaluate(params, data.x_test, data.y_test)
+            last_eval = {
+                "step": completed,
+                "train_accuracy": train_acc,
+                "train_loss": train_loss,
+                "test_accuracy": test_acc,
+                "test_loss": test_loss,
+            }
+        if _due(completed, t.log_every) or last:
+            n_ex = int(stats.num_examples)
+            record = {
+                "step": completed,
+                "loss": float(stats.loss_mean),
+                "epsilon": eps,
+                "delta": config.privacy.delta,
+                "loss_scale": float(stats.loss_scale),
+                "next_loss_scale": new_scale,
+                "overflow": overflow,
+                "overflow_total": totals["overflow"],
+                "loss_scale_changes": totals["loss_scale_changes"],
+                "clipped_fraction": int(stats.num_clipped) / max(n_ex, 1),
+                "batch_size": n_ex,
+                "grad_norm_mean": float(stats.norm_mean),
+                "step_time_s": step_time,
+                "elapsed_s": totals["elapsed_s"],
+            }
+            if is_private_dynamic:
+                record["noised_overflow"] = noised
+                record["noised_overflow_total"] = totals["noised_overflow"]
+            if last_eval.get("step") == completed:
+                record.update({k: v for k, v in last_eval.items() if k != "step"})
+            run.append_metrics(record)
+            bar.update(
+                completed,
+                {
+                    "eps": f"{eps:.3f}",
+                    "scale": f"{new_scale:g}",
+                    "overflow": str(totals["overflow"]),
+                    "loss": f"{float(stats.loss_mean):.3f}",
+                },
+                force=True,
+            )
+        else:
+            bar.update(
+                completed,
+                {
+                    "eps": f"{eps:.3f}",
+                    "scale": f"{new_scale:g}",
+                    "overflow": str(totals["overflow"]),
+                },
+            )
+        if _due(completed, t.checkpoint_every) or last:
+            save(finished=last, stopped=stopped)
+        if callback is not None:
+            callback(
+                completed,
+                {
+                    "loss": float(stats.loss_mean),
+                    "epsilon": eps,
+                    "loss_scale": new_scale,
+                    "overflow": overflow,
+                },
+            )
+    bar.close()
+
+    if stopped is not None:
+        run.log("STOPPED EARLY: " + stopped["reason"], echo=True)
+    if last_eval.get("step") != completed:  # zero steps, or resumed a finished run
+        train_acc, train_loss = evaluate(state["params"], data.x_train, data.y_train)
+        test_acc, test_loss = evaluate(state["params"], data.x_test, data.y_test)
+        last_eval = {
+            "step": completed,
+            "train_accuracy": train_acc,
+            "train_loss": train_loss,
+            "test_accuracy": test_acc,
+            "test_loss": test_loss,
+        }
+    if not list_checkpoints(ckpt_dir) or list_checkpoints(ckpt_dir)[-1][0] != completed:
+        save(finished=True, stopped=stopped)
+
+    report = _report(
+        config=config,
+        step=step,
+        tracker=tracker,
+        completed=completed,
+        totals=totals,
+        scale_history=scale_history,
+        last_eval=last_eval,
+        audit=audit,
+        stopped=stopped,
+        sampler=sampler,
+        params=state["params"],
+        final_scale=float(state["loss_scale"].loss_scale),
+        session_s=time.perf_counter() - started,
+        elapsed_before=elapsed_before,
+    )
+    run.write_report(report)
+    run.log(
+        f"done: {completed} steps, test accuracy {last_eval['test_accuracy']:.4f}, "
+        f"epsilon {report['epsilon']:.4f} at delta {config.privacy.delta:g}"
+    )
+    return report
+
+
+def _report(
+    *,
+    config: Config,
+    step: PrivateStep,
+    tracker: accounting.BudgetTracker,
+    completed: int,
+    totals: dict[str, Any],
+    scale_history: list,
+    last_eval: dict[str, Any],
+    audit: dict[str, Any],
+    stopped: dict[str, Any] | None,
+    sampler,
+    params,
+    final_scale: float,
+    session_s: float,
+    elapsed_before: float,
+) -> dict[str, Any]:
+    p = config.privacy
+    ls = config.loss_scale
+    count_sigma = step.count_noise_stddev
+    breakdown = accounting.epsilon_breakdown(
+        noise_multiplier=step.noise_multiplier,
+        sampling_prob=step.sampling_prob,
+        steps=completed,
+        delta=p.delta,
+        count_noise_stddev=count_sigma,
+        count_every=1,
+        accountant=p.accountant,
+    )
+    poisson = p.sampling == "poisson"
+    nonprivate = ls.kind == "nonprivate_dynamic"
+    warnings_: list[str] = []
+    if nonprivate:
+        warnings_.append(_NONPRIVATE_WARNING)
+    if not poisson:
+        warnings_.append(ShuffledSampler.privacy_note)
+    notes = [
+        "metrics.jsonl holds exact per-batch statistics (loss, clipped fraction, overflow "
+        "counts): monitoring output, not privatized.",
+    ]
+    if step.data.standardized:
+        notes.append(
+            "features were standardised with the training mean and std, which are not "
+            "privatized (data.standardize = false avoids this)."
+        )
+    sampling: dict[str, Any] = {"kind": "poisson" if poisson else "shuffle"}
+    sampling["sampling_prob"] = step.sampling_prob
+    sampling["expected_batch_size"] = config.training.expected_batch_size
+    sampling["padded_batch_size"] = sampler.padded_batch_size
+    sampling["privacy_note"] = sampler.privacy_note
+    if poisson:
+        sampling["truncated_steps"] = sampler.num_truncated
+        sampling["truncation_probability"] = sampler.truncation_probability
+        sampling["truncation_delta"] = sampler.truncation_delta(completed, breakdown.total)
+
+    overflow = {
+        "examples_nonfinite": totals["overflow"],
+        "steps_with_overflow": totals["steps_with_overflow"],
+        "exact_counts_note": "exact counts are monitoring output, not privatized",
+        "privatized": ls.kind == "private_dynamic",
+        "count_releases": tracker.count_releases,
+        "count_noise_stddev": count_sigma,
+        "epsilon_cost": breakdown.counts,
+        "epsilon_without_counts": breakdown.dpsgd,
+    }
+    if ls.kind == "private_dynamic":
+        overflow["noised_count_total"] = totals["noised_overflow"]
+    elif nonprivate:
+        overflow["privacy"] = "NOT PRIVATE: decisions used the exact count, unaccounted"
+    else:
+        overflow["privacy"] = f"loss scale '{ls.kind}' releases nothing; it costs no epsilon"
+
+    test_acc = last_eval.get("test_accuracy")
+    return {
+        "policy": config.policy,
+        "private": not nonprivate and poisson,
+        "privacy_warnings": warnings_,
+        "privacy_notes": notes,
+        "epsilon": breakdown.total,
+        "epsilon_tracked": tracker.spent(),
+        "target_epsilon": p.target_epsilon,
+        "delta": p.delta,
+        "accountant": p.accountant,
+        "noise_multiplier": step.noise_multiplier,
+        "noise_multiplier_calibrated": step.noise_calibrated,
+        "l2_clip_norm": p.l2_clip_norm,
+        "steps": completed,
+        "planned_steps": config.training.steps,
+        "stopped_early": stopped,
+        "test_accuracy": test_acc,
+        "test_loss": last_eval.get("test_loss"),
+        "train_accuracy": last_eval.get("train_accuracy"),
+        "train_loss": last_eval.get("train_loss"),
+        "overflow": overflow,
+        "loss_scale": {
+            "kind": ls.kind,
+            "initial": scale_history[0][1],
+            "final": final_scale,
+            "changes": totals["loss_scale_changes"],
+            "history": scale_history,
+            "history_note": "[step, value]: the scale used from that (1-based) step on",
+        },
+        "clipping": {
+            "clipped_fraction": totals["clipped"] / max(totals["examples"], 1),
+            "examples_seen": totals["examples"],
+        },
+        "audit": audit,
+        "sampling": sampling,
+        "model": step.model.summary(params),
+        "data": step.data.summary(),
+        "config": _json_config(config),
+        "wall_time_s": session_s + elapsed_before,
+        "train_loop_s": totals["elapsed_s"],
+        "versions": _versions(),
+        "num_params": count_params(params),
+        "finite_params": bool(
+            all(math.isfinite(float(jnp.abs(x).max())) for x in jax.tree.leaves(params))
+        ),
+    }
