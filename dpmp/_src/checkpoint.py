@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointError",
     "list_checkpoints",
     "latest_checkpoint",
+    "latest_meta",
     "load_checkpoint",
     "restore_latest",
     "save_checkpoint",
@@ -136,6 +137,17 @@ def _read(path: Path) -> tuple[dict[str, Any], list[np.ndarray]]:
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: unknown format version {meta.get('format_version')!r}")
     return meta, leaves
+
+
+def latest_meta(directory: str | Path) -> tuple[dict[str, Any], Path] | None:
+    """Metadata of the newest readable checkpoint in ``directory``, and its path."""
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            meta, _ = _read(path)
+        except CheckpointError:
+            continue
+        return meta, path
+    return None
 
 
 def load_checkpoint(path: str | Path, template: Any) -> tuple[Any, dict[str, Any]]:

@@ -49,6 +49,7 @@ from dpmp._src import accounting
 from dpmp._src.audit import audit_precision
 from dpmp._src.checkpoint import (
     CheckpointError,
+    latest_meta,
     list_checkpoints,
     restore_latest,
     save_checkpoint,
@@ -276,7 +277,7 @@ def build_private_step(config: Config, data: Dataset | None = None) -> PrivateSt
         params = optax.apply_updates(params, updates)
         return params, opt_state, out.loss_scale, out.stats
 
-    params = model.init(init_key)
+    params = jax.jit(model.init)(init_key)
     init_state = {
         "params": params,
         "opt_state": optimizer.init(params),
@@ -392,6 +393,15 @@ def _config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return diffs
 
 
+def _check_config(meta: dict[str, Any], config: Config, path: Path) -> None:
+    diffs = _config_diff(meta["config"], _json_config(config))
+    if diffs:
+        raise CheckpointError(
+            f"{path}: made by a different config; use resume=False (or another out_dir) "
+            "to start a new run. Differences: " + "; ".join(diffs)
+        )
+
+
 def _json_config(config: Config) -> dict[str, Any]:
     import json
 
@@ -440,6 +450,10 @@ def train(
         run.reset()
         for _, p in list_checkpoints(ckpt_dir):
             p.unlink()
+    else:
+        found = latest_meta(ckpt_dir)
+        if found is not None:  # fail before any work if the config changed
+            _check_config(found[0], config, found[1])
 
     nonprivate = config.loss_scale.kind == "nonprivate_dynamic"
     with warnings.catch_warnings():
@@ -474,12 +488,7 @@ def train(
         )
     if restored is not None:
         state, meta, path = restored
-        diffs = _config_diff(meta["config"], _json_config(config))
-        if diffs:
-            raise CheckpointError(
-                f"{path}: made by a different config; use resume=False (or another out_dir) "
-                "to start a new run. Differences: " + "; ".join(diffs)
-            )
+        _check_config(meta, config, path)
         tracker = accounting.BudgetTracker.from_state_dict(meta["tracker"])
         if tracker.budget != step.budget:
             raise CheckpointError(
@@ -706,15 +715,27 @@ def _report(
     p = config.privacy
     ls = config.loss_scale
     count_sigma = step.count_noise_stddev
-    breakdown = accounting.epsilon_breakdown(
-        noise_multiplier=step.noise_multiplier,
-        sampling_prob=step.sampling_prob,
-        steps=completed,
-        delta=p.delta,
-        count_noise_stddev=count_sigma,
-        count_every=1,
-        accountant=p.accountant,
-    )
+    # The reported epsilon uses dp-accounting's default (finer) discretisation;
+    # the tracker's coarser one is reported as ``epsilon_tracked``.
+    if count_sigma is None:
+        eps = accounting.epsilon(
+            noise_multiplier=step.noise_multiplier,
+            sampling_prob=step.sampling_prob,
+            steps=completed,
+            delta=p.delta,
+            accountant=p.accountant,
+        )
+        breakdown = accounting.EpsilonBreakdown(total=eps, dpsgd=eps, counts=0.0)
+    else:
+        breakdown = accounting.epsilon_breakdown(
+            noise_multiplier=step.noise_multiplier,
+            sampling_prob=step.sampling_prob,
+            steps=completed,
+            delta=p.delta,
+            count_noise_stddev=count_sigma,
+            count_every=1,
+            accountant=p.accountant,
+        )
     poisson = p.sampling == "poisson"
     nonprivate = ls.kind == "nonprivate_dynamic"
     warnings_: list[str] = []
