@@ -128,7 +128,7 @@ def save_checkpoint(
 
 def _read(path: Path) -> tuple[dict[str, Any], list[np.ndarray]]:
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as npz:
             meta = json.loads(str(npz["__meta__"]))
             n = len(meta["leaves"])
             leaves = [npz[f"leaf_{i:05d}"] for i in range(n)]

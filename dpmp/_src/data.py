@@ -149,8 +149,10 @@ def _load_npz(path: str | None, test_fraction: float, seed: int):
     file = Path(path)
     if not file.is_file():
         raise DataError(f"data.path: no such file {str(file)!r}")
+    if not zipfile.is_zipfile(file):
+        raise DataError(f"{file}: not a readable .npz file (not a zip archive of .npy arrays)")
     try:
-        with np.load(file, allow_pickle=False) as npz:
+        with open(file, "rb") as f, np.load(f, allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in npz.files}
     except ValueError as e:  # object arrays need pickle, which we refuse
         raise DataError(

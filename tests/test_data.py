@@ -1,0 +1,110 @@
+"""Data loading: the digits split, standardisation, and validation of user .npz files."""
+
+import numpy as np
+import pytest
+
+from dpmp._src.config import DataConfig
+from dpmp._src.data import DataError, load_data
+
+
+def test_digits_split_and_shapes():
+    data = load_data(DataConfig(), seed=0)
+    assert (data.num_train, data.num_test) == (1437, 360)
+    assert data.x_train.shape == (1437, 8, 8, 1) and data.x_train.dtype == np.float32
+    assert data.y_train.dtype == np.int32 and data.num_classes == 10
+    assert data.input_shape == (8, 8, 1)
+    # stratified: every class in the test split in proportion
+    counts = np.bincount(data.y_test, minlength=10)
+    assert counts.min() >= 34 and counts.max() <= 38
+
+
+def test_digits_split_is_seeded():
+    a, b, c = (load_data(DataConfig(), seed=s) for s in (0, 0, 1))
+    np.testing.assert_array_equal(a.y_test, b.y_test)
+    assert not np.array_equal(a.y_test, c.y_test)
+
+
+def test_standardize_uses_train_statistics_only():
+    raw = load_data(DataConfig(standardize=False), seed=0)
+    std = load_data(DataConfig(standardize=True), seed=0)
+    assert raw.x_train.max() == 16.0 and not raw.standardized
+    mean = raw.x_train.mean(0, dtype=np.float64)
+    sd = raw.x_train.std(0, dtype=np.float64)
+    sd = np.where(sd > 1e-8, sd, 1.0)
+    np.testing.assert_allclose(std.x_test, (raw.x_test - mean) / sd, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(std.x_train.mean(0), 0, atol=1e-5)
+    assert np.isfinite(std.x_train).all()  # constant border pixels do not divide by 0
+
+
+def _npz(tmp_path, name="d.npz", **arrays):
+    path = tmp_path / name
+    np.savez(path, **arrays)
+    return DataConfig(dataset="npz", path=str(path))
+
+
+def test_npz_flat_features_with_split(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(50, 5))
+    y = np.arange(50) % 3
+    data = load_data(_npz(tmp_path, x=x, y=y), seed=0)
+    assert data.input_shape == (5,) and data.num_classes == 3
+    assert data.num_train + data.num_test == 50 and data.num_test == 10
+
+
+def test_npz_images_and_own_test_split(tmp_path):
+    x = np.ones((20, 6, 6), np.uint8)
+    y = np.arange(20) % 2
+    cfg = _npz(tmp_path, x=x, y=y, x_test=np.ones((4, 6, 6)), y_test=np.array([0, 1, 1, 0.0]))
+    data = load_data(cfg, seed=0)
+    assert data.input_shape == (6, 6, 1) and data.num_test == 4 and data.y_test.dtype == np.int32
+
+
+@pytest.mark.parametrize(
+    "arrays, match",
+    [
+        (dict(y=np.zeros(20)), r"missing array 'x'"),
+        (dict(x=np.zeros((20, 2))), r"missing array 'y'"),
+        (dict(x=np.zeros((20, 2)), y=np.zeros(19, int)), r"x and y: lengths differ \(20"),
+        (dict(x=np.array([["a", "b"]] * 20), y=np.zeros(20, int)), r"x: must be numeric"),
+        (
+            dict(x=np.where(np.eye(20, 3) > 0, np.nan, 0.0), y=np.zeros(20, int)),
+            r"x: .*non-finite values \(NaN\)",
+        ),
+        (dict(x=np.full((20, 2), np.inf), y=np.zeros(20, int)), r"x: .*\(inf\)"),
+        (dict(x=np.zeros((20, 2)), y=np.full(20, 0.5)), r"y: labels must be integers"),
+        (dict(x=np.zeros((20, 2)), y=-np.ones(20, int)), r"y: labels must be integers >= 0"),
+        (dict(x=np.zeros((20, 2)), y=np.zeros((20, 3))), r"y: must be a 1-D array"),
+        (dict(x=np.zeros((20, 2)), y=np.zeros(20, bool)), r"y: labels must be integers"),
+        (dict(x=np.zeros((5, 2)), y=np.zeros(5, int)), r"x: too few examples \(5\)"),
+        (dict(x=np.zeros(20), y=np.zeros(20, int)), r"x: must have shape \[examples"),
+        (
+            dict(x=np.zeros((20, 2)), y=np.zeros(20, int), x_test=np.zeros((3, 2))),
+            r"'x_test' is given without 'y_test'",
+        ),
+        (
+            dict(
+                x=np.zeros((20, 2)),
+                y=np.zeros(20, int),
+                x_test=np.zeros((3, 4)),
+                y_test=np.zeros(3, int),
+            ),
+            r"x_test: examples have shape \(4,\)",
+        ),
+    ],
+)
+def test_npz_validation_errors(tmp_path, arrays, match):
+    with pytest.raises(DataError, match=match):
+        load_data(_npz(tmp_path, **arrays), seed=0)
+
+
+def test_npz_object_array_and_missing_file(tmp_path):
+    path = tmp_path / "obj.npz"
+    np.savez(path, x=np.array([[1, 2], [3]], dtype=object), y=np.zeros(2, int))
+    with pytest.raises(DataError, match="Python objects"):
+        load_data(DataConfig(dataset="npz", path=str(path)), seed=0)
+    with pytest.raises(DataError, match="no such file"):
+        load_data(DataConfig(dataset="npz", path=str(tmp_path / "nope.npz")), seed=0)
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(DataError, match="not a readable .npz"):
+        load_data(DataConfig(dataset="npz", path=str(tmp_path / "bad.npz")), seed=0)
+    assert issubclass(DataError, ValueError)

@@ -1,0 +1,102 @@
+"""Model kinds: each loss works with dpmp.private_grad, in the policy's dtypes."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dpmp
+from dpmp._src.config import ModelConfig
+from dpmp._src.models import build_model, count_params
+
+DIGITS = types.SimpleNamespace(input_shape=(8, 8, 1), num_classes=10)
+SMALL_VIT = dict(patch=4, dim=16, depth=1, heads=2)
+
+
+def _batch(n=4, shape=(8, 8, 1)):
+    x = jax.random.normal(jax.random.key(1), (n, *shape), jnp.float32)
+    return {"x": x, "y": jnp.arange(n, dtype=jnp.int32) % 10}
+
+
+@pytest.mark.parametrize(
+    "kind, extra, framework",
+    [
+        ("mlp", {}, "flax.linen"),
+        ("nnx_mlp", {}, "flax.nnx"),
+        ("linear", {}, "jax"),
+        ("linear", {"hidden": ()}, "jax"),
+        ("vit", SMALL_VIT, "flax.linen"),
+    ],
+)
+def test_kind_with_private_grad(kind, extra, framework):
+    model = build_model(ModelConfig(kind=kind, **{"hidden": (16,), **extra}), DIGITS, "bf16")
+    assert model.framework == framework and model.kind == kind
+    params = jax.jit(model.init)(jax.random.key(0))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    g = dpmp.private_grad(model.loss_fn, l2_clip_norm=1.0, policy="bf16")
+    pad = jnp.array([False, False, False, True])
+    out = jax.jit(g)(params, _batch(), is_padding_example=pad)
+    assert jax.tree.structure(out.grads) == jax.tree.structure(params)
+    for leaf in jax.tree.leaves(out.grads):
+        assert leaf.dtype == jnp.float32 and bool(jnp.isfinite(leaf).all())
+    assert int(out.stats.num_examples) == 3
+    assert float(out.stats.norm_max) > 0
+    norm = jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(out.grads)))
+    assert float(norm) <= 3.0 * (1 + 1e-5)  # three real examples, each clipped to 1
+    logits = jax.jit(model.predict)(params, _batch()["x"])
+    assert logits.shape == (4, 10) and logits.dtype == jnp.float32
+
+
+def test_loss_runs_in_the_compute_dtype():
+    model = build_model(ModelConfig(kind="mlp", hidden=(8,)), DIGITS, "bf16")
+    params = model.init(jax.random.key(0))
+    jaxpr = jax.make_jaxpr(model.loss_fn)(params, _batch())
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(e.outvars[0].aval.dtype == jnp.bfloat16 for e in dots)
+    assert jaxpr.out_avals[0].dtype == jnp.float32
+
+
+def test_nnx_params_are_an_nnx_state():
+    from flax import nnx
+
+    model = build_model(ModelConfig(kind="nnx_mlp", hidden=(8,)), DIGITS, "fp32")
+    params = model.init(jax.random.key(0))
+    assert isinstance(params, nnx.State)
+    assert count_params(params) == 64 * 8 + 8 + 8 * 10 + 10
+
+
+def test_linear_matches_a_numpy_reference():
+    model = build_model(ModelConfig(kind="linear", hidden=()), DIGITS, "fp32")
+    params = model.init(jax.random.key(0))
+    batch = _batch()
+    w, b = np.asarray(params["layer_0"]["w"]), np.asarray(params["layer_0"]["b"])
+    logits = np.asarray(batch["x"]).reshape(4, -1) @ w + b
+    logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True))
+    logp -= logits.max(1, keepdims=True)
+    want = -logp[np.arange(4), np.asarray(batch["y"])].mean()
+    np.testing.assert_allclose(float(model.loss_fn(params, batch)), want, rtol=1e-5)
+    assert model.name.startswith("linear")
+    mlp = build_model(ModelConfig(kind="linear", hidden=(8,)), DIGITS, "fp32")
+    assert mlp.name.startswith("plain-JAX MLP")
+
+
+def test_vit_shapes_and_validation():
+    model = build_model(ModelConfig(kind="vit", **SMALL_VIT), DIGITS, "fp32")
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    assert params["pos_embedding"].shape == (1, 4, 16)  # (8 / 4)^2 tokens
+    params = jax.jit(model.init)(jax.random.key(0))
+    predict = jax.jit(model.predict)
+    # one example's logits do not depend on the rest of the batch (no batch statistics)
+    x = _batch(3)["x"]
+    alone = predict(params, x[:1])
+    together = predict(params, x)
+    assert together.shape == (3, 10)
+    together = together[:1]
+    np.testing.assert_allclose(alone, together, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="model.patch: 3 must divide"):
+        build_model(ModelConfig(kind="vit", patch=3, dim=16, heads=2), DIGITS, "fp32")
+    flat = types.SimpleNamespace(input_shape=(64,), num_classes=10)
+    with pytest.raises(ValueError, match="needs image inputs"):
+        build_model(ModelConfig(kind="vit"), flat, "fp32")
