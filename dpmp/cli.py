@@ -101,13 +101,16 @@ def _summary(report: dict) -> str:
         ("test accuracy", _fmt(report.get("test_accuracy"))),
         ("epsilon", f"{_fmt(report.get('epsilon'))} (delta {_fmt(report.get('delta'))})"),
         ("noise multiplier", _fmt(report.get("noise_multiplier"))),
-        ("overflowed examples", _fmt(overflow.get("total"))),
+        ("overflowed examples", _fmt(overflow.get("examples_nonfinite"))),
+        ("noised overflow total", _fmt(overflow.get("noised_count_total"))),
         ("loss-scale cost (epsilon)", _fmt(overflow.get("epsilon_cost"))),
         ("audit", "ok" if audit.get("ok") else ("FAILED" if audit else "-")),
         ("wall time (s)", _fmt(report.get("wall_time_s"), ".1f")),
     ]
     if report.get("stopped_early"):
         rows.append(("stopped early", report["stopped_early"]))
+    if overflow.get("privacy"):
+        rows.append(("loss-scale privacy", overflow["privacy"]))
     note = (report.get("sampling") or {}) if isinstance(report.get("sampling"), dict) else {}
     if note.get("privacy_note"):
         rows.append(("privacy note", note["privacy_note"]))
@@ -117,16 +120,9 @@ def _summary(report: dict) -> str:
 
 # ---- audit -------------------------------------------------------------------------
 def _cmd_audit(args) -> int:
-    import dpmp
-    from dpmp._src.data import load_data
-    from dpmp._src.trainer import build_private_step
+    from dpmp._src.trainer import audit_step
 
-    config = _load(args)
-    data = load_data(config.data, config.training.seed)
-    step_fn, step_args = build_private_step(config, data)
-    report = dpmp.audit_precision(
-        step_fn, *step_args, policy=config.precision, name="dpmp train step"
-    )
+    report = audit_step(_load(args))
     if args.json:
         print(report.to_json())
     else:

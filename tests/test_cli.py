@@ -132,3 +132,80 @@ def test_argparse_errors_exit_2():
     assert out.returncode == 2
     out = run_cli("--help")
     assert out.returncode == 0 and "train" in out.stdout and "audit" in out.stdout
+
+
+def test_train_report_and_audit_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "--out",
+        str(out),
+        "--quiet",
+        "--set",
+        "training.steps=6",
+        "--set",
+        "training.log_every=2",
+        "--set",
+        "privacy.target_epsilon=1",
+    ]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "test accuracy" in text and "audit" in text
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == 6 and report["audit"]["ok"] is True
+    assert report["epsilon"] <= 1.0 + 1e-6
+    assert (out / "privacy_utility.png").stat().st_size > 1000
+    assert (out / "precision.png").stat().st_size > 1000
+    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 3
+    assert cli.main(["report", str(out)]) == 0
+    assert "epsilon" in capsys.readouterr().out
+    assert cli.main(["report", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 6
+
+
+def test_audit_passes_default_and_fails_unsafe_noise(capsys):
+    assert cli.main(["audit"]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert cli.main(["audit", "--json", "--set", 'policy="bf16,noise=bf16,unsafe=true"']) == 1
+    report = json.loads(capsys.readouterr().out)
+    bad = [f for f in report["findings"] if not f["ok"]]
+    assert bad and all(f["kind"] == "noise_sample" and f["out_dtype"] == "bf16" for f in bad)
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["train", "--set", "privacy.delta=2"], "privacy.delta"),
+        (["train", "--set", "model.kind=cnn"], "model.kind"),
+        (["train", "--set", "trainig.steps=3"], "unknown section"),
+        (["train", "--set", "training.stepz=3"], "unknown key training.stepz"),
+        (["train", "--set", "policy=bfloat"], "preset"),
+        (["train", "--set", "policy=bf16,noise=bf16"], "noise"),
+        (["train", "--set", "nodot"], "section.key=value"),
+        (["train", "--config", "/nonexistent.toml"], "no such file"),
+        (["train", "--data", "/nonexistent.npz"], "no such file"),
+        (["train", "--data", "x.csv"], ".npz"),
+        (["audit", "--set", "loss_scale.kind=huge"], "loss_scale.kind"),
+    ],
+)
+def test_train_and_audit_config_errors(argv, needle, capsys, tmp_path):
+    assert (
+        cli.main([*argv[:1], *(["--out", str(tmp_path)] if argv[0] == "train" else []), *argv[1:]])
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+
+
+def test_bad_toml_and_bad_npz(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[privacy\n")
+    assert cli.main(["train", "--config", str(bad), "--out", str(tmp_path / "r")]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
+    npz = tmp_path / "d.npz"
+    import numpy as np
+
+    np.savez(npz, x=np.ones((10, 3)), y=np.zeros(9, np.int32))
+    assert cli.main(["train", "--data", str(npz), "--out", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "y" in err

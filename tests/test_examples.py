@@ -40,6 +40,9 @@ def test_readme_quick_start_runs():
 
     readme = (EXAMPLES.parent / "README.md").read_text()
     code = re.findall(r"```python\n(.*?)```", readme, re.S)[0]
-    code += "\nassert out.grads['w'].dtype == jnp.float32\nassert float(abs(params['w']).max()) > 0\n"
+    code += (
+        "\nassert out.grads['w'].dtype == jnp.float32"
+        "\nassert float(abs(params['w']).max()) > 0\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dpmp._src import audit_jaxpr
@@ -283,6 +284,15 @@ def audit_precision(
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
     if not isinstance(policy, Policy):
         raise ValueError(f"policy: expected a dpmp.Policy or a string, got {policy!r}")
+    # The audit judges privacy, not obedience to the policy: a policy that opted in to
+    # unsafe (sub-float32) clip, accumulate or noise dtypes is still held to float32.
+    floor = {
+        role: np.dtype(np.float32)
+        for role in ("clip", "accumulate", "noise")
+        if jnp.finfo(getattr(policy, role)).bits < 32
+    }
+    if floor:
+        policy = policy.replace(**floor)
     for k in expect:
         if k not in KINDS:
             raise ValueError(f"expect: unknown kind {k!r}; allowed: {', '.join(KINDS)}")

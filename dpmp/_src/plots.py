@@ -14,25 +14,16 @@ import json
 import math
 from pathlib import Path
 
+from dpmp._src import run_dir as run_dir_lib
+
 __all__ = ["plot_run", "read_metrics"]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The records of ``metrics.jsonl``; a torn last line (a crash mid-write) is skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise ValueError(f"{path}: not found; is {run_dir} a dpmp run directory?")
-    records = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    """The records of a run's ``metrics.jsonl``; an error if there are none."""
+    records = run_dir_lib.read_metrics(run_dir)
     if not records:
-        raise ValueError(f"{path}: no records yet")
+        raise ValueError(f"{run_dir}: no metrics.jsonl records; is it a dpmp run directory?")
     return records
 
 
@@ -60,7 +51,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     if report_path.is_file():
         try:
             report = json.loads(report_path.read_text())
-            title = f"{run_dir.name}  ({report.get('policy', '')})"
+            compute = dict(
+                kv.split("=", 1) for kv in str(report.get("policy", "")).split(",") if "=" in kv
+            ).get("compute", "?")
+            title = f"{run_dir.name} (compute {compute}, eps {report.get('epsilon', 0):.3g})"
         except json.JSONDecodeError:
             pass
     out = []
@@ -88,7 +82,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     labels = ax.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
     ax.legend(lines, labels, loc="center right")
-    ax.set_title(f"privacy and utility — {title}")
+    ax.set_title(f"privacy and utility — {title}", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = run_dir / "privacy_utility.png"
@@ -103,16 +97,17 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     a1.set_yscale("log", base=2)
     a1.set_ylabel("loss scale")
     a1.grid(alpha=0.3)
-    a1.set_title(f"loss scale and overflow — {title}")
+    a1.set_title(f"loss scale and overflow — {title}", fontsize=10)
     rec, over = _series(records, "overflow")
     a2.bar([r["step"] for r in rec], over, color="tab:red", label="overflowed examples (exact)")
-    rec, noised = _series(records, "overflow_noised")
+    rec, noised = _series(records, "noised_overflow")
     if noised:
         a2.plot(
             [r["step"] for r in rec], noised, ".", color="tab:orange", label="released noised count"
         )
     a2.set_xlabel("step")
     a2.set_ylabel("examples")
+    a2.set_ylim(bottom=0, top=max([1.0, *over, *noised]) * 1.1)
     a2.legend(loc="upper right")
     a2.grid(alpha=0.3)
     fig.tight_layout()
