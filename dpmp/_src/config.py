@@ -17,7 +17,7 @@ A config is a TOML file with one table per section::
 
     [training]
     expected_batch_size = 256
-    steps = 224
+    steps = 400
 
 Every key has a default (the default run trains a private MLP on the digits
 data in bf16 at epsilon 2). ``--set section.key=value`` on the command line
@@ -171,7 +171,7 @@ class TrainingConfig:
     seed: one seed for initialisation, sampling and noise.
     """
 
-    steps: int = 224
+    steps: int = 400
     expected_batch_size: int = 256
     optimizer: str = "adam"
     learning_rate: float = 3e-3
