@@ -27,7 +27,7 @@ def _batch(n=4, shape=(8, 8, 1)):
         ("nnx_mlp", {}, "flax.nnx"),
         ("linear", {}, "jax"),
         ("linear", {"hidden": ()}, "jax"),
-        ("vit", SMALL_VIT, "flax.linen"),
+        pytest.param("vit", SMALL_VIT, "flax.linen", marks=pytest.mark.slow),
     ],
 )
 def test_kind_with_private_grad(kind, extra, framework):
@@ -83,9 +83,22 @@ def test_linear_matches_a_numpy_reference():
 
 
 def test_vit_shapes_and_validation():
-    model = build_model(ModelConfig(kind="vit", **SMALL_VIT), DIGITS, "fp32")
+    model = build_model(ModelConfig(kind="vit", **SMALL_VIT), DIGITS, "bf16")
     params = jax.eval_shape(model.init, jax.random.key(0))
     assert params["pos_embedding"].shape == (1, 4, 16)  # (8 / 4)^2 tokens
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    logits = jax.eval_shape(model.predict, params, _batch(2)["x"])
+    assert logits.shape == (2, 10) and logits.dtype == jnp.float32
+    with pytest.raises(ValueError, match="model.patch: 3 must divide"):
+        build_model(ModelConfig(kind="vit", patch=3, dim=16, heads=2), DIGITS, "fp32")
+    flat = types.SimpleNamespace(input_shape=(64,), num_classes=10)
+    with pytest.raises(ValueError, match="needs image inputs"):
+        build_model(ModelConfig(kind="vit"), flat, "fp32")
+
+
+@pytest.mark.slow
+def test_vit_example_does_not_see_the_batch():
+    model = build_model(ModelConfig(kind="vit", **SMALL_VIT), DIGITS, "fp32")
     params = jax.jit(model.init)(jax.random.key(0))
     predict = jax.jit(model.predict)
     # one example's logits do not depend on the rest of the batch (no batch statistics)
@@ -95,8 +108,3 @@ def test_vit_shapes_and_validation():
     assert together.shape == (3, 10)
     together = together[:1]
     np.testing.assert_allclose(alone, together, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="model.patch: 3 must divide"):
-        build_model(ModelConfig(kind="vit", patch=3, dim=16, heads=2), DIGITS, "fp32")
-    flat = types.SimpleNamespace(input_shape=(64,), num_classes=10)
-    with pytest.raises(ValueError, match="needs image inputs"):
-        build_model(ModelConfig(kind="vit"), flat, "fp32")

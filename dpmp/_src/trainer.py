@@ -337,7 +337,7 @@ def _audit_summary(step: PrivateStep) -> dict[str, Any]:
     }
 
 
-def _evaluator(model: Model, chunk: int = 2048):
+def _evaluator(model: Model, chunk: int = 512):
     @jax.jit
     def sums(params, x, y, valid):
         logits = model.predict(params, x).astype(jnp.float32)
@@ -347,7 +347,7 @@ def _evaluator(model: Model, chunk: int = 2048):
 
     def evaluate(params, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         n = len(x)
-        size = min(chunk, n)
+        size = chunk  # one compiled shape for the train and the test split
         loss, correct = 0.0, 0
         for start in range(0, n, size):
             xb, yb = x[start : start + size], y[start : start + size]
