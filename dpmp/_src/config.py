@@ -203,7 +203,10 @@ class LossScaleConfig:
       count: a diagnostic that is NOT differentially private).
     initial: the initial (or static) scale.
     period, factor, min_scale, max_scale: the dynamic rule.
-    count_noise_stddev: noise on the released overflow count (private_dynamic).
+    count_noise_stddev: noise on the released overflow count (private_dynamic). It
+      shares the budget with the gradient noise (the two form one Gaussian with
+      noise multiplier (sigma^-2 + count_noise_stddev^-2)^-1/2), so keep it well
+      above the gradient's sigma: at 64 the scale costs ~0.015 epsilon on digits.
     """
 
     kind: str = "none"
@@ -212,7 +215,7 @@ class LossScaleConfig:
     factor: float = 2.0
     min_scale: float = 1.0
     max_scale: float = 2.0**24
-    count_noise_stddev: float = 8.0
+    count_noise_stddev: float = 64.0
 
     def __post_init__(self):
         _choice(
