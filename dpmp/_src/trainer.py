@@ -462,6 +462,18 @@ def train(
         step = build_private_step(config, data)
     data, model = step.data, step.model
     evaluate = _evaluator(model)
+
+    def evaluate_all(params, at_step: int) -> dict[str, Any]:
+        train_acc, train_loss = evaluate(params, data.x_train, data.y_train)
+        test_acc, test_loss = evaluate(params, data.x_test, data.y_test)
+        return {
+            "step": at_step,
+            "train_accuracy": train_acc,
+            "train_loss": train_loss,
+            "test_accuracy": test_acc,
+            "test_loss": test_loss,
+        }
+
     state = dict(step.init_state)
     sampler = step.sampler
     tracker = accounting.BudgetTracker(step.budget)
@@ -590,15 +602,7 @@ def train(
         stopped = stop_reason()
         last = completed >= t.steps or stopped is not None
         if _due(completed, t.eval_every) or last:
-            train_acc, train_loss = evaluate(params, data.x_train, data.y_train)
-            test_acc, test_loss = evaluate(params, data.x_test, data.y_test)
-            last_eval = {
-                "step": completed,
-                "train_accuracy": train_acc,
-                "train_loss": train_loss,
-                "test_accuracy": test_acc,
-                "test_loss": test_loss,
-            }
+            last_eval = evaluate_all(params, completed)
         if _due(completed, t.log_every) or last:
             n_ex = int(stats.num_examples)
             record = {
@@ -659,16 +663,9 @@ def train(
     if stopped is not None:
         run.log("STOPPED EARLY: " + stopped["reason"], echo=True)
     if last_eval.get("step") != completed:  # zero steps, or resumed a finished run
-        train_acc, train_loss = evaluate(state["params"], data.x_train, data.y_train)
-        test_acc, test_loss = evaluate(state["params"], data.x_test, data.y_test)
-        last_eval = {
-            "step": completed,
-            "train_accuracy": train_acc,
-            "train_loss": train_loss,
-            "test_accuracy": test_acc,
-            "test_loss": test_loss,
-        }
-    if not list_checkpoints(ckpt_dir) or list_checkpoints(ckpt_dir)[-1][0] != completed:
+        last_eval = evaluate_all(state["params"], completed)
+    saved = list_checkpoints(ckpt_dir)
+    if not saved or saved[-1][0] != completed:
         save(finished=True, stopped=stopped)
 
     report = _report(
