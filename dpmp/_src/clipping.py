@@ -50,6 +50,7 @@ Formal guarantees (add/remove-one adjacency; replace-one doubles the bound):
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -59,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dpmp._src import ghost as ghost_lib
 from dpmp._src.casting import cast_tree
 from dpmp._src.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from dpmp._src.policy import Policy
@@ -66,7 +68,7 @@ from dpmp._src.private_loss_scale import PrivateDynamicLossScale
 
 __all__ = ["PrivateGrad", "PrivateGradStats", "PrivateGradFn", "private_grad"]
 
-_METHODS = ("auto", "vmap")
+_METHODS = ("auto", "vmap", "ghost")
 
 
 class PrivateGradStats(NamedTuple):
@@ -119,11 +121,31 @@ class PrivateGradFn:
     ``g(params, x, y, ...)``.
     """
 
-    def __init__(self, fun: Callable, *, l2_norm_bound: float, method: str, policy: Policy):
+    def __init__(
+        self,
+        fun: Callable,
+        *,
+        l2_norm_bound: float,
+        method: str,
+        policy: Policy,
+        explain: Callable | None = None,
+    ):
         self._fun = fun
+        self._explain = explain
         self.l2_norm_bound = l2_norm_bound
         self.method = method
         self.policy = policy
+
+    def explain(self, params, *args) -> dict[str, Any]:
+        """Which method computes ``g(params, *args)`` and why.
+
+        Returns ``{"requested", "method", "reason", "layers"}``: ``method`` is
+        ``"vmap"`` or ``"ghost"``; ``reason`` says why ``"auto"`` fell back to
+        per-example gradients (empty when it did not); ``layers`` lists each
+        parameter leaf with the layer kind and the norm rule ghost clipping
+        uses for it. Only shapes and dtypes of the arguments are used.
+        """
+        return self._explain(params, *args)
 
     def __call__(self, *args, **kwargs) -> PrivateGrad:
         return self._fun(*args, **kwargs)
@@ -144,6 +166,11 @@ class PrivateGradFn:
             case _:
                 raise ValueError(f"unsupported neighboring relation {neighboring_relation}")
 
+    @property
+    def resolved_method(self) -> str | None:
+        """The method the last traced call used (``None`` before the first call)."""
+        return self._explain.last if self._explain is not None else None
+
     def __repr__(self):
         return (
             f"PrivateGradFn(l2_norm_bound={self.l2_norm_bound}, method={self.method!r}, "
@@ -163,7 +190,7 @@ def private_grad(
     l2_clip_norm: float,
     policy: Policy | str,
     batch_argnums: int | Sequence[int] = 1,
-    method: str = "auto",
+    method: str = "vmap",
     microbatch_size: int | None = None,
     keep_batch_dim: bool = True,
     allow_nonprivate_loss_scale: bool = False,
@@ -180,8 +207,18 @@ def private_grad(
         params cast to ``policy.grad`` and the floating leaves of the batch cast
         to ``policy.compute``.
       batch_argnums: which positional arguments carry the batch axis.
-      method: ``"vmap"`` (jax-privacy per-example gradients) or ``"auto"``
-        (currently always ``"vmap"``; the choice is reported as ``.method``).
+      method: ``"vmap"`` (per-example gradients, as jax-privacy computes them),
+        ``"ghost"`` (per-example norms from each layer's activations and output
+        gradients, then one clip-weighted contraction per layer; no per-example
+        gradient is formed, see ``dpmp._src.ghost``), or ``"auto"``: ghost
+        where every parameter sits in a supported layer (dense/einsum,
+        convolution, embedding, bias, norm scale), else vmap. ``g.explain(params,
+        *args)`` says which was chosen and why; ``g.resolved_method`` is the
+        last traced choice. ``"ghost"`` on an unsupported model raises. The
+        default stays ``"vmap"``: ghost clipping is not yet supported inside
+        ``shard_map``, and it measures overflow differently (it never forms a
+        half-precision per-example weight gradient, so an example overflows
+        only if an activation or output gradient does).
       microbatch_size: examples per vmapped microbatch; microbatches run
         sequentially and are summed in the accumulate dtype.
       keep_batch_dim: pass each example with a leading axis of size 1.
@@ -206,7 +243,6 @@ def private_grad(
     policy = Policy.parse(policy)
     if method not in _METHODS:
         raise ValueError(f"method: unknown {method!r}; allowed: {', '.join(_METHODS)}")
-    chosen = "vmap"
     try:
         clip_norm = float(l2_clip_norm)
     except (TypeError, ValueError) as e:
@@ -276,12 +312,45 @@ def private_grad(
 
         return jax.tree.map(weighted_sum, grads), (norms, finite, losses)
 
+    def example_loss(params, others, *example):
+        """float32 loss of ONE example (no batch axis), as ``per_example`` computes it."""
+        args = dict(others)
+        for pos, value in zip(argnums, example):
+            value = cast_tree(value, policy.compute)
+            if keep_batch_dim:
+                value = jax.tree.map(lambda x: x[None], value)
+            args[pos] = value
+        args = [args[i] for i in range(1, len(args) + 1)]
+        loss = jnp.asarray(loss_fn(params, *args))
+        if loss.shape != ():
+            raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}")
+        return loss.astype(jnp.float32)
+
+    chooser = _MethodChooser(method, example_loss)
+
+    def ghost_sum(plan, params, s, others, is_padding, *batch):
+        """Clipped sum over one (micro)batch from activations and output gradients."""
+        leaves, norms, finite, losses = ghost_lib.ghost_clipped_sum(
+            plan,
+            params_leaves=jax.tree.leaves(params),
+            others_leaves=jax.tree.leaves(others),
+            batch_leaves=jax.tree.leaves(batch),
+            scale=s,
+            is_padding=is_padding,
+            clip_norm=clip_norm,
+            clip_dtype=clip_dtype,
+            sum_dtype=sum_dtype,
+        )
+        return jax.tree.unflatten(jax.tree.structure(params), leaves), (norms, finite, losses)
+
     acc = optax.microbatching.AccumulationType
-    if microbatch_size is None:
-        summed = microbatch_sum
-    else:
-        summed = optax.microbatching.microbatch(
-            microbatch_sum,
+
+    def summed_fn(plan):
+        base = microbatch_sum if plan is None else functools.partial(ghost_sum, plan)
+        if microbatch_size is None:
+            return base
+        return optax.microbatching.microbatch(
+            base,
             argnums=tuple(range(3, 4 + n_batch)),
             microbatch_size=int(microbatch_size),
             accumulator=(acc.SUM, (acc.CONCAT, acc.CONCAT, acc.CONCAT)),
@@ -328,7 +397,8 @@ def private_grad(
             raise ValueError(
                 f"microbatch_size: {microbatch_size} does not divide the batch size {batch_size}"
             )
-        sums, (norms, finite, losses) = summed(
+        plan = chooser.choose(diff_params, others, batch_args)
+        sums, (norms, finite, losses) = summed_fn(plan)(
             diff_params, s, others, is_padding_example, *batch_args
         )
         real = ~is_padding_example
@@ -359,4 +429,67 @@ def private_grad(
             next_scale = loss_scale
         return PrivateGrad(sums, stats, next_scale)
 
-    return PrivateGradFn(fun, l2_norm_bound=clip_norm, method=chosen, policy=policy)
+    def explain(params, *args):
+        batch_args = [args[i - 1] for i in argnums]
+        others = {j: a for j, a in enumerate(args, start=1) if j not in argnums}
+        diff_params = jax.eval_shape(lambda p: cast_tree(p, policy.grad), params)
+        return chooser.explain(diff_params, others, batch_args)
+
+    chooser.explain_args = explain
+    return PrivateGradFn(
+        fun, l2_norm_bound=clip_norm, method=method, policy=policy, explain=chooser
+    )
+
+
+class _MethodChooser:
+    """Decides, per argument shapes, between per-example gradients and ghost clipping."""
+
+    def __init__(self, method: str, example_loss: Callable):
+        self.method = method
+        self.example_loss = example_loss
+        self.last: str | None = None
+        self._cache: dict[Any, tuple[Any, str]] = {}
+        self.explain_args: Callable | None = None
+
+    def __call__(self, params, *args) -> dict[str, Any]:
+        return self.explain_args(params, *args)
+
+    def _key(self, params, others, batch_args):
+        def sig(tree):
+            leaves, treedef = jax.tree.flatten(tree)
+            avals = [ghost_lib.aval(x) for x in leaves]
+            return treedef, tuple((a.shape, str(a.dtype)) for a in avals)
+
+        return sig(params), sig(others), sig(batch_args)
+
+    def _plan(self, params, others, batch_args):
+        """``(plan or None, reason)`` for these shapes, cached."""
+        if self.method == "vmap":
+            return None, "method='vmap' requested"
+        key = self._key(params, others, batch_args)
+        if key not in self._cache:
+            example = tuple(
+                jax.tree.map(lambda x: ghost_lib.aval(x, drop_batch=True), b) for b in batch_args
+            )
+            try:
+                plan = ghost_lib.plan_ghost(self.example_loss, params, others, example)
+                self._cache[key] = (plan, "")
+            except ghost_lib.Unsupported as e:
+                if self.method == "ghost":
+                    raise ValueError(f"method='ghost': {e}") from None
+                self._cache[key] = (None, str(e))
+        return self._cache[key]
+
+    def choose(self, params, others, batch_args):
+        plan, _ = self._plan(params, others, batch_args)
+        self.last = "vmap" if plan is None else "ghost"
+        return plan
+
+    def explain(self, params, others, batch_args) -> dict[str, Any]:
+        plan, reason = self._plan(params, others, batch_args)
+        return {
+            "requested": self.method,
+            "method": "vmap" if plan is None else "ghost",
+            "reason": reason,
+            "layers": [] if plan is None else plan.layers(),
+        }

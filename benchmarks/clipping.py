@@ -1,0 +1,218 @@
+"""Cost of a private gradient next to the non-private one, measured side by side.
+
+For an MLP, a small CNN and a small ViT at one batch size, in float32 and in
+bf16 compute, this measures in ONE process:
+
+* ``nonprivate``  ``jax.grad`` of the batch's mean loss;
+* ``jaxprivacy``  ``jax_privacy.clipping.clipped_grad`` (per-example gradients
+  under ``vmap``);
+* ``dpmp_vmap``   ``dpmp.private_grad(method="vmap")``;
+* ``dpmp_ghost``  ``dpmp.private_grad(method="ghost")`` (norms from activations
+  and output gradients, no per-example gradients);
+
+each jitted, as the median wall time of ``--repeats`` calls after one warm-up
+call, and the compiled temporary memory
+(``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``).
+It prints a table of ratios to the non-private step and writes the raw
+numbers as JSON (``--json``).
+
+    python benchmarks/clipping.py                      # all models, f32 and bf16
+    python benchmarks/clipping.py --models mlp --policies f32 --repeats 3
+
+On CPUs bf16 is emulated (XLA computes it through float32), so bf16 times and
+memory there say nothing about accelerators; run it on a GPU for those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax_privacy import clipping as jp_clipping
+
+import dpmp
+
+METHODS = ("nonprivate", "jaxprivacy", "dpmp_vmap", "dpmp_ghost")
+
+
+class MLP(nn.Module):
+    """784-1024-1024-1024-10, ReLU."""
+
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape((x.shape[0], -1))
+        for width in (1024, 1024, 1024):
+            x = nn.relu(nn.Dense(width, dtype=self.dtype)(x))
+        return nn.Dense(10, dtype=self.dtype)(x)
+
+
+class CNN(nn.Module):
+    """Two 3x3 convolutions (16, 32 channels) with average pooling, a linear head."""
+
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        for channels in (16, 32):
+            x = nn.relu(nn.Conv(channels, (3, 3), dtype=self.dtype)(x))
+            x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+        return nn.Dense(10, dtype=self.dtype)(x.reshape((x.shape[0], -1)))
+
+
+class ViT(nn.Module):
+    """4x4 patches of a 32x32 image (64 tokens), dim 64, 2 pre-LN blocks, 4 heads."""
+
+    dtype: jnp.dtype = jnp.float32
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        d = self.dtype
+        x = nn.Conv(self.dim, (4, 4), strides=(4, 4), padding="VALID", dtype=d)(x)
+        x = x.reshape((x.shape[0], -1, self.dim))
+        pos = self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], self.dim))
+        x = x + pos.astype(x.dtype)
+        for _ in range(self.depth):
+            y = nn.LayerNorm(dtype=d)(x)
+            x = x + nn.MultiHeadDotProductAttention(self.heads, dtype=d)(y, y)
+            y = nn.LayerNorm(dtype=d)(x)
+            x = x + nn.Dense(self.dim, dtype=d)(nn.gelu(nn.Dense(2 * self.dim, dtype=d)(y)))
+        x = nn.LayerNorm(dtype=d)(x).mean(axis=1)
+        return nn.Dense(10, dtype=d)(x)
+
+
+MODELS = {
+    "mlp": (MLP, (28, 28, 1)),
+    "cnn": (CNN, (32, 32, 3)),
+    "vit": (ViT, (32, 32, 3)),
+}
+
+
+def build(model: str, policy: str, batch_size: int):
+    cls, shape = MODELS[model]
+    compute = dpmp.Policy.parse(policy).compute
+    module = cls(dtype=compute)
+    kx, ky, kp = jax.random.split(jax.random.key(0), 3)
+    batch = {
+        "x": jax.random.normal(kx, (batch_size, *shape), jnp.float32),
+        "y": jax.random.randint(ky, (batch_size,), 0, 10),
+    }
+    params = module.init(kp, batch["x"][:1])["params"]
+
+    def loss_fn(p, b):
+        logits = module.apply({"params": p}, b["x"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    return loss_fn, params, batch
+
+
+def step_fns(loss_fn, policy: str):
+    grad = jax.grad(loss_fn)
+    jp = jp_clipping.clipped_grad(loss_fn, l2_clip_norm=1.0, batch_argnums=1)
+    vm = dpmp.private_grad(loss_fn, l2_clip_norm=1.0, policy=policy, method="vmap")
+    gh = dpmp.private_grad(loss_fn, l2_clip_norm=1.0, policy=policy, method="ghost")
+    return {
+        "nonprivate": lambda p, b: grad(p, b),
+        "jaxprivacy": lambda p, b: jp(p, b),
+        "dpmp_vmap": lambda p, b: vm(p, b).grads,
+        "dpmp_ghost": lambda p, b: gh(p, b).grads,
+    }
+
+
+def measure(fn, params, batch, repeats: int) -> dict:
+    jitted = jax.jit(fn)
+    t0 = time.perf_counter()
+    compiled = jitted.lower(params, batch).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    jax.block_until_ready(compiled(params, batch))  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(params, batch))
+        times.append(time.perf_counter() - t)
+    return {
+        "median_s": statistics.median(times),
+        "times_s": times,
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "compile_s": compile_s,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="mlp,cnn,vit", help="comma-separated: mlp, cnn, vit")
+    ap.add_argument("--policies", default="f32,bf16", help="comma-separated policy strings")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5, help="timed calls after warm-up")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    models = args.models.split(",")
+    methods = args.methods.split(",")
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"--models: unknown {m!r}; allowed: {', '.join(MODELS)}")
+    for m in methods:
+        if m not in METHODS:
+            ap.error(f"--methods: unknown {m!r}; allowed: {', '.join(METHODS)}")
+    if "nonprivate" not in methods:
+        methods.insert(0, "nonprivate")
+
+    device = jax.devices()[0]
+    results = {
+        "device": f"{device.platform} {device.device_kind}",
+        "cpu": platform.processor() or platform.machine(),
+        "jax": jax.__version__,
+        "batch_size": args.batch_size,
+        "repeats": args.repeats,
+        "runs": [],
+    }
+    header = f"{'model':6} {'policy':6} {'method':11} {'median ms':>10} {'x time':>8} "
+    header += f"{'temp MB':>9} {'x mem':>8}"
+    print(header)
+    print("-" * len(header))
+    for model in models:
+        for policy in args.policies.split(","):
+            loss_fn, params, batch = build(model, policy, args.batch_size)
+            fns = step_fns(loss_fn, policy)
+            base = None
+            for method in methods:
+                print(f"  {model} {policy} {method} ...", end="\r", file=sys.stderr, flush=True)
+                r = measure(fns[method], params, batch, args.repeats)
+                if method == "nonprivate":
+                    base = r
+                r.update(
+                    model=model,
+                    policy=policy,
+                    method=method,
+                    time_ratio=r["median_s"] / base["median_s"],
+                    mem_ratio=r["temp_bytes"] / max(base["temp_bytes"], 1),
+                )
+                results["runs"].append(r)
+                print(
+                    f"{model:6} {policy:6} {method:11} {r['median_s'] * 1e3:10.1f} "
+                    f"{r['time_ratio']:8.2f} {r['temp_bytes'] / 1e6:9.2f} {r['mem_ratio']:8.2f}",
+                    flush=True,
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,612 @@
+"""Per-example clipping without per-example gradients ("ghost" clipping).
+
+For a layer ``y = x W`` the gradient of one example's loss with respect to
+``W`` is ``x_i^T g_i``, where ``g_i = dL_i/dy_i`` is the layer's output
+gradient. Its norm needs neither ``x_i^T g_i`` nor any other per-example
+gradient (Goodfellow 2015, "Efficient per-example gradient computations";
+Li et al. 2022, "Large language models can be strong differentially private
+learners", the Gram form for sequences):
+
+* flat input (one token):  ``||x_i^T g_i||^2 = ||x_i||^2 ||g_i||^2``;
+* T tokens:                ``||X_i^T G_i||_F^2 = <X_i X_i^T, G_i G_i^T>`` (two
+  T x T Gram matrices), or ``X_i^T G_i`` itself where that is smaller
+  (T (K + N) > K N; Bu et al. 2022, "mixed ghost clipping");
+* embedding rows:          ``sum_{t,s} [id_t = id_s] <g_t, g_s>``;
+* convolutions, norm scales, biases: the per-example gradient of that layer
+  alone (small, or the size of one kernel), from the same ``x_i`` and ``g_i``.
+
+The whole clipped sum then follows from the same activations and output
+gradients: ``sum_i c_i x_i^T g_i`` is one contraction over the batch (and the
+tokens) per layer, with ``c_i = min(1, C / ||grad_i||)``. This is the
+"book-keeping" form of Bu et al. 2023 ("Differentially private optimization on
+large model at small cost", ICML): no second backward pass, and the norms and
+the sum come from the very same ``(x_i, g_i)`` — so the bound on each
+clipped contribution holds for exactly what is summed.
+
+How the layers are found. ``loss_fn`` stays an ordinary function (flax linen,
+flax nnx or plain JAX). Its jaxpr for ONE example is traced and flattened
+(``jit`` calls inlined); each parameter leaf is followed through layout-only
+operations (``convert_element_type``, ``reshape``, ``broadcast_in_dim``,
+``transpose``, ``squeeze``, ``expand_dims``, ``copy``) to the single equation
+that uses it: a ``dot_general`` (dense layers, attention projections, einsum),
+a ``conv_general_dilated`` (kernel), a ``gather`` (embedding), an ``add`` /
+``sub`` (bias) or a ``mul`` (norm scale). A parameter used anywhere else — in
+two places (tied weights), inside a ``scan``, a ``custom_jvp`` function,
+``remat``, or by any other primitive — makes the model unsupported, and
+``method="auto"`` falls back to per-example gradients: the norm is never
+computed by a rule that does not hold.
+
+Each of those equations gets a zero "perturbation" added to its output; the
+gradient of the summed, loss-scaled per-example losses with respect to the
+perturbations is exactly ``g_i`` for every layer and example, from one
+backward pass that computes no parameter gradients.
+
+Precision. The forward pass and the output gradients stay in the compute
+dtype; the activations and output gradients are cast to the clip dtype and
+the loss scale is divided out (in float32) BEFORE any norm; Gram matrices,
+norms and clip factors are computed in the clip dtype and the clip-weighted
+contraction accumulates in ``promote(clip, accumulate)`` with
+``Precision.HIGHEST`` (no TF32 on GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import source_info_util
+from jax.extend import core as jax_core
+
+__all__ = ["GhostPlan", "Unsupported", "aval", "ghost_clipped_sum", "plan_ghost"]
+
+# Operations that only move, cast or broadcast a parameter on its way to a layer.
+_LAYOUT = frozenset(
+    (
+        "convert_element_type",
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "copy",
+        "copy_p",
+    )
+)
+# Layout operations that keep every entry once (the norm of W' is the norm of W).
+_BIJECTIVE = frozenset(
+    ("convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p")
+)
+_CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
+_HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+_CONV_CHUNK = 64  # examples per step when convolution norms are taken from image patches
+
+
+class Unsupported(ValueError):
+    """The model has a parameterised operation ghost clipping has no rule for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tap:
+    """One parameter leaf and the equation that consumes it."""
+
+    leaf: int  # index of the parameter leaf
+    path: str  # its pytree path, for messages
+    chain: tuple[int, ...]  # equation indices of layout ops from the leaf to the layer
+    eqn: int  # the layer equation
+    pos: int  # operand position of the (transformed) parameter in it
+    rule: str  # "dot" | "embed" | "generic"
+    kind: str  # a readable layer kind
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GhostPlan:
+    """The flattened per-example jaxpr and, for each parameter leaf, its layer.
+
+    Attributes:
+      jaxpr: the flat per-example ``ClosedJaxpr`` (inputs: parameter leaves,
+        other-argument leaves, example leaves; output: the float32 loss).
+      taps: one ``_Tap`` per used floating parameter leaf.
+      unused: indices of parameter leaves the loss does not use (zero gradient).
+      n_params, n_others: leaf counts of the first two input groups.
+    """
+
+    jaxpr: Any
+    taps: tuple[_Tap, ...]
+    unused: tuple[int, ...]
+    n_params: int
+    n_others: int
+
+    def layers(self) -> list[dict[str, str]]:
+        """One row per parameter leaf: its path, layer kind and norm rule."""
+        return [{"param": t.path, "layer": t.kind, "rule": t.rule} for t in self.taps]
+
+
+# ---- tracing and flattening ----------------------------------------------------------
+
+
+def _read(env, v):
+    return v.val if isinstance(v, jax_core.Literal) else env[v]
+
+
+def _bind(eqn, invals, **overrides):
+    """Re-emit one equation (as ``jax.core.eval_jaxpr`` does), keeping its source info."""
+    params = dict(eqn.params, **overrides) if overrides else eqn.params
+    bind_params = eqn.primitive.get_bind_params(params)
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        with eqn.ctx.manager:
+            out = eqn.primitive.bind(*invals, **bind_params)
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _call_jaxpr(eqn):
+    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(sub, jax_core.ClosedJaxpr):
+        return sub.jaxpr, sub.consts
+    return sub, ()
+
+
+def _inline(jaxpr, consts, *args):
+    """Evaluate ``jaxpr`` with every ``jit`` call inlined (traced, this flattens it)."""
+    env = {}
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        invals = [_read(env, v) for v in eqn.invars]
+        if eqn.primitive.name in _CALLS:
+            sub, sub_consts = _call_jaxpr(eqn)
+            outs = _inline(sub, sub_consts, *invals)
+        else:
+            outs = _bind(eqn, invals)
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def plan_ghost(example_loss: Callable, params, others, example, *, paths=None) -> GhostPlan:
+    """Trace ``example_loss(params, others, *example)`` for one example and find the layers.
+
+    ``params``, ``others`` and ``example`` may be arrays or ``ShapeDtypeStruct``s
+    (``example`` without the batch axis). Raises :class:`Unsupported` naming
+    the first parameter leaf without a rule.
+    """
+    p_leaves = jax.tree.leaves(params)
+    o_leaves = jax.tree.leaves(others)
+    e_leaves = jax.tree.leaves(example)
+    if paths is None:
+        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+    p_def = jax.tree.structure(params)
+    o_def = jax.tree.structure(others)
+    e_def = jax.tree.structure(example)
+
+    def flat_loss(*leaves):
+        p = jax.tree.unflatten(p_def, leaves[: len(p_leaves)])
+        o = jax.tree.unflatten(o_def, leaves[len(p_leaves) : len(p_leaves) + len(o_leaves)])
+        e = jax.tree.unflatten(e_def, leaves[len(p_leaves) + len(o_leaves) :])
+        return example_loss(p, o, *e)
+
+    avals = [aval(x) for x in (*p_leaves, *o_leaves, *e_leaves)]
+    traced = jax.make_jaxpr(flat_loss)(*avals)
+    flat = jax.make_jaxpr(lambda *a: _inline(traced.jaxpr, traced.consts, *a))(*avals)
+    taps, unused = _find_taps(flat.jaxpr, len(p_leaves), paths)
+    return GhostPlan(flat, tuple(taps), tuple(unused), len(p_leaves), len(o_leaves))
+
+
+def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[_Tap], list[int]]:
+    uses: dict[Any, list[tuple[int, int]]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for pos, v in enumerate(eqn.invars):
+            if not isinstance(v, jax_core.Literal):
+                uses.setdefault(v, []).append((i, pos))
+    outs = {v for v in jaxpr.outvars if not isinstance(v, jax_core.Literal)}
+    param_vars = set(jaxpr.invars[:n_params])
+    taps, unused, claimed = [], [], {}
+    for leaf, v in enumerate(jaxpr.invars[:n_params]):
+        path = paths[leaf]
+        if not _is_float(v.aval.dtype):
+            raise Unsupported(f"parameter {path}: dtype {v.aval.dtype} is not floating")
+        chain = []
+        while True:
+            if v in outs:
+                raise Unsupported(f"parameter {path}: returned by the loss function")
+            here = uses.get(v, [])
+            if not here:
+                if chain:
+                    raise Unsupported(f"parameter {path}: transformed but unused")
+                unused.append(leaf)
+                break
+            if len(here) > 1:
+                raise Unsupported(
+                    f"parameter {path}: used {len(here)} times (shared or tied weights); "
+                    "ghost clipping needs each parameter in exactly one layer"
+                )
+            i, pos = here[0]
+            eqn = jaxpr.eqns[i]
+            name = eqn.primitive.name
+            if name in _LAYOUT and pos == 0:
+                chain.append(i)
+                v = eqn.outvars[0]
+                continue
+            rule, kind = _rule(eqn, pos, chain, jaxpr, path)
+            others = [u for k, u in enumerate(eqn.invars) if k != pos]
+            for u in others:
+                if u in param_vars:
+                    raise Unsupported(f"parameter {path}: {name} of two parameters")
+            if i in claimed:
+                raise Unsupported(f"parameter {path}: {name} also takes parameter {claimed[i]}")
+            claimed[i] = path
+            taps.append(_Tap(leaf, path, tuple(chain), i, pos, rule, kind))
+            break
+    return taps, unused
+
+
+def _rule(eqn, pos, chain, jaxpr, path) -> tuple[str, str]:
+    name = eqn.primitive.name
+    bijective = all(jaxpr.eqns[i].primitive.name in _BIJECTIVE for i in chain)
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        other = eqn.invars[1 - pos]
+        if not _is_float(other.aval.dtype):
+            raise Unsupported(f"parameter {path}: dot_general with a non-float operand")
+        if bijective and not lb and not rb:
+            return "dot", "dense"
+        return "generic", "dense (batched)"
+    if name == "conv_general_dilated":
+        if pos != 1:
+            raise Unsupported(f"parameter {path}: used as the input of a convolution")
+        p = eqn.params
+        if bijective and p["feature_group_count"] == 1 and p["batch_group_count"] == 1:
+            return "conv", "conv"
+        return "generic", "conv (grouped)"
+    if name == "gather":
+        if pos != 0:
+            raise Unsupported(f"parameter {path}: used as gather indices")
+        if bijective and _is_embedding_gather(eqn):
+            return "embed", "embedding"
+        return "generic", "gather"
+    if name in ("add", "sub"):
+        return "generic", "bias"
+    if name == "mul":
+        return "generic", "scale"
+    raise Unsupported(
+        f"parameter {path}: used by {name!r}, for which ghost clipping has no rule "
+        "(supported: dense/einsum, convolution, embedding, bias, norm scale)"
+    )
+
+
+def _is_embedding_gather(eqn) -> bool:
+    op, idx = eqn.invars
+    if len(op.aval.shape) != 2:
+        return False
+    dn = eqn.params["dimension_numbers"]
+    out_nd = len(eqn.outvars[0].aval.shape)
+    return (
+        tuple(dn.offset_dims) == (out_nd - 1,)
+        and tuple(dn.collapsed_slice_dims) == (0,)
+        and tuple(dn.start_index_map) == (0,)
+        and not tuple(getattr(dn, "operand_batching_dims", ()))
+        and tuple(eqn.params["slice_sizes"]) == (1, op.aval.shape[1])
+        and idx.aval.shape[-1] == 1
+    )
+
+
+# ---- evaluation ---------------------------------------------------------------------
+
+
+def _forward(plan: GhostPlan, perturb, leaves):
+    """One example: the loss and, per tap, the activation operand (perturbed outputs)."""
+    jaxpr = plan.jaxpr.jaxpr
+    by_eqn = {t.eqn: k for k, t in enumerate(plan.taps)}
+    env = {}
+    for v, c in zip(jaxpr.constvars, plan.jaxpr.consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, leaves):
+        env[v] = a
+    acts = [None] * len(plan.taps)
+    for i, eqn in enumerate(jaxpr.eqns):
+        invals = [_read(env, v) for v in eqn.invars]
+        outs = _bind(eqn, invals)
+        k = by_eqn.get(i)
+        if k is not None:
+            tap = plan.taps[k]
+            act = invals[1 - tap.pos] if eqn.primitive.name != "gather" else invals[1]
+            acts[k] = act
+            outs = [outs[0] + perturb[k]]
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    (loss,) = [_read(env, v) for v in jaxpr.outvars]
+    return loss, tuple(acts)
+
+
+def _site(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
+    """``site(param_leaf, act) -> layer output`` for one example, computed in ``dtype``."""
+    eqns = plan.jaxpr.jaxpr.eqns
+
+    def site(p, act):
+        x = p
+        for i in tap.chain:
+            e = eqns[i]
+            if e.primitive.name == "convert_element_type":
+                continue  # the chain's casts are skipped: everything stays in ``dtype``
+            (x,) = _bind(e, [x])
+        e = eqns[tap.eqn]
+        name = e.primitive.name
+        over = {}
+        if name in ("dot_general", "conv_general_dilated"):
+            over = {"precision": _HIGHEST, "preferred_element_type": dtype}
+        if name == "gather":
+            ins = [x, act]
+        else:
+            ins = [None, None]
+            ins[tap.pos] = x
+            ins[1 - tap.pos] = act
+        (out,) = _bind(e, ins, **over)
+        return out
+
+    return site
+
+
+def _cast_act(a, dtype):
+    return a.astype(dtype) if _is_float(a.dtype) else a
+
+
+def _sq_norm_dot(eqn, pos, a, g, dtype):
+    """||per-example grad of the dot_general's parameter operand||^2 for one example."""
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    ca = tuple(rc if pos == 0 else lc)
+    fa = tuple(d for d in range(a.ndim) if d not in ca)
+    t = math.prod(a.shape[d] for d in fa)
+    k = math.prod(a.shape[d] for d in ca)
+    n = g.size // max(t, 1)
+    am = jnp.transpose(a, fa + ca).reshape(t, k)
+    gm = g.reshape(t, n) if pos == 1 else g.reshape(n, t).T
+    return _gram_or_outer(am, gm, dtype)
+
+
+def _gram_or_outer(am, gm, dtype):
+    """||A^T G||_F^2 for A [T, K], G [T, N]: the cheaper of Gram and outer product."""
+    t, k = am.shape
+    n = gm.shape[1]
+    dot = lambda x, y, dims: lax.dot_general(  # noqa: E731
+        x, y, (dims, ((), ())), precision=_HIGHEST, preferred_element_type=dtype
+    )
+    if t == 1:
+        return jnp.sum(jnp.square(am)) * jnp.sum(jnp.square(gm))
+    if t * (k + n) <= k * n:
+        return jnp.sum(dot(am, am, ((1,), (1,))) * dot(gm, gm, ((1,), (1,))))
+    return jnp.sum(jnp.square(dot(am, gm, ((0,), (0,)))))
+
+
+def _sq_norm_conv(eqn, a, g, dtype):
+    """A convolution's kernel gradient is patches^T g: the dense rule on image patches."""
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    rhs_shape = eqn.invars[1].aval.shape
+    window = tuple(rhs_shape[d] for d in dn.rhs_spec[2:])
+    patches = lax.conv_general_dilated_patches(
+        a,
+        window,
+        p["window_strides"],
+        p["padding"],
+        lhs_dilation=p["lhs_dilation"],
+        rhs_dilation=p["rhs_dilation"],
+        dimension_numbers=dn,
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=dtype,
+    )
+    order = (dn.out_spec[0], *dn.out_spec[2:], dn.out_spec[1])  # batch, spatial..., feature
+    pm = jnp.transpose(patches, order)
+    gm = jnp.transpose(g, order)
+    return _gram_or_outer(pm.reshape(-1, pm.shape[-1]), gm.reshape(-1, gm.shape[-1]), dtype)
+
+
+def _sum_dot(plan: GhostPlan, tap: _Tap, a, wg, p):
+    """sum_i w_i x_i^T g_i for a dense layer: ONE contraction over examples and tokens."""
+    eqns = plan.jaxpr.jaxpr.eqns
+    eqn = eqns[tap.eqn]
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    ca = tuple(rc if tap.pos == 0 else lc)  # activation contracting dims (per example)
+    cw = tuple(lc if tap.pos == 0 else rc)  # the matching parameter dims
+    nd = a.ndim - 1
+    fa = tuple(d for d in range(nd) if d not in ca)
+    b = a.shape[0]
+    t = math.prod(a.shape[1 + d] for d in fa)
+    k = math.prod(a.shape[1 + d] for d in ca)
+    am = jnp.transpose(a, (0,) + tuple(1 + d for d in fa + ca)).reshape(b * t, k)
+    n = wg[0].size // max(t, 1)
+    if tap.pos == 1:
+        gm = wg.reshape(b * t, n)
+    else:
+        gm = jnp.swapaxes(wg.reshape(b, n, t), 1, 2).reshape(b * t, n)
+    kn = lax.dot_general(
+        am, gm, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=p.dtype
+    )
+    # [K, N] -> the layer's parameter operand W' (contracting dims cw, then its free dims).
+    w_shape = eqn.invars[tap.pos].aval.shape
+    fw = tuple(d for d in range(len(w_shape)) if d not in cw)
+    kn = kn.reshape(tuple(w_shape[d] for d in cw + fw))
+    w_grad = jnp.transpose(kn, np.argsort(cw + fw))
+
+    def chain(q):
+        for i in tap.chain:
+            e = eqns[i]
+            if e.primitive.name != "convert_element_type":
+                (q,) = _bind(e, [q])
+        return q
+
+    _, pull = jax.vjp(chain, p)
+    (out,) = pull(w_grad.astype(p.dtype))
+    return out
+
+
+def _sq_norm_embed(eqn, idx, g, dtype):
+    vocab, dim = eqn.invars[0].aval.shape
+    ids = idx.reshape(-1)
+    t = ids.shape[0]
+    gm = g.reshape(t, dim)
+    mode = eqn.params["mode"]
+    if mode == lax.GatherScatterMode.FILL_OR_DROP:
+        valid = (ids >= 0) & (ids < vocab)
+    else:
+        ids = jnp.clip(ids, 0, vocab - 1)
+        valid = jnp.ones_like(ids, dtype=bool)
+    if t * t <= vocab * dim:
+        same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
+        gram_g = lax.dot_general(
+            gm, gm, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
+        )
+        return jnp.sum(jnp.where(same, gram_g, jnp.zeros_like(gram_g)))
+    rows = jnp.zeros((vocab, dim), dtype).at[jnp.where(valid, ids, vocab)].add(gm, mode="drop")
+    return jnp.sum(jnp.square(rows))
+
+
+def _sq_norms(plan: GhostPlan, tap: _Tap, a, g, p, dtype):
+    """Per-example squared norm of the gradient of one parameter leaf, batched."""
+    eqn = plan.jaxpr.jaxpr.eqns[tap.eqn]
+    if tap.rule == "dot":
+        return jax.vmap(lambda a_, g_: _sq_norm_dot(eqn, tap.pos, a_, g_, dtype))(a, g)
+    if tap.rule == "embed":
+        return jax.vmap(lambda i_, g_: _sq_norm_embed(eqn, i_, g_, dtype))(a, g)
+    if tap.rule == "conv":
+        # Image patches are kernel-size times the activation: taken a few examples
+        # at a time so they never all exist at once.
+        return lax.map(
+            lambda ag: _sq_norm_conv(eqn, ag[0], ag[1], dtype), (a, g), batch_size=_CONV_CHUNK
+        )
+    site = _site(plan, tap, dtype)
+
+    def one(a_, g_):
+        # The layer's own per-example gradient: small for biases, scales and kernels.
+        _, pull = jax.vjp(lambda q: site(q, a_), p)
+        (gp,) = pull(g_)
+        return jnp.sum(jnp.square(gp))
+
+    return jax.vmap(one)(a, g)
+
+
+def ghost_clipped_sum(
+    plan: GhostPlan,
+    *,
+    params_leaves,
+    others_leaves,
+    batch_leaves,
+    scale,
+    is_padding,
+    clip_norm: float,
+    clip_dtype,
+    sum_dtype,
+):
+    """Clipped sum over one batch from activations and output gradients.
+
+    Returns ``(sum_leaves, norms, finite, losses)``: the clipped sum as a list
+    matching ``params_leaves`` (``sum_dtype``), per-example norms of the
+    unscaled gradient (``clip_dtype``), finiteness and float32 losses.
+    """
+    jaxpr = plan.jaxpr.jaxpr
+    eqns = jaxpr.eqns
+    batch = jax.tree.leaves(batch_leaves)[0].shape[0]
+    perturb = tuple(
+        jnp.zeros((batch,) + eqns[t.eqn].outvars[0].aval.shape, eqns[t.eqn].outvars[0].aval.dtype)
+        for t in plan.taps
+    )
+
+    def one(pert, example):
+        loss, acts = _forward(plan, pert, (*params_leaves, *others_leaves, *example))
+        loss32 = jnp.asarray(loss).astype(jnp.float32)
+        return loss32 * scale, (loss32, acts)
+
+    def batched(pert):
+        scaled, aux = jax.vmap(one)(pert, tuple(batch_leaves))
+        return scaled, aux
+
+    scaled, vjp_fn, (losses, acts) = jax.vjp(batched, perturb, has_aux=True)
+    (grads_out,) = vjp_fn(jnp.ones_like(scaled))
+    # One materialised copy of every x_i and g_i, read by both the norms and the sum:
+    # XLA may otherwise keep a half-precision value unrounded inside one fusion
+    # (``xla_allow_excess_precision``) and rounded in another, and the bound on each
+    # clipped contribution would hold for a slightly different vector than is summed.
+    acts, grads_out = lax.optimization_barrier((acts, grads_out))
+    acts32 = [_cast_act(a, clip_dtype) for a in acts]
+    p32 = [params_leaves[t.leaf].astype(clip_dtype) for t in plan.taps]
+    inv = (1 / scale.astype(clip_dtype)).astype(clip_dtype)
+
+    # Output gradients -> per-example squared norms, layer by layer, from
+    # (x_i, g_i) alone.
+    # A non-finite entry of x_i or g_i makes the squared norm inf or NaN under
+    # every rule below (inf * 0 is NaN), so ``isfinite(sq)`` is the overflow test.
+    sq = jnp.zeros((batch,), clip_dtype)
+    for tap, g, a, p in zip(plan.taps, grads_out, acts32, p32):
+        g = g.astype(clip_dtype) * inv  # unscale first, in the clip dtype
+        sq = sq + _sq_norms(plan, tap, a, g, p, clip_dtype).astype(clip_dtype)
+    finite = jnp.isfinite(sq)
+    norms = jnp.sqrt(sq)
+
+    keep = finite & ~is_padding
+    safe = jnp.where(keep, norms, jnp.ones_like(norms))
+    factor = jnp.minimum(jnp.ones_like(safe), jnp.asarray(clip_norm, clip_dtype) / safe)
+    factor = jnp.where(keep, factor, jnp.zeros_like(factor))
+
+    # The clip-weighted sum from the SAME activations and output gradients the
+    # norms were taken from: one contraction over examples (and tokens) per layer.
+    # (Recomputing g_i in a second backward pass would save memory, but under
+    # emulated or fused half precision the recomputed g_i can round differently
+    # from the one that was measured, and the per-example bound would no longer
+    # hold for what is summed.)
+    sums = [None] * len(params_leaves)
+    for tap, g, a, p in zip(plan.taps, grads_out, acts32, p32):
+
+        def contract(a, g, tap=tap, p=p):
+            p = p.astype(sum_dtype)
+            g = g.astype(clip_dtype) * inv
+            shape = (batch,) + (1,) * (g.ndim - 1)
+            # where, not multiply by 0: a dropped example's inf * 0 would be NaN.
+            wg = jnp.where(keep.reshape(shape), g * factor.reshape(shape), jnp.zeros_like(g))
+            wg = wg.astype(sum_dtype)
+            if _is_float(a.dtype):
+                a = a.astype(sum_dtype)
+            if tap.rule == "dot":
+                return _sum_dot(plan, tap, a, wg, p)
+            site = _site(plan, tap, sum_dtype)
+            _, pull = jax.vjp(lambda q: jax.vmap(site, (None, 0))(q, a), p)
+            return pull(wg)[0]
+
+        if _is_float(a.dtype) and tap.rule != "dot":
+            # A dropped example's inf would turn its zero weight into NaN.
+            sums[tap.leaf] = contract(jnp.where(jnp.isfinite(a), a, jnp.zeros_like(a)), g)
+        elif _is_float(a.dtype):
+            # A dense layer's activation is used as it is unless some entry in the
+            # batch is not finite (a dropped example's inf would turn its zero weight
+            # into NaN): zero-filled only then, so the usual step copies no activation.
+            # Every x_i is finite when every squared norm is (see pass 1). (Only for
+            # dense layers: XLA:CPU runs convolutions inside a conditional ~10x slower.)
+            sums[tap.leaf] = lax.cond(
+                finite.all(),
+                contract,
+                lambda a, g, c=contract: c(jnp.where(jnp.isfinite(a), a, jnp.zeros_like(a)), g),
+                a,
+                g,
+            )
+        else:
+            sums[tap.leaf] = contract(a, g)
+    for leaf in plan.unused:
+        sums[leaf] = jnp.zeros(jnp.shape(params_leaves[leaf]), sum_dtype)
+    return sums, norms, finite, losses
+
+
+def aval(x, *, drop_batch: bool = False) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of an array, tracer, ``ShapeDtypeStruct`` or Python scalar."""
+    shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+    dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+    return jax.ShapeDtypeStruct(shape[1:] if drop_batch else shape, dtype)

@@ -1,0 +1,260 @@
+"""Ghost clipping: the same clipped sum as per-example gradients, without forming them."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dpmp
+from tests._reference import classification_batch, mlp_init, mlp_loss
+
+B = 24
+
+
+def _flat(tree):
+    return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+
+
+class DenseSeq(nn.Module):
+    """Dense layers on sequences: Gram form (few tokens) and outer form (many tokens)."""
+
+    @nn.compact
+    def __call__(self, x, ids):
+        h = nn.Dense(32)(x)  # x [b, 3, 8]: T=3, T(K+N) < KN -> Gram
+        h = nn.relu(nn.Dense(4)(h))  # K=32, N=4: T(K+N) > KN -> outer
+        return h.reshape((h.shape[0], -1))
+
+
+class Conv(nn.Module):
+    @nn.compact
+    def __call__(self, x, ids):
+        img = x.reshape((x.shape[0], 6, 4, 1))
+        h = nn.relu(nn.Conv(5, (3, 3))(img))
+        h = nn.Conv(3, (2, 2), strides=(2, 2), padding="VALID")(h)
+        return h.reshape((h.shape[0], -1))
+
+
+class Embedding(nn.Module):
+    @nn.compact
+    def __call__(self, x, ids):
+        small = nn.Embed(7, 4)(ids)  # T^2 <= V D: Gram with an equality mask
+        big = nn.Embed(1000, 6)(ids)  # materialised rows
+        return jnp.concatenate([small, big], -1).reshape((ids.shape[0], -1))
+
+
+class NormsAttention(nn.Module):
+    @nn.compact
+    def __call__(self, x, ids):
+        h = nn.LayerNorm()(x)
+        h = h + nn.MultiHeadDotProductAttention(num_heads=2)(h, h)
+        h = nn.RMSNorm()(h)
+        return nn.Dense(4)(h).mean(1)
+
+
+LINEN = {"dense_seq": DenseSeq, "conv": Conv, "embedding": Embedding, "norm_attn": NormsAttention}
+
+
+def _linen_problem(kind, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(B, 3, 8)).astype(np.float32)
+    ids = rng.integers(0, 7, size=(B, 5)).astype(np.int32)
+    ids[0, 0] = 6  # repeated ids within an example exercise the equality mask
+    y = rng.integers(0, 4, size=B).astype(np.int32)
+    model = LINEN[kind]()
+    params = model.init(jax.random.key(seed), x[:1], ids[:1])["params"]
+
+    def loss(p, b):
+        feats = model.apply({"params": p}, b["x"], b["ids"])
+        head = jax.random.normal(jax.random.key(7), (feats.shape[-1], 4))  # fixed projection
+        logits = feats @ head
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    return loss, params, {"x": x, "ids": ids, "y": y}
+
+
+def _both(loss, params, batch, *, clip, policy="f32", **kw):
+    pad = np.zeros(B, bool)
+    pad[[3, 17]] = True
+    out = {}
+    for method in ("vmap", "ghost"):
+        g = dpmp.private_grad(loss, l2_clip_norm=clip, policy=policy, method=method, **kw)
+        out[method] = jax.jit(g)(params, batch, is_padding_example=pad)
+    return out["vmap"], out["ghost"]
+
+
+@pytest.mark.parametrize("kind", sorted(LINEN))
+def test_ghost_equals_vmap_on_linen_layers(kind):
+    loss, params, batch = _linen_problem(kind)
+    v, g = _both(loss, params, batch, clip=0.05)
+    assert int(v.stats.num_clipped) > B // 2  # clipping is active
+    ref = _flat(v.grads)
+    assert np.linalg.norm(_flat(g.grads) - ref) <= 1e-5 * np.linalg.norm(ref)
+    np.testing.assert_allclose(float(g.stats.norm_max), float(v.stats.norm_max), rtol=1e-5)
+    assert int(g.stats.num_examples) == int(v.stats.num_examples) == B - 2
+    assert int(g.stats.num_clipped) == int(v.stats.num_clipped)
+    # every parameter leaf was handled by a ghost rule, none by a fallback
+    info = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="f32", method="auto").explain(
+        params, batch
+    )
+    assert info["method"] == "ghost", info["reason"]
+    assert len(info["layers"]) == len(jax.tree.leaves(params))
+
+
+def test_ghost_rules_cover_the_layer_kinds():
+    rules = set()
+    for kind in LINEN:
+        loss, params, batch = _linen_problem(kind)
+        info = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="f32", method="ghost").explain(
+            params, batch
+        )
+        rules |= {(row["layer"], row["rule"]) for row in info["layers"]}
+    assert {
+        ("dense", "dot"),
+        ("conv", "conv"),
+        ("embedding", "embed"),
+        ("bias", "generic"),
+    } <= rules
+    assert ("scale", "generic") in rules
+
+
+def test_ghost_equals_vmap_on_an_nnx_model():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(1, 3, (3,), rngs=rngs)
+            self.norm = nnx.LayerNorm(3, rngs=rngs)
+            self.out = nnx.Linear(3 * 8, 4, rngs=rngs)
+
+        def __call__(self, x):
+            h = nnx.relu(self.norm(self.conv(x[..., None])))
+            return self.out(h.reshape((h.shape[0], -1)))
+
+    graphdef, state = nnx.split(Net(nnx.Rngs(0)))
+
+    def loss(st, b):
+        logits = nnx.merge(graphdef, st)(b["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": rng.normal(size=(B, 8)).astype(np.float32),
+        "y": rng.integers(0, 4, size=B).astype(np.int32),
+    }
+    v, g = _both(loss, state, batch, clip=0.1)
+    ref = _flat(v.grads)
+    assert np.linalg.norm(_flat(g.grads) - ref) <= 1e-5 * np.linalg.norm(ref)
+
+
+def test_ghost_equals_vmap_with_an_overflowed_example():
+    """A non-finite activation (an inf input feature) drops the example under both methods."""
+    batch = classification_batch(B, scale=3.0)
+    batch["x"][5, 2] = np.inf
+    params = mlp_init()
+    v, g = _both(mlp_loss, params, batch, clip=0.5)
+    assert int(v.stats.num_nonfinite) == int(g.stats.num_nonfinite) == 1
+    got, ref = _flat(g.grads), _flat(v.grads)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref)
+    # and equal to the same batch with that example marked as padding
+    pad = np.zeros(B, bool)
+    pad[[3, 5, 17]] = True
+    clean = dict(batch, x=np.where(np.isfinite(batch["x"]), batch["x"], 0.0))
+    gp = dpmp.private_grad(mlp_loss, l2_clip_norm=0.5, policy="f32", method="ghost")
+    padded = jax.jit(gp)(params, clean, is_padding_example=pad)
+    np.testing.assert_allclose(got, _flat(padded.grads), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp16"])
+def test_ghost_half_precision_per_example_bound_and_neighbours(policy):
+    """Mixed precision inside: each example's clipped contribution has norm <= C (1 + 1e-5),
+    measured by removing every example in turn (loss scale 2^6, microbatches of 32)."""
+    n, C = 256, 1.0
+    batch = classification_batch(n, scale=4.0)
+    params = mlp_init()
+    g = dpmp.private_grad(
+        mlp_loss, l2_clip_norm=C, policy=policy, method="ghost", microbatch_size=32
+    )
+    ls = dpmp.StaticLossScale(2.0**6)
+
+    def total(pad):
+        out = g(params, batch, loss_scale=ls, is_padding_example=pad)
+        return jnp.concatenate([x.ravel() for x in jax.tree.leaves(out.grads)])
+
+    full = jax.jit(total)(jnp.zeros(n, bool))
+    removed = jax.jit(lambda idx: jax.lax.map(lambda i: total(jnp.arange(n) == i), idx))(
+        jnp.arange(n)
+    )
+    dist = np.linalg.norm(np.asarray(removed, np.float64) - np.asarray(full, np.float64), axis=1)
+    assert dist.max() <= C * (1 + 1e-5), dist.max()
+    assert dist.max() > 0.99 * C
+    # the sum is float32 and close to the per-example (vmap) result in the same policy
+    v = dpmp.private_grad(mlp_loss, l2_clip_norm=C, policy=policy, method="vmap")
+    ref = np.asarray(jax.jit(lambda: v(params, batch, loss_scale=ls).grads["w1"])(), np.float64)
+    got = np.asarray(jax.jit(lambda: g(params, batch, loss_scale=ls).grads["w1"])())
+    assert got.dtype == np.float32
+    assert np.linalg.norm(got - ref) <= 2e-2 * np.linalg.norm(ref)
+
+
+def test_ghost_loss_scale_is_removed_before_the_norm():
+    batch = classification_batch(64)
+    params = mlp_init()
+    g = dpmp.private_grad(mlp_loss, l2_clip_norm=0.5, policy="f32", method="ghost")
+    outs = [
+        _flat(jax.jit(g)(params, batch, loss_scale=dpmp.StaticLossScale(s)).grads)
+        for s in (1.0, 2.0**8, 2.0**15)
+    ]
+    for o in outs[1:]:
+        assert np.linalg.norm(o - outs[0]) <= 1e-6 * np.linalg.norm(outs[0])
+
+
+def test_auto_falls_back_on_tied_weights_and_ghost_refuses():
+    def tied(p, b):
+        h = jnp.tanh(b["x"] @ p["w"])
+        logits = h @ p["w"].T @ p["v"]  # w used twice: per-layer norms would be wrong
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    params = {"w": jnp.ones((16, 16)) / 16, "v": jnp.ones((16, 4)) / 4}
+    batch = classification_batch(8)
+    auto = dpmp.private_grad(tied, l2_clip_norm=1.0, policy="f32", method="auto")
+    info = auto.explain(params, batch)
+    assert info["method"] == "vmap" and "['w']" in info["reason"] and "2 times" in info["reason"]
+    out = jax.jit(auto)(params, batch)
+    vm = jax.jit(dpmp.private_grad(tied, l2_clip_norm=1.0, policy="f32"))(params, batch)
+    np.testing.assert_array_equal(_flat(out.grads), _flat(vm.grads))
+    assert auto.resolved_method == "vmap"
+    ghost = dpmp.private_grad(tied, l2_clip_norm=1.0, policy="f32", method="ghost")
+    with pytest.raises(ValueError, match=r"method='ghost': parameter \['w'\]"):
+        ghost(params, batch)
+
+
+def test_auto_chooses_ghost_and_reports_it():
+    auto = dpmp.private_grad(mlp_loss, l2_clip_norm=1.0, policy="bf16", method="auto")
+    batch = classification_batch(8)
+    assert auto.resolved_method is None
+    jax.jit(auto)(mlp_init(), batch)
+    assert auto.resolved_method == "ghost"
+    rows = auto.explain(mlp_init(), batch)["layers"]
+    assert {r["param"] for r in rows} == {"['w1']", "['b1']", "['w2']", "['b2']"}
+
+
+def test_audit_understands_the_ghost_path():
+    """The bf16 ghost step audits clean (norms and the example sum in float32); the same
+    step with unsafe bf16 norms and sums is caught at both."""
+    batch = classification_batch(32)
+    params = mlp_init()
+    unsafe = "bf16,clip=bf16,accumulate=bf16,unsafe=true"
+    for policy, ok in (("bf16", True), (unsafe, False)):
+        g = dpmp.private_grad(mlp_loss, l2_clip_norm=1.0, policy=policy, method="ghost")
+        report = dpmp.audit_precision(
+            lambda p, b, g=g: g(p, b, loss_scale=dpmp.StaticLossScale(2.0**4)).grads,
+            params,
+            batch,
+            policy=policy,
+        )
+        kinds = {f.kind for f in report.findings}
+        assert {"norm", "batch_reduction"} <= kinds, kinds
+        assert report.ok is ok, report
+        if not ok:
+            assert {f.kind for f in report.findings if not f.ok} == {"norm", "batch_reduction"}
