@@ -52,6 +52,29 @@ class ConfigError(ValueError):
     """A bad config field or value; the message names the field and what is allowed."""
 
 
+# The choices of each enumerated key: validation and the README's key table use them.
+DATASETS = ("digits", "npz")
+MODEL_KINDS = ("mlp", "nnx_mlp", "linear", "vit")
+ACCOUNTANTS = ("pld", "rdp")
+SAMPLINGS = ("poisson", "shuffle")
+OPTIMIZERS = ("adam", "sgd", "momentum")
+LOSS_SCALE_KINDS = ("none", "static", "private_dynamic", "nonprivate_dynamic")
+
+# What the other keys accept, in words (for the key table; validation is in
+# each section's ``__post_init__``). A key missing here is described by its type.
+_ALLOWED = {
+    "policy": 'preset fp32, bf16 or fp16, then optional key=dtype overrides, e.g. "bf16,grad=f32"',
+    "data.path": "path to a .npz file",
+    "data.test_fraction": "number in (0, 1)",
+    "model.hidden": "list of integers > 0 (may be empty)",
+    "model.heads": "integer > 0 dividing model.dim",
+    "privacy.delta": "number in (0, 1)",
+    "training.seed": "integer >= 0",
+    "loss_scale.factor": "number > 1",
+    "loss_scale.min_scale": "number > 0, at most max_scale",
+}
+
+
 def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{field}: {value!r} is not allowed; allowed: {', '.join(allowed)}")
@@ -76,7 +99,7 @@ class DataConfig:
       ``x_test``, ``y_test``).
     path: the ``.npz`` file when ``dataset = "npz"``.
     test_fraction: share held out for testing when the data has no test split.
-    standardize: scale features by the training mean and std.
+    standardize: scale features by the training mean and std (not privatized).
     """
 
     dataset: str = "digits"
@@ -85,9 +108,13 @@ class DataConfig:
     standardize: bool = True
 
     def __post_init__(self):
-        _choice("data.dataset", self.dataset, ("digits", "npz"))
+        _choice("data.dataset", self.dataset, DATASETS)
+        if self.path is not None and not isinstance(self.path, str):
+            raise ConfigError(f"data.path: must be a string (a .npz file), got {self.path!r}")
         if self.dataset == "npz" and not self.path:
             raise ConfigError('data.path: required when data.dataset = "npz"')
+        if not isinstance(self.standardize, bool):
+            raise ConfigError(f"data.standardize: must be true or false, got {self.standardize!r}")
         if not (isinstance(self.test_fraction, int | float) and 0 < self.test_fraction < 1):
             raise ConfigError(f"data.test_fraction: must be in (0, 1), got {self.test_fraction!r}")
 
@@ -99,8 +126,11 @@ class ModelConfig:
     kind: ``"mlp"`` (flax linen), ``"nnx_mlp"`` (flax nnx), ``"linear"`` (a plain
       JAX function of a params dict), ``"vit"`` (a small flax linen vision
       transformer on square images).
-    hidden: hidden layer widths of the MLPs.
-    patch, dim, depth, heads: ViT patch size (pixels), width, blocks, heads.
+    hidden: hidden layer widths of the MLPs (``linear`` with none: softmax regression).
+    patch: ViT patch size in pixels; must divide the image side.
+    dim: ViT width.
+    depth: number of ViT blocks.
+    heads: ViT attention heads.
     """
 
     kind: str = "mlp"
@@ -111,7 +141,7 @@ class ModelConfig:
     heads: int = 4
 
     def __post_init__(self):
-        _choice("model.kind", self.kind, ("mlp", "nnx_mlp", "linear", "vit"))
+        _choice("model.kind", self.kind, MODEL_KINDS)
         hidden = self.hidden
         if isinstance(hidden, int):
             hidden = (hidden,)
@@ -132,7 +162,8 @@ class ModelConfig:
 class PrivacyConfig:
     """The privacy guarantee and how it is spent.
 
-    target_epsilon, delta: the (epsilon, delta) budget of the whole run.
+    target_epsilon: the epsilon the whole run may spend.
+    delta: the delta of the run's (epsilon, delta) guarantee.
     noise_multiplier: sigma; if unset it is calibrated so that the run's
       ``steps`` spend exactly ``target_epsilon``.
     l2_clip_norm: C, the per-example clip norm.
@@ -155,8 +186,8 @@ class PrivacyConfig:
         if self.noise_multiplier is not None:
             _positive("privacy.noise_multiplier", self.noise_multiplier)
         _positive("privacy.l2_clip_norm", self.l2_clip_norm)
-        _choice("privacy.accountant", self.accountant, ("pld", "rdp"))
-        _choice("privacy.sampling", self.sampling, ("poisson", "shuffle"))
+        _choice("privacy.accountant", self.accountant, ACCOUNTANTS)
+        _choice("privacy.sampling", self.sampling, SAMPLINGS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,9 +196,16 @@ class TrainingConfig:
 
     steps: number of private steps.
     expected_batch_size: Poisson sampling rate times the number of examples.
-    optimizer: ``"adam"``, ``"sgd"`` or ``"momentum"``; learning_rate its step size.
-    microbatch_size: examples per vmapped microbatch (must divide the padded batch).
-    eval_every, log_every, checkpoint_every: in steps (0 = only at the end).
+    optimizer: ``"adam"``, ``"sgd"`` or ``"momentum"`` (SGD with momentum 0.9).
+    learning_rate: the optimizer's step size.
+    microbatch_size: examples per vmapped microbatch; the padded batch is
+      rounded up to a multiple of it (unset: the whole batch at once).
+    eval_every: train and test accuracy every this many steps (0: only at the
+      end); the default gives the run's accuracy-against-epsilon plot a curve.
+    log_every: a ``metrics.jsonl`` record every this many steps and at the end
+      (0: only at the end).
+    checkpoint_every: a checkpoint every this many steps and at the end (0: only
+      at the end); a killed run resumes from the newest.
     seed: one seed for initialisation, sampling and noise.
     """
 
@@ -176,7 +214,7 @@ class TrainingConfig:
     optimizer: str = "adam"
     learning_rate: float = 3e-3
     microbatch_size: int | None = None
-    eval_every: int = 0
+    eval_every: int = 20
     log_every: int = 8
     checkpoint_every: int = 50
     seed: int = 0
@@ -184,14 +222,14 @@ class TrainingConfig:
     def __post_init__(self):
         _positive("training.steps", self.steps, integer=True)
         _positive("training.expected_batch_size", self.expected_batch_size, integer=True)
-        _choice("training.optimizer", self.optimizer, ("adam", "sgd", "momentum"))
+        _choice("training.optimizer", self.optimizer, OPTIMIZERS)
         _positive("training.learning_rate", self.learning_rate)
         if self.microbatch_size is not None:
             _positive("training.microbatch_size", self.microbatch_size, integer=True)
         for name in ("eval_every", "log_every", "checkpoint_every"):
             _positive(f"training.{name}", getattr(self, name), integer=True, allow_zero=True)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"training.seed: must be an integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"training.seed: must be an integer >= 0, got {self.seed!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -202,7 +240,10 @@ class LossScaleConfig:
       by a noised overflow count, accounted) or ``"nonprivate_dynamic"`` (exact
       count: a diagnostic that is NOT differentially private).
     initial: the initial (or static) scale.
-    period, factor, min_scale, max_scale: the dynamic rule.
+    period: dynamic: grow the scale after this many steps without overflow.
+    factor: dynamic: grow and back off by this factor.
+    min_scale: dynamic: the scale never goes below this.
+    max_scale: dynamic: the scale never goes above this.
     count_noise_stddev: noise on the released overflow count (private_dynamic). It
       shares the budget with the gradient noise (the two form one Gaussian with
       noise multiplier (sigma^-2 + count_noise_stddev^-2)^-1/2), so keep it well
@@ -218,11 +259,7 @@ class LossScaleConfig:
     count_noise_stddev: float = 64.0
 
     def __post_init__(self):
-        _choice(
-            "loss_scale.kind",
-            self.kind,
-            ("none", "static", "private_dynamic", "nonprivate_dynamic"),
-        )
+        _choice("loss_scale.kind", self.kind, LOSS_SCALE_KINDS)
         for name in ("initial", "factor", "min_scale", "max_scale", "count_noise_stddev"):
             _positive(f"loss_scale.{name}", getattr(self, name))
         _positive("loss_scale.period", self.period, integer=True)
@@ -243,7 +280,11 @@ _SECTIONS = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """A whole run: the policy string plus one section per concern."""
+    """A whole run: the policy string plus one section per concern.
+
+    policy: the precision policy (``dpmp.Policy.parse``): compute and gradient
+      dtypes; clip, accumulate and noise below float32 need ``unsafe=true``.
+    """
 
     policy: str = "bf16"
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -296,6 +337,114 @@ class Config:
         return cls(**kwargs)
 
 
+_CHOICES = {
+    "data.dataset": DATASETS,
+    "model.kind": MODEL_KINDS,
+    "privacy.accountant": ACCOUNTANTS,
+    "privacy.sampling": SAMPLINGS,
+    "training.optimizer": OPTIMIZERS,
+    "loss_scale.kind": LOSS_SCALE_KINDS,
+}
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """``name: text`` entries of a section's docstring (continuation lines indented)."""
+    import inspect
+
+    docs: dict[str, str] = {}
+    name = None
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines()[1:]:
+        head, sep, text = line.partition(": ")
+        if sep and line[:1].strip() and head.isidentifier():
+            name = head
+            docs[name] = text.strip()
+        elif name and line.startswith("  ") and line.strip():
+            docs[name] += " " + line.strip()
+        else:
+            name = None
+    return {k: v.replace("``", "`") for k, v in docs.items()}
+
+
+def _toml_literal(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    if isinstance(value, float):
+        text = repr(value)
+        mantissa, e, exponent = text.partition("e")
+        return f"{mantissa}e{int(exponent)}" if e else text
+    return str(value)
+
+
+def _type_words(hint: Any) -> str:
+    text = str(hint)
+    if "tuple" in text or "list" in text:
+        return "list"
+    for word, name in (("bool", "true or false"), ("int", "integer"), ("float", "number")):
+        if word in text:
+            return name + (", or unset" if "None" in text else "")
+    return "string" + (", or unset" if "None" in text else "")
+
+
+def config_reference() -> list[dict[str, str]]:
+    """Every config key with its default, meaning and allowed values.
+
+    Read from the config dataclasses (defaults, types), their docstrings
+    (meanings) and the choice tuples the validation uses, so that the README's
+    key table can be generated and checked: ``python -m dpmp._src.config``
+    prints it as Markdown.
+    """
+    rows = [
+        {
+            "key": "policy",
+            "default": _toml_literal(Config.__dataclass_fields__["policy"].default),
+            "meaning": _field_docs(Config)["policy"],
+            "allowed": _ALLOWED["policy"],
+        }
+    ]
+    for section, cls in _SECTIONS.items():
+        docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
+            if key in _CHOICES:
+                allowed = ", ".join(f'"{c}"' for c in _CHOICES[key])
+            else:
+                allowed = _ALLOWED.get(key) or _positive_words(key, hints[f.name])
+            rows.append(
+                {
+                    "key": key,
+                    "default": _toml_literal(getattr(defaults, f.name)),
+                    "meaning": docs.get(f.name, ""),
+                    "allowed": allowed,
+                }
+            )
+    return rows
+
+
+def _positive_words(key: str, hint: Any) -> str:
+    words = _type_words(hint)
+    if words.startswith(("integer", "number")):
+        bound = ">= 0" if key.endswith("_every") else "> 0"
+        return words.replace("integer", f"integer {bound}").replace("number", f"number {bound}")
+    return words
+
+
+def markdown_table() -> str:
+    """The README's config key table (``config_reference`` as Markdown)."""
+    lines = ["| key | default | meaning | allowed |", "| --- | --- | --- | --- |"]
+    for row in config_reference():
+        cells = [f"`{row['key']}`", f"`{row['default']}`", row["meaning"], row["allowed"]]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _parse_value(text: str) -> Any:
     try:
         return tomllib.loads(f"v = {text}")["v"]
@@ -325,9 +474,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         if not path.is_file():
             raise ConfigError(f"config: no such file {str(path)!r}")
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config: {path} is not valid TOML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config: {path} is not valid TOML (not UTF-8 text): {e}") from e
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
@@ -347,9 +498,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
             raise ConfigError(
                 f"unknown section {section!r}; allowed: policy, {', '.join(_SECTIONS)}"
             )
-        raw.setdefault(section, {})[name] = _coerce(_SECTIONS[section], name, value)
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section}: expected a table of keys, got {table!r}")
+        table[name] = _coerce(_SECTIONS[section], name, value)
     # ints in TOML files where floats are expected
     for section, cls in _SECTIONS.items():
-        for name, value in list(raw.get(section, {}).items()):
-            raw[section][name] = _coerce(cls, name, value)
+        table = raw.get(section, {})
+        if isinstance(table, dict):  # anything else: Config.from_dict names the section
+            for name, value in list(table.items()):
+                table[name] = _coerce(cls, name, value)
     return Config.from_dict(raw)
+
+
+if __name__ == "__main__":  # python -m dpmp._src.config: the README's key table
+    print(markdown_table(), end="")
