@@ -59,11 +59,22 @@ def _load(args):
 
 # ---- train -------------------------------------------------------------------------
 def _cmd_train(args) -> int:
+    from dpmp._src.checkpoint import CheckpointError
     from dpmp._src.trainer import train
 
     config = _load(args)
     out = Path(args.out)
-    report = train(config, out_dir=out, resume=not args.fresh, progress=not args.quiet)
+    if out.exists() and not out.is_dir():
+        raise _UsageError(f"--out: {args.out!r} exists and is not a directory")
+    try:
+        report = train(config, out_dir=out, resume=not args.fresh, progress=not args.quiet)
+    except CheckpointError as e:
+        # The trainer speaks of its Python arguments; say what to type instead.
+        raise _UsageError(
+            str(e).replace(
+                "use resume=False (or another out_dir)", "use --fresh (or another --out)"
+            )
+        ) from e
     try:
         from dpmp._src.plots import plot_run
 
@@ -135,6 +146,11 @@ def _cmd_budget(args) -> int:
     from dpmp import accounting
 
     q = args.sampling_prob
+    if q is not None and (args.batch_size is not None or args.num_examples is not None):
+        raise _UsageError(
+            "give --sampling-prob, or --batch-size and --num-examples, not both "
+            "(the sampling probability is batch size / number of examples)"
+        )
     if q is None:
         if args.batch_size is None or args.num_examples is None:
             raise _UsageError("give --sampling-prob, or --batch-size and --num-examples")
@@ -200,8 +216,10 @@ def _cmd_report(args) -> int:
         )
     try:
         report = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _UsageError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(report, dict):
+        raise _UsageError(f"{path}: expected a JSON object (a dpmp run report), got {report!r:.60}")
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -285,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dpmp {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (_UsageError, ValueError) as e:
-        # ConfigError, DataError, PrecisionError and accounting errors are ValueErrors
-        # whose messages name the field and the allowed values. DPMP_DEBUG=1 re-raises.
+    except (_UsageError, ValueError, OSError) as e:
+        # ConfigError, DataError, PrecisionError, CheckpointError and accounting errors
+        # are ValueErrors whose messages name the field and the allowed values; an
+        # OSError names the path it could not read or write. DPMP_DEBUG=1 re-raises.
         if os.environ.get("DPMP_DEBUG"):
             raise
         print(f"dpmp {args.command}: error: {e}", file=sys.stderr)

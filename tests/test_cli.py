@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import dp_accounting
+import numpy as np
 import pytest
 
 from dpmp import cli
@@ -15,6 +16,16 @@ def run_cli(*argv):
     return subprocess.run(
         [sys.executable, "-m", "dpmp.cli", *argv], capture_output=True, text=True, timeout=600
     )
+
+
+def assert_one_line_error(capsys, command, *needles):
+    """The error contract: one line ``dpmp COMMAND: error: ...`` naming the problem."""
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"dpmp {command}: error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, (needle, err)
 
 
 def test_budget_epsilon_matches_dp_accounting(capsys):
@@ -119,19 +130,30 @@ def test_error_paths_exit_2_with_one_line(argv, needle, capsys):
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
 
 
-def test_report_of_unfinished_run(tmp_path, capsys):
-    (tmp_path / "metrics.jsonl").write_text("")
-    assert cli.main(["report", str(tmp_path)]) == 2
-    assert "report.json" in capsys.readouterr().err
+def test_argparse_errors_exit_2(capsys):
+    for argv in (["budget", "--accountant", "moments"], ["nonsense"], ["budget", "--steps", "x"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "invalid" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([])  # a command is required
+    assert exit_.value.code == 2
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert all(c in out for c in ("train", "audit", "budget", "report"))
 
 
-def test_argparse_errors_exit_2():
-    out = run_cli("budget", "--accountant", "moments")
-    assert out.returncode == 2 and "invalid choice" in out.stderr
-    out = run_cli("nonsense")
-    assert out.returncode == 2
-    out = run_cli("--help")
-    assert out.returncode == 0 and "train" in out.stdout and "audit" in out.stdout
+def test_console_entry_point_exit_status():
+    """``python -m dpmp.cli`` passes main's status to the shell, error line on stderr."""
+    out = run_cli("budget", "--steps", "3")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == (
+        "dpmp budget: error: give --sampling-prob, or --batch-size and --num-examples"
+    )
 
 
 def test_train_report_and_audit_end_to_end(tmp_path, capsys):
@@ -161,6 +183,16 @@ def test_train_report_and_audit_end_to_end(tmp_path, capsys):
     assert "epsilon" in capsys.readouterr().out
     assert cli.main(["report", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["steps"] == 6
+    # the run directory now holds a checkpoint of another config: refused before any work
+    assert cli.main([*argv, "--set", "training.learning_rate=0.1"]) == 2
+    assert_one_line_error(capsys, "train", "training.learning_rate", "--fresh")
+    # a report.json that is not a report
+    (out / "report.json").write_text("[1, 2]")
+    assert cli.main(["report", str(out)]) == 2
+    assert_one_line_error(capsys, "report", "report.json", "expected a JSON object")
+    (out / "report.json").write_text("{")
+    assert cli.main(["report", str(out)]) == 2
+    assert_one_line_error(capsys, "report", "report.json", "not valid JSON")
 
 
 def test_audit_passes_default_and_fails_unsafe_noise(capsys):
@@ -197,15 +229,208 @@ def test_train_and_audit_config_errors(argv, needle, capsys, tmp_path):
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
 
 
-def test_bad_toml_and_bad_npz(tmp_path, capsys):
-    bad = tmp_path / "bad.toml"
-    bad.write_text("[privacy\n")
-    assert cli.main(["train", "--config", str(bad), "--out", str(tmp_path / "r")]) == 2
-    assert "not valid TOML" in capsys.readouterr().err
-    npz = tmp_path / "d.npz"
-    import numpy as np
+# ---- every other error path: exit 2, one line naming the field or file -------------
 
-    np.savez(npz, x=np.ones((10, 3)), y=np.zeros(9, np.int32))
-    assert cli.main(["train", "--data", str(npz), "--out", str(tmp_path / "r2")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "y" in err
+
+@pytest.mark.parametrize(
+    "overrides,needles",
+    [
+        (["training.steps=abc"], ["training.steps", "'abc'"]),
+        (["training.steps=0"], ["training.steps", "> 0"]),
+        (["training.steps=2.5"], ["training.steps", "integer"]),
+        (["training.steps=true"], ["training.steps", "integer"]),
+        (["training.seed=-1"], ["training.seed", ">= 0"]),
+        (["training.optimizer=lamb"], ["training.optimizer", "'lamb'", "adam, sgd, momentum"]),
+        (["training.learning_rate=inf"], ["training.learning_rate", "inf"]),
+        (["training.microbatch_size=0"], ["training.microbatch_size"]),
+        (["training.expected_batch_size=5000"], ["training.expected_batch_size", "1437"]),
+        (["model.hidden=[0]"], ["model.hidden"]),
+        (["model.hidden=abc"], ["model.hidden", "list"]),
+        (["model.heads=3"], ["model.heads", "model.dim"]),
+        (["model.kind=vit", "model.patch=3"], ["model.patch", "8x8"]),
+        (["privacy.target_epsilon=-1"], ["privacy.target_epsilon"]),
+        (["privacy.target_epsilon=1e-9"], ["privacy.target_epsilon", "cannot be reached"]),
+        (["privacy.accountant=moments"], ["privacy.accountant", "pld, rdp"]),
+        (["privacy.delta="], ["privacy.delta"]),
+        (["privacy.="], ["unknown key privacy."]),
+        (["loss_scale.factor=1"], ["loss_scale.factor", "> 1"]),
+        (["loss_scale.min_scale=10", "loss_scale.max_scale=1"], ["loss_scale.min_scale"]),
+        (["data.dataset=npz"], ["data.path", "required"]),
+        (["data.dataset=npz", "data.path=3"], ["data.path", "string"]),
+        (["data.standardize=yes"], ["data.standardize", "true or false"]),
+        (["data.test_fraction=1"], ["data.test_fraction", "(0, 1)"]),
+        (["policy=fp8"], ["policy", "fp32, bf16, fp16"]),
+        (["policy=bf16,compute=int8"], ["compute", "int8"]),
+        (["policy=bf16,foo=f32"], ["policy", "'foo'"]),
+        (["policy="], ["policy", "empty"]),
+        (["=3"], ["section.key=value"]),
+        (["privacy=3"], ["section.key=value"]),
+    ],
+)
+def test_bad_set_values(overrides, needles, capsys, tmp_path):
+    sets = [a for o in overrides for a in ("--set", o)]
+    assert cli.main(["train", "--quiet", "--out", str(tmp_path), *sets]) == 2
+    assert_one_line_error(capsys, "train", *needles)
+
+
+@pytest.mark.parametrize(
+    "text,needles",
+    [
+        ("[privacy\n", ["cfg.toml", "not valid TOML", "line 1"]),
+        ("privacy = 3\n", ["privacy", "expected a table"]),
+        ("[privacy]\nepsilon = 3\n", ["unknown key privacy.epsilon", "target_epsilon"]),
+        ('[privacy]\ndelta = "x"\n', ["privacy.delta", "'x'"]),
+        ("[optim]\nlr = 3\n", ["unknown section 'optim'", "loss_scale"]),
+        ('policy = "fp8"\n', ["policy", "fp8"]),
+        (b"\xff\xfe", ["cfg.toml", "not UTF-8"]),
+    ],
+)
+def test_bad_config_files(text, needles, capsys, tmp_path):
+    path = tmp_path / "cfg.toml"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    for command in ("train", "audit"):
+        out = ["--out", str(tmp_path / "run")] if command == "train" else []
+        assert cli.main([command, "--config", str(path), *out]) == 2
+        assert_one_line_error(capsys, command, *needles)
+
+
+def test_config_file_errors_with_set(capsys, tmp_path):
+    path = tmp_path / "cfg.toml"
+    path.write_text("privacy = 3\n")
+    argv = ["train", "--config", str(path), "--set", "privacy.delta=0.1", "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    assert_one_line_error(capsys, "train", "privacy", "expected a table")
+    assert cli.main(["train", "--config", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
+    assert_one_line_error(capsys, "train", "no such file")  # a directory is not a config
+
+
+_NPZ_CASES = {
+    "no_x": (dict(y=np.zeros(20, np.int32)), ["missing array 'x'", "found ['y']"]),
+    "no_y": (dict(x=np.ones((20, 3))), ["missing array 'y'"]),
+    "lengths": (dict(x=np.ones((20, 3)), y=np.zeros(19, np.int32)), ["x and y", "20", "19"]),
+    "five_dims": (dict(x=np.ones((20, 2, 2, 2, 2)), y=np.zeros(20, np.int32)), ["x:", "4 dim"]),
+    "one_dim": (dict(x=np.ones(20), y=np.zeros(20, np.int32)), ["x:", "shape (20,)"]),
+    "strings": (dict(x=np.full((20, 3), "a"), y=np.zeros(20, np.int32)), ["x:", "numeric"]),
+    "objects": (dict(x=np.array([{}] * 20, dtype=object), y=np.zeros(20)), ["Python objects"]),
+    "nan": (dict(x=np.full((20, 3), np.nan), y=np.zeros(20, np.int32)), ["x:", "NaN"]),
+    "negative_y": (dict(x=np.ones((20, 3)), y=-np.ones(20, np.int32)), ["y:", "-1"]),
+    "fractional_y": (dict(x=np.ones((20, 3)), y=np.full(20, 0.5)), ["y:", "non-integer"]),
+    "one_hot_y": (dict(x=np.ones((20, 3)), y=np.eye(20, 3)), ["y:", "one-hot"]),
+    "bool_y": (dict(x=np.ones((20, 3)), y=np.zeros(20, bool)), ["y:", "bool"]),
+    "x_test_alone": (
+        dict(x=np.ones((20, 3)), y=np.zeros(20, np.int32), x_test=np.ones((5, 3))),
+        ["'x_test'", "'y_test'"],
+    ),
+    "x_test_shape": (
+        dict(
+            x=np.ones((20, 3)),
+            y=np.zeros(20, np.int32),
+            x_test=np.ones((5, 4)),
+            y_test=np.zeros(5, np.int32),
+        ),
+        ["x_test:", "(4,)", "(3,)"],
+    ),
+    "too_few": (dict(x=np.ones((5, 3)), y=np.zeros(5, np.int32)), ["x:", "too few"]),
+    "empty": (dict(x=np.ones((0, 3)), y=np.zeros(0, np.int32)), ["x:", "no examples"]),
+    "small_for_batch": (
+        dict(x=np.ones((40, 3)), y=np.arange(40) % 2),
+        ["training.expected_batch_size", "256", "32 training examples"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_NPZ_CASES))
+def test_bad_data_files(case, capsys, tmp_path):
+    arrays, needles = _NPZ_CASES[case]
+    path = tmp_path / f"{case}.npz"
+    np.savez(path, **arrays)
+    assert cli.main(["train", "--quiet", "--data", str(path), "--out", str(tmp_path / "r")]) == 2
+    assert_one_line_error(capsys, "train", *needles)
+
+
+def test_data_that_is_not_an_npz_archive(capsys, tmp_path):
+    (tmp_path / "text.npz").write_text("hello")
+    (tmp_path / "dir.npz").mkdir()
+    np.savez(tmp_path / "ok.npz", x=np.ones((40, 3)), y=np.arange(40) % 2)
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "ok.npz").read_bytes()[:200])
+    for name, needle in (("text", "not a readable .npz"), ("cut", "not a readable .npz")):
+        argv = ["train", "--data", str(tmp_path / f"{name}.npz"), "--out", str(tmp_path / "r")]
+        assert cli.main(argv) == 2
+        assert_one_line_error(capsys, "train", f"{name}.npz", needle)
+    assert cli.main(["audit", "--data", str(tmp_path / "dir.npz")]) == 2
+    assert_one_line_error(capsys, "audit", "--data", "no such file")
+    vit = ["--set", "model.kind=vit"]
+    assert cli.main(["audit", "--data", str(tmp_path / "ok.npz"), *vit]) == 2
+    assert_one_line_error(capsys, "audit", "model.kind = 'vit'", "image")
+
+
+def test_out_that_is_a_file(capsys, tmp_path):
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["train", "--out", str(tmp_path / "file")]) == 2
+    assert_one_line_error(capsys, "train", "--out", "not a directory")
+
+
+def test_report_errors(capsys, tmp_path):
+    assert cli.main(["report", str(tmp_path / "nope")]) == 2
+    assert_one_line_error(capsys, "report", "no such run directory")
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["report", str(tmp_path / "file")]) == 2
+    assert_one_line_error(capsys, "report", "no such run directory")
+    assert cli.main(["report", str(tmp_path)]) == 2  # unfinished: no report.json yet
+    assert_one_line_error(capsys, "report", "report.json not found", "has not finished")
+    (tmp_path / "report.json").write_bytes(b"\xff")
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert_one_line_error(capsys, "report", "not valid JSON")
+    (tmp_path / "report.json").write_text("{}")  # no metrics: nothing to plot
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert_one_line_error(capsys, "report", "no metrics.jsonl records")
+
+
+@pytest.mark.parametrize(
+    "argv,needles",
+    [
+        (["--noise-multiplier", "1", "--steps", "3"], ["--sampling-prob", "--batch-size"]),
+        (["--noise-multiplier", "1", "--steps", "3", "--batch-size", "5"], ["--num-examples"]),
+        (
+            ["--noise-multiplier", "1", "--steps", "3", "--sampling-prob", "0.1"]
+            + ["--batch-size", "5", "--num-examples", "10"],
+            ["not both"],
+        ),
+        (
+            ["--target-epsilon", "2", "--noise-multiplier", "1", "--steps", "3"]
+            + ["--sampling-prob", "0.1"],
+            ["exactly one"],
+        ),
+        (["--sampling-prob", "0.1", "--steps", "3"], ["exactly one"]),
+        (["--target-epsilon", "2", "--sampling-prob", "0.1"], ["--steps", "--target-epsilon"]),
+        (["--target-epsilon", "-2", "--steps", "3", "--sampling-prob", "0.1"], ["target_epsilon"]),
+        (["--noise-multiplier", "-1", "--steps", "3", "--sampling-prob", "0.1"], ["noise_mult"]),
+        (["--noise-multiplier", "nan", "--steps", "3", "--sampling-prob", "0.1"], ["NaN"]),
+        (["--noise-multiplier", "1", "--steps", "-3", "--sampling-prob", "0.1"], ["steps"]),
+        (["--noise-multiplier", "1", "--steps", "3", "--sampling-prob", "0"], ["sampling_prob"]),
+        (
+            ["--noise-multiplier", "1", "--steps", "3", "--batch-size", "100"]
+            + ["--num-examples", "10"],
+            ["sampling_prob", "10.0"],
+        ),
+        (
+            ["--noise-multiplier", "1", "--steps", "3", "--sampling-prob", "0.1"]
+            + ["--count-noise-stddev", "-1"],
+            ["count_noise_stddev"],
+        ),
+    ],
+)
+def test_budget_argument_errors(argv, needles, capsys):
+    assert cli.main(["budget", *argv]) == 2
+    assert_one_line_error(capsys, "budget", *needles)
+
+
+def test_debug_mode_reraises(monkeypatch):
+    from dpmp._src.config import ConfigError
+
+    monkeypatch.setenv("DPMP_DEBUG", "1")
+    with pytest.raises(ConfigError, match="training.steps"):
+        cli.main(["audit", "--set", "training.steps=0"])
