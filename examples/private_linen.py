@@ -1,0 +1,130 @@
+"""Private training of a flax linen MLP on the digits data, written out step by step.
+
+What ``dpmp train`` does for the default config, with dpmp's public building
+blocks and a model you write yourself:
+
+    dpmp.accounting.calibrate_noise_multiplier   sigma for epsilon 2 at delta 1e-5
+    dpmp.PoissonSampler                           Poisson batches, padded to one size
+    dpmp.private_grad                             bf16 per-example grads, fp32 clip + sum
+    dpmp.private_optimizer                        fp32 noise, / expected batch size, adam
+    dpmp.accounting.epsilon                       what the steps taken have spent
+
+The MLP is a plain ``nn.Module`` with ``dtype=bfloat16`` (compute) and
+``param_dtype=float32`` (master params); ``private_grad`` casts the params to
+the policy's grad dtype, so the per-example gradients are bf16, while the
+norms, the clipping, the sum over the batch and the noise stay float32.
+
+Expected output (2 CPU cores, 20-35 s; the accuracy is that of ``dpmp train``):
+
+    digits: 1437 train / 360 test; policy param=f32,compute=bf16,...
+    noise multiplier 7.204 for epsilon 2 at delta 1e-05 over 400 steps (q = 0.1781)
+    step  100  loss 0.89  epsilon 0.940
+    step  200  loss 0.42  epsilon 1.367
+    step  300  loss 0.34  epsilon 1.707
+    step  400  loss 0.23  epsilon 2.000
+    epsilon 2.000 (delta 1e-05), test accuracy 0.93
+
+Run: ``python examples/private_linen.py [--steps N]`` (fewer steps spend the
+same epsilon with less noise per step, and reach a lower accuracy).
+"""
+
+import argparse
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import dpmp
+
+EPSILON, DELTA = 2.0, 1e-5
+CLIP, BATCH, LEARNING_RATE = 1.0, 256, 3e-3
+POLICY = dpmp.Policy.parse("bf16")  # bf16 compute and per-example grads; fp32 the rest
+
+
+def digits():
+    """Standardised digits features (train mean/std: not privatized) and labels."""
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x.astype(np.float32), y.astype(np.int32), test_size=0.2, random_state=0, stratify=y
+    )
+    mean, std = x_train.mean(0), x_train.std(0)
+    std = np.where(std > 1e-8, std, 1.0)
+    return (x_train - mean) / std, y_train, (x_test - mean) / std, y_test
+
+
+class MLP(nn.Module):
+    hidden: int = 256
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(self.hidden, dtype=POLICY.compute, param_dtype=jnp.float32)(x))
+        return nn.Dense(10, dtype=POLICY.compute, param_dtype=jnp.float32)(x)
+
+
+MODEL = MLP()
+
+
+def loss_fn(params, batch):
+    """Mean cross-entropy of the batch it is given (private_grad hands it one example)."""
+    logits = MODEL.apply({"params": params}, batch["x"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def main(steps: int) -> float:
+    x_train, y_train, x_test, y_test = digits()
+    n = len(x_train)
+    print(f"digits: {n} train / {len(x_test)} test; policy {POLICY}")
+
+    sampler = dpmp.PoissonSampler(n, expected_batch_size=BATCH, seed=0, num_steps=steps)
+    sigma = dpmp.accounting.calibrate_noise_multiplier(
+        target_epsilon=EPSILON, sampling_prob=sampler.sampling_prob, steps=steps, delta=DELTA
+    )
+    print(
+        f"noise multiplier {sigma:.4g} for epsilon {EPSILON:g} at delta {DELTA:g} over "
+        f"{steps} steps (q = {sampler.sampling_prob:.4g})"
+    )
+
+    init_key, noise_key = jax.random.split(jax.random.key(0))
+    params = MODEL.init(init_key, jnp.zeros((1, 64), jnp.float32))["params"]
+    grad_fn = dpmp.private_grad(loss_fn, l2_clip_norm=CLIP, policy=POLICY)
+    optimizer = dpmp.private_optimizer(
+        optax.adam(LEARNING_RATE),
+        noise_multiplier=sigma,
+        l2_clip_norm=CLIP,
+        expected_batch_size=BATCH,
+        prng_key=noise_key,
+        policy=POLICY,
+    )
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch, is_padding):
+        out = grad_fn(params, batch, is_padding_example=is_padding)  # fp32 sum of clipped grads
+        updates, opt_state = optimizer.update(out.grads, opt_state, params)  # + fp32 noise
+        return optax.apply_updates(params, updates), opt_state, out.stats.loss_mean
+
+    report_every, eps = max(steps // 4, 1), 0.0
+    for t, (indices, is_padding) in enumerate(sampler, start=1):
+        rows = np.where(is_padding, 0, indices)  # padding rows: any example, masked out
+        batch = {"x": x_train[rows], "y": y_train[rows]}
+        params, opt_state, loss = step(params, opt_state, batch, is_padding)
+        if t % report_every == 0 or t == steps:  # epsilon spent by the t steps taken
+            eps = dpmp.accounting.epsilon(
+                noise_multiplier=sigma, sampling_prob=sampler.sampling_prob, steps=t, delta=DELTA
+            )
+            print(f"step {t:>4}  loss {float(loss):.2f}  epsilon {eps:.3f}")
+
+    logits = jax.jit(lambda p, x: MODEL.apply({"params": p}, x))(params, x_test)
+    accuracy = float(np.mean(np.argmax(np.asarray(logits, np.float32), -1) == y_test))
+    print(f"epsilon {eps:.3f} (delta {DELTA:g}), test accuracy {accuracy:.2f}")
+    return accuracy
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    main(parser.parse_args().steps)

@@ -1,0 +1,130 @@
+"""Private training of a flax nnx MLP on the digits data (nnx.split / nnx.merge).
+
+An nnx model is a stateful Python object; DP-SGD needs a pure function of the
+parameters. ``nnx.split`` separates the module into a static ``graphdef`` and
+its ``nnx.State`` (a pytree of arrays); the loss ``nnx.merge`` s them back.
+The state is what ``dpmp.private_grad`` differentiates (per example, cast to
+bf16) and what ``dpmp.private_optimizer`` updates (fp32 noise, fp32 master
+params). ``nnx.update`` writes the trained state back into the module.
+
+    graphdef, state = nnx.split(model)
+    loss_fn(state, batch) = cross_entropy(nnx.merge(graphdef, state)(batch["x"]))
+    out      = dpmp.private_grad(loss_fn, ...)(state, batch, is_padding_example=...)
+    updates  = dpmp.private_optimizer(optax.adam(...), ...).update(out.grads, ...)
+
+Expected output (2 CPU cores, 20-35 s):
+
+    digits: 1437 train / 360 test; policy param=f32,compute=bf16,...
+    nnx.State with 4 arrays (19210 parameters), all float32
+    noise multiplier 7.204 for epsilon 2 at delta 1e-05 over 400 steps (q = 0.1781)
+    step  100  loss 0.85  epsilon 0.940
+    ...
+    step  400  loss 0.17  epsilon 2.000
+    epsilon 2.000 (delta 1e-05), test accuracy 0.92
+
+Run: ``python examples/private_nnx.py [--steps N]``
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import dpmp
+
+EPSILON, DELTA = 2.0, 1e-5
+CLIP, BATCH, LEARNING_RATE = 1.0, 256, 3e-3
+POLICY = dpmp.Policy.parse("bf16")
+
+
+def digits():
+    """Standardised digits features (train mean/std: not privatized) and labels."""
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x.astype(np.float32), y.astype(np.int32), test_size=0.2, random_state=0, stratify=y
+    )
+    mean, std = x_train.mean(0), x_train.std(0)
+    std = np.where(std > 1e-8, std, 1.0)
+    return (x_train - mean) / std, y_train, (x_test - mean) / std, y_test
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, hidden: int = 256):
+        kw = dict(dtype=POLICY.compute, param_dtype=jnp.float32, rngs=rngs)
+        self.hidden = nnx.Linear(64, hidden, **kw)
+        self.out = nnx.Linear(hidden, 10, **kw)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+def main(steps: int) -> float:
+    x_train, y_train, x_test, y_test = digits()
+    n = len(x_train)
+    print(f"digits: {n} train / {len(x_test)} test; policy {POLICY}")
+
+    model = MLP(nnx.Rngs(params=0))
+    graphdef, state = nnx.split(model)
+    leaves = jax.tree.leaves(state)
+    dtypes = {str(x.dtype) for x in leaves}
+    print(
+        f"nnx.State with {len(leaves)} arrays ({sum(x.size for x in leaves)} parameters), "
+        f"all {', '.join(sorted(dtypes))}"
+    )
+
+    def loss_fn(state, batch):
+        logits = nnx.merge(graphdef, state)(batch["x"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    sampler = dpmp.PoissonSampler(n, expected_batch_size=BATCH, seed=0, num_steps=steps)
+    sigma = dpmp.accounting.calibrate_noise_multiplier(
+        target_epsilon=EPSILON, sampling_prob=sampler.sampling_prob, steps=steps, delta=DELTA
+    )
+    print(
+        f"noise multiplier {sigma:.4g} for epsilon {EPSILON:g} at delta {DELTA:g} over "
+        f"{steps} steps (q = {sampler.sampling_prob:.4g})"
+    )
+    grad_fn = dpmp.private_grad(loss_fn, l2_clip_norm=CLIP, policy=POLICY)
+    optimizer = dpmp.private_optimizer(
+        optax.adam(LEARNING_RATE),
+        noise_multiplier=sigma,
+        l2_clip_norm=CLIP,
+        expected_batch_size=BATCH,
+        prng_key=1,
+        policy=POLICY,
+    )
+    opt_state = optimizer.init(state)
+
+    @jax.jit
+    def step(state, opt_state, batch, is_padding):
+        out = grad_fn(state, batch, is_padding_example=is_padding)
+        updates, opt_state = optimizer.update(out.grads, opt_state, state)
+        return optax.apply_updates(state, updates), opt_state, out.stats.loss_mean
+
+    report_every, eps = max(steps // 4, 1), 0.0
+    for t, (indices, is_padding) in enumerate(sampler, start=1):
+        rows = np.where(is_padding, 0, indices)
+        batch = {"x": x_train[rows], "y": y_train[rows]}
+        state, opt_state, loss = step(state, opt_state, batch, is_padding)
+        if t % report_every == 0 or t == steps:  # epsilon spent by the t steps taken
+            eps = dpmp.accounting.epsilon(
+                noise_multiplier=sigma, sampling_prob=sampler.sampling_prob, steps=t, delta=DELTA
+            )
+            print(f"step {t:>4}  loss {float(loss):.2f}  epsilon {eps:.3f}")
+
+    nnx.update(model, state)  # the trained parameters, back in the module
+    logits = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(x_test))
+    accuracy = float(np.mean(np.argmax(np.asarray(logits, np.float32), -1) == y_test))
+    print(f"epsilon {eps:.3f} (delta {DELTA:g}), test accuracy {accuracy:.2f}")
+    return accuracy
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    main(parser.parse_args().steps)

@@ -1,0 +1,144 @@
+"""Private training of a plain-JAX MLP on the digits data: a params dict, no flax.
+
+The model is two functions you write yourself: ``init(key) -> params`` (a dict
+of float32 arrays: the master copy) and ``loss_fn(params, batch)``. Under
+``dpmp.private_grad`` the loss receives the params already cast to the policy's
+grad dtype (bf16 here) and the batch features cast to its compute dtype, so the
+matmuls, the per-example gradients and their memory are bf16; the norms, the
+clipping, the sum over the batch and the noise are float32.
+
+Expected output (2 CPU cores, 20-35 s):
+
+    digits: 1437 train / 360 test; policy param=f32,compute=bf16,...
+    noise multiplier 7.204 for epsilon 2 at delta 1e-05 over 400 steps (q = 0.1781)
+    per-example gradient dtype inside the loss: bfloat16; clipped sum dtype: float32
+    step  100  loss 0.79  epsilon 0.940
+    ...
+    step  400  loss 0.18  epsilon 2.000
+    epsilon 2.000 (delta 1e-05), test accuracy 0.92
+
+Run: ``python examples/private_plain_jax.py [--steps N]``
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import dpmp
+
+EPSILON, DELTA = 2.0, 1e-5
+CLIP, BATCH, LEARNING_RATE = 1.0, 256, 3e-3
+POLICY = dpmp.Policy.parse("bf16")
+WIDTHS = (64, 256, 10)
+
+
+def digits():
+    """Standardised digits features (train mean/std: not privatized) and labels."""
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x.astype(np.float32), y.astype(np.int32), test_size=0.2, random_state=0, stratify=y
+    )
+    mean, std = x_train.mean(0), x_train.std(0)
+    std = np.where(std > 1e-8, std, 1.0)
+    return (x_train - mean) / std, y_train, (x_test - mean) / std, y_test
+
+
+def init(key):
+    params = {}
+    for i, (a, b) in enumerate(zip(WIDTHS[:-1], WIDTHS[1:])):
+        key, sub = jax.random.split(key)
+        params[f"layer{i}"] = {
+            "w": jax.random.normal(sub, (a, b), jnp.float32) / jnp.sqrt(jnp.float32(a)),
+            "b": jnp.zeros((b,), jnp.float32),
+        }
+    return params
+
+
+def forward(params, x):
+    x = x.astype(POLICY.compute)
+    for i in range(len(WIDTHS) - 1):
+        layer = params[f"layer{i}"]
+        x = x @ layer["w"].astype(x.dtype) + layer["b"].astype(x.dtype)
+        if i < len(WIDTHS) - 2:
+            x = jax.nn.relu(x)
+    return x.astype(jnp.float32)
+
+
+def loss_fn(params, batch):
+    logits = forward(params, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def main(steps: int) -> float:
+    x_train, y_train, x_test, y_test = digits()
+    n = len(x_train)
+    print(f"digits: {n} train / {len(x_test)} test; policy {POLICY}")
+
+    sampler = dpmp.PoissonSampler(n, expected_batch_size=BATCH, seed=0, num_steps=steps)
+    sigma = dpmp.accounting.calibrate_noise_multiplier(
+        target_epsilon=EPSILON, sampling_prob=sampler.sampling_prob, steps=steps, delta=DELTA
+    )
+    print(
+        f"noise multiplier {sigma:.4g} for epsilon {EPSILON:g} at delta {DELTA:g} over "
+        f"{steps} steps (q = {sampler.sampling_prob:.4g})"
+    )
+
+    seen = {}
+
+    def traced_loss(params, batch):  # records the dtype the loss is handed (at trace time)
+        seen["params"] = params["layer0"]["w"].dtype
+        return loss_fn(params, batch)
+
+    params = init(jax.random.key(0))
+    grad_fn = dpmp.private_grad(traced_loss, l2_clip_norm=CLIP, policy=POLICY)
+    optimizer = dpmp.private_optimizer(
+        optax.adam(LEARNING_RATE),
+        noise_multiplier=sigma,
+        l2_clip_norm=CLIP,
+        expected_batch_size=BATCH,
+        prng_key=1,
+        policy=POLICY,
+    )
+    opt_state = optimizer.init(params)
+    sum_dtype = (
+        jax.eval_shape(grad_fn, params, {"x": x_train[:BATCH], "y": y_train[:BATCH]})
+        .grads["layer0"]["w"]
+        .dtype
+    )
+    print(
+        f"per-example gradient dtype inside the loss: {jnp.dtype(seen['params']).name}; "
+        f"clipped sum dtype: {jnp.dtype(sum_dtype).name}"
+    )
+
+    @jax.jit
+    def step(params, opt_state, batch, is_padding):
+        out = grad_fn(params, batch, is_padding_example=is_padding)
+        updates, opt_state = optimizer.update(out.grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, out.stats.loss_mean
+
+    report_every, eps = max(steps // 4, 1), 0.0
+    for t, (indices, is_padding) in enumerate(sampler, start=1):
+        rows = np.where(is_padding, 0, indices)
+        batch = {"x": x_train[rows], "y": y_train[rows]}
+        params, opt_state, loss = step(params, opt_state, batch, is_padding)
+        if t % report_every == 0 or t == steps:  # epsilon spent by the t steps taken
+            eps = dpmp.accounting.epsilon(
+                noise_multiplier=sigma, sampling_prob=sampler.sampling_prob, steps=t, delta=DELTA
+            )
+            print(f"step {t:>4}  loss {float(loss):.2f}  epsilon {eps:.3f}")
+
+    logits = jax.jit(forward)(params, x_test)
+    accuracy = float(np.mean(np.argmax(np.asarray(logits), -1) == y_test))
+    print(f"epsilon {eps:.3f} (delta {DELTA:g}), test accuracy {accuracy:.2f}")
+    return accuracy
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    main(parser.parse_args().steps)
