@@ -1,0 +1,92 @@
+"""Run configuration: validation in one place, and a README key table that cannot rot."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from dpmp._src import config as config_lib
+from dpmp._src.config import Config, ConfigError, load_config
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+ALL_KEYS = {"policy"} | {
+    f"{section}.{f.name}"
+    for section, cls in config_lib._SECTIONS.items()
+    for f in dataclasses.fields(cls)
+}
+
+
+def _readme_block() -> str:
+    text = README.read_text()
+    begin, end = "<!-- config-keys:begin -->\n", "<!-- config-keys:end -->"
+    assert begin in text and end in text, "README.md has lost its config-keys markers"
+    return text.split(begin, 1)[1].split(end, 1)[0]
+
+
+def test_every_config_field_has_a_documented_row():
+    rows = config_lib.config_reference()
+    assert len(rows) == len(ALL_KEYS) and {r["key"] for r in rows} == ALL_KEYS
+    for row in rows:  # each field needs a "name: meaning" entry in its class docstring
+        assert row["meaning"] and row["allowed"] and row["default"], row
+
+
+def test_readme_key_table_is_the_generated_one():
+    block = _readme_block()
+    listed = set(re.findall(r"^\| `([\w.]+)` \|", block, re.M))
+    assert listed == ALL_KEYS, f"missing {ALL_KEYS - listed}, stale {listed - ALL_KEYS}"
+    assert block == config_lib.markdown_table(), (
+        "README.md's config key table is out of date: paste the output of "
+        "`python -m dpmp._src.config` between its config-keys markers"
+    )
+
+
+def test_table_defaults_are_the_dataclass_defaults():
+    rows = {r["key"]: r["default"] for r in config_lib.config_reference()}
+    assert rows["training.steps"] == str(Config().training.steps)
+    assert rows["privacy.delta"] == "1e-5" and rows["privacy.noise_multiplier"] == "unset"
+    assert rows["model.hidden"] == "[256]" and rows["data.standardize"] == "true"
+    assert rows["policy"] == '"bf16"'
+    choices = {r["key"]: r["allowed"] for r in config_lib.config_reference()}
+    assert choices["model.kind"] == ", ".join(f'"{k}"' for k in config_lib.MODEL_KINDS)
+
+
+def test_defaults_evaluate_periodically():
+    # the accuracy-against-epsilon plot of the default run has a curve, not a point
+    t = Config().training
+    assert 0 < t.eval_every < t.steps and t.steps // t.eval_every >= 10
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["training.seed=-1"], "training.seed: must be an integer >= 0"),
+        (["data.standardize=1"], "data.standardize: must be true or false"),
+        (["data.path=[1]"], "data.path: must be a string"),
+        (["privacy.accountant=moments"], "privacy.accountant: 'moments' is not allowed"),
+        (["training.stepz=1"], "unknown key training.stepz"),
+    ],
+)
+def test_validation_names_the_field(overrides, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        load_config(None, overrides)
+
+
+def test_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("training = 3\n")
+    with pytest.raises(ConfigError, match="training: expected a table of keys"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="training: expected a table of keys"):
+        load_config(path, ["training.steps=3"])
+    path.write_bytes(b"\xff")
+    with pytest.raises(ConfigError, match="c.toml is not valid TOML .not UTF-8"):
+        load_config(path)
+
+
+def test_toml_ints_become_floats_where_floats_are_expected(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[privacy]\ntarget_epsilon = 4\n[loss_scale]\ninitial = 1024\n")
+    cfg = load_config(path)
+    assert cfg.privacy.target_epsilon == 4.0 and isinstance(cfg.privacy.target_epsilon, float)
+    assert cfg == load_config(None, ["privacy.target_epsilon=4", "loss_scale.initial=1024"])
