@@ -19,6 +19,9 @@ from dpmp._src.clipping import PrivateGrad as PrivateGrad
 from dpmp._src.clipping import PrivateGradFn as PrivateGradFn
 from dpmp._src.clipping import PrivateGradStats as PrivateGradStats
 from dpmp._src.clipping import private_grad as private_grad
+from dpmp._src.config import Config as Config
+from dpmp._src.config import ConfigError as ConfigError
+from dpmp._src.config import load_config as load_config
 from dpmp._src.loss_scale import DynamicLossScale as DynamicLossScale
 from dpmp._src.loss_scale import NoOpLossScale as NoOpLossScale
 from dpmp._src.loss_scale import StaticLossScale as StaticLossScale
@@ -40,6 +43,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AUDIT_KINDS",
+    "Config",
+    "ConfigError",
     "Finding",
     "NumericReport",
     "PrecisionAuditError",
@@ -66,6 +71,7 @@ __all__ = [
     "cast_tree",
     "force_full_precision",
     "gaussian_privatizer",
+    "load_config",
     "private_grad",
     "private_optimizer",
     "select_tree",

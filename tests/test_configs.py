@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import pytest
 
+import dpmp
 from dpmp._src.config import Config, load_config
 from dpmp._src.data import load_data
 from dpmp._src.trainer import audit_step, build_private_step, train
@@ -36,7 +37,8 @@ def test_default_toml_is_exactly_the_built_in_default():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_config_loads_validates_and_states_its_measurement(name):
-    config = load_config(CONFIGS / name)
+    config = dpmp.load_config(CONFIGS / name)
+    assert isinstance(config, dpmp.Config)
     assert Config.from_dict(config.to_dict()) == config
     header = (CONFIGS / name).read_text().split("\n\n")[0]
     assert "measured:" in header and "test accuracy at eps" in header, name
