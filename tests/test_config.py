@@ -55,6 +55,7 @@ def test_defaults_evaluate_periodically():
     # the accuracy-against-epsilon plot of the default run has a curve, not a point
     t = Config().training
     assert 0 < t.eval_every < t.steps and t.steps // t.eval_every >= 10
+    assert t.eval_every % t.log_every == 0  # evaluations are recorded on log steps only
 
 
 @pytest.mark.parametrize(

@@ -202,6 +202,8 @@ class TrainingConfig:
       rounded up to a multiple of it (unset: the whole batch at once).
     eval_every: train and test accuracy every this many steps (0: only at the
       end); the default gives the run's accuracy-against-epsilon plot a curve.
+      An evaluation is recorded in ``metrics.jsonl`` on log steps only, so keep
+      it a multiple of ``log_every``.
     log_every: a ``metrics.jsonl`` record every this many steps and at the end
       (0: only at the end).
     checkpoint_every: a checkpoint every this many steps and at the end (0: only
@@ -214,7 +216,7 @@ class TrainingConfig:
     optimizer: str = "adam"
     learning_rate: float = 3e-3
     microbatch_size: int | None = None
-    eval_every: int = 20
+    eval_every: int = 16
     log_every: int = 8
     checkpoint_every: int = 50
     seed: int = 0
