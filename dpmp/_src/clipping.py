@@ -128,10 +128,12 @@ class PrivateGradFn:
         l2_norm_bound: float,
         method: str,
         policy: Policy,
-        explain: Callable | None = None,
+        explain: Callable,
+        chooser: _MethodChooser,
     ):
         self._fun = fun
         self._explain = explain
+        self._chooser = chooser
         self.l2_norm_bound = l2_norm_bound
         self.method = method
         self.policy = policy
@@ -169,7 +171,7 @@ class PrivateGradFn:
     @property
     def resolved_method(self) -> str | None:
         """The method the last traced call used (``None`` before the first call)."""
-        return self._explain.last if self._explain is not None else None
+        return self._chooser.last
 
     def __repr__(self):
         return (
@@ -268,8 +270,9 @@ def private_grad(
     clip_dtype = policy.clip
     n_batch = len(argnums)
 
-    def per_example(params, s, others, *example):
-        """Scaled gradient of one example (grad dtype), its unscaled norm and finiteness."""
+    def example_loss(params, others, *example):
+        """float32 loss of ONE example (no batch axis): the batch leaves are cast to
+        ``policy.compute`` (and given a batch axis of 1 with ``keep_batch_dim``)."""
         args = dict(others)
         for pos, value in zip(argnums, example):
             value = cast_tree(value, policy.compute)
@@ -277,12 +280,16 @@ def private_grad(
                 value = jax.tree.map(lambda x: x[None], value)
             args[pos] = value
         args = [args[i] for i in range(1, len(args) + 1)]
+        loss = jnp.asarray(loss_fn(params, *args))
+        if loss.shape != ():
+            raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}")
+        return loss.astype(jnp.float32)
+
+    def per_example(params, s, others, *example):
+        """Scaled gradient of one example (grad dtype), its unscaled norm and finiteness."""
 
         def scaled_loss(p):
-            loss = jnp.asarray(loss_fn(p, *args))
-            if loss.shape != ():
-                raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}")
-            loss32 = loss.astype(jnp.float32)
+            loss32 = example_loss(p, others, *example)
             return loss32 * s, loss32
 
         grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
@@ -312,21 +319,13 @@ def private_grad(
 
         return jax.tree.map(weighted_sum, grads), (norms, finite, losses)
 
-    def example_loss(params, others, *example):
-        """float32 loss of ONE example (no batch axis), as ``per_example`` computes it."""
-        args = dict(others)
-        for pos, value in zip(argnums, example):
-            value = cast_tree(value, policy.compute)
-            if keep_batch_dim:
-                value = jax.tree.map(lambda x: x[None], value)
-            args[pos] = value
-        args = [args[i] for i in range(1, len(args) + 1)]
-        loss = jnp.asarray(loss_fn(params, *args))
-        if loss.shape != ():
-            raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}")
-        return loss.astype(jnp.float32)
-
     chooser = _MethodChooser(method, example_loss)
+
+    def split(args):
+        """``(batch arguments, {position: other argument})`` of ``g(params, *args)``."""
+        batch_args = [args[i - 1] for i in argnums]
+        others = {j: a for j, a in enumerate(args, start=1) if j not in argnums}
+        return batch_args, others
 
     def ghost_sum(plan, params, s, others, is_padding, *batch):
         """Clipped sum over one (micro)batch from activations and output gradients."""
@@ -379,8 +378,7 @@ def private_grad(
             )
         s = loss_scale.loss_scale.astype(jnp.float32)
         diff_params = cast_tree(params, policy.grad)
-        batch_args = [args[i - 1] for i in argnums]
-        others = {j: a for j, a in enumerate(args, start=1) if j not in argnums}
+        batch_args, others = split(args)
         sizes = {x.shape[0] for x in jax.tree.leaves(batch_args)}
         if len(sizes) != 1:
             raise ValueError(f"batch arguments disagree on the batch size: {sorted(sizes)}")
@@ -430,14 +428,17 @@ def private_grad(
         return PrivateGrad(sums, stats, next_scale)
 
     def explain(params, *args):
-        batch_args = [args[i - 1] for i in argnums]
-        others = {j: a for j, a in enumerate(args, start=1) if j not in argnums}
+        batch_args, others = split(args)
         diff_params = jax.eval_shape(lambda p: cast_tree(p, policy.grad), params)
         return chooser.explain(diff_params, others, batch_args)
 
-    chooser.explain_args = explain
     return PrivateGradFn(
-        fun, l2_norm_bound=clip_norm, method=method, policy=policy, explain=chooser
+        fun,
+        l2_norm_bound=clip_norm,
+        method=method,
+        policy=policy,
+        explain=explain,
+        chooser=chooser,
     )
 
 
@@ -449,10 +450,6 @@ class _MethodChooser:
         self.example_loss = example_loss
         self.last: str | None = None
         self._cache: dict[Any, tuple[Any, str]] = {}
-        self.explain_args: Callable | None = None
-
-    def __call__(self, params, *args) -> dict[str, Any]:
-        return self.explain_args(params, *args)
 
     def _key(self, params, others, batch_args):
         def sig(tree):

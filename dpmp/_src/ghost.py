@@ -113,14 +113,11 @@ class GhostPlan:
         other-argument leaves, example leaves; output: the float32 loss).
       taps: one ``_Tap`` per used floating parameter leaf.
       unused: indices of parameter leaves the loss does not use (zero gradient).
-      n_params, n_others: leaf counts of the first two input groups.
     """
 
     jaxpr: Any
     taps: tuple[_Tap, ...]
     unused: tuple[int, ...]
-    n_params: int
-    n_others: int
 
     def layers(self) -> list[dict[str, str]]:
         """One row per parameter leaf: its path, layer kind and norm rule."""
@@ -175,7 +172,7 @@ def _is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-def plan_ghost(example_loss: Callable, params, others, example, *, paths=None) -> GhostPlan:
+def plan_ghost(example_loss: Callable, params, others, example) -> GhostPlan:
     """Trace ``example_loss(params, others, *example)`` for one example and find the layers.
 
     ``params``, ``others`` and ``example`` may be arrays or ``ShapeDtypeStruct``s
@@ -185,8 +182,7 @@ def plan_ghost(example_loss: Callable, params, others, example, *, paths=None) -
     p_leaves = jax.tree.leaves(params)
     o_leaves = jax.tree.leaves(others)
     e_leaves = jax.tree.leaves(example)
-    if paths is None:
-        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
     p_def = jax.tree.structure(params)
     o_def = jax.tree.structure(others)
     e_def = jax.tree.structure(example)
@@ -201,7 +197,7 @@ def plan_ghost(example_loss: Callable, params, others, example, *, paths=None) -
     traced = jax.make_jaxpr(flat_loss)(*avals)
     flat = jax.make_jaxpr(lambda *a: _inline(traced.jaxpr, traced.consts, *a))(*avals)
     taps, unused = _find_taps(flat.jaxpr, len(p_leaves), paths)
-    return GhostPlan(flat, tuple(taps), tuple(unused), len(p_leaves), len(o_leaves))
+    return GhostPlan(flat, tuple(taps), tuple(unused))
 
 
 def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[_Tap], list[int]]:
@@ -330,28 +326,29 @@ def _forward(plan: GhostPlan, perturb, leaves):
     return loss, tuple(acts)
 
 
+def _replay_chain(plan: GhostPlan, tap: _Tap, p):
+    """The layout ops from a parameter leaf to its layer, casts skipped (``p``'s dtype stays)."""
+    for i in tap.chain:
+        e = plan.jaxpr.jaxpr.eqns[i]
+        if e.primitive.name != "convert_element_type":
+            (p,) = _bind(e, [p])
+    return p
+
+
 def _site(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
     """``site(param_leaf, act) -> layer output`` for one example, computed in ``dtype``."""
     eqns = plan.jaxpr.jaxpr.eqns
 
     def site(p, act):
-        x = p
-        for i in tap.chain:
-            e = eqns[i]
-            if e.primitive.name == "convert_element_type":
-                continue  # the chain's casts are skipped: everything stays in ``dtype``
-            (x,) = _bind(e, [x])
+        x = _replay_chain(plan, tap, p)
         e = eqns[tap.eqn]
         name = e.primitive.name
         over = {}
         if name in ("dot_general", "conv_general_dilated"):
             over = {"precision": _HIGHEST, "preferred_element_type": dtype}
-        if name == "gather":
-            ins = [x, act]
-        else:
-            ins = [None, None]
-            ins[tap.pos] = x
-            ins[1 - tap.pos] = act
+        ins = [None, None]
+        ins[tap.pos] = x
+        ins[1 - tap.pos] = act  # for a gather: the parameter is the operand, pos 0
         (out,) = _bind(e, ins, **over)
         return out
 
@@ -362,8 +359,13 @@ def _cast_act(a, dtype):
     return a.astype(dtype) if _is_float(a.dtype) else a
 
 
-def _sq_norm_dot(eqn, pos, a, g, dtype):
-    """||per-example grad of the dot_general's parameter operand||^2 for one example."""
+def _dot_operands(eqn, pos, a, g):
+    """One example's activation and output gradient of a dense layer as A [T, K], G [T, N].
+
+    T are the activation's free dims (tokens), K its contracting dims in the order
+    the parameter's contracting dims pair with them, N the parameter's free dims;
+    the parameter's per-example gradient is ``A^T G`` laid out [K, N].
+    """
     (lc, rc), _ = eqn.params["dimension_numbers"]
     ca = tuple(rc if pos == 0 else lc)
     fa = tuple(d for d in range(a.ndim) if d not in ca)
@@ -372,7 +374,12 @@ def _sq_norm_dot(eqn, pos, a, g, dtype):
     n = g.size // max(t, 1)
     am = jnp.transpose(a, fa + ca).reshape(t, k)
     gm = g.reshape(t, n) if pos == 1 else g.reshape(n, t).T
-    return _gram_or_outer(am, gm, dtype)
+    return am, gm
+
+
+def _sq_norm_dot(eqn, pos, a, g, dtype):
+    """||per-example grad of the dot_general's parameter operand||^2 for one example."""
+    return _gram_or_outer(*_dot_operands(eqn, pos, a, g), dtype)
 
 
 def _gram_or_outer(am, gm, dtype):
@@ -414,39 +421,22 @@ def _sq_norm_conv(eqn, a, g, dtype):
 
 def _sum_dot(plan: GhostPlan, tap: _Tap, a, wg, p):
     """sum_i w_i x_i^T g_i for a dense layer: ONE contraction over examples and tokens."""
-    eqns = plan.jaxpr.jaxpr.eqns
-    eqn = eqns[tap.eqn]
-    (lc, rc), _ = eqn.params["dimension_numbers"]
-    ca = tuple(rc if tap.pos == 0 else lc)  # activation contracting dims (per example)
-    cw = tuple(lc if tap.pos == 0 else rc)  # the matching parameter dims
-    nd = a.ndim - 1
-    fa = tuple(d for d in range(nd) if d not in ca)
-    b = a.shape[0]
-    t = math.prod(a.shape[1 + d] for d in fa)
-    k = math.prod(a.shape[1 + d] for d in ca)
-    am = jnp.transpose(a, (0,) + tuple(1 + d for d in fa + ca)).reshape(b * t, k)
-    n = wg[0].size // max(t, 1)
-    if tap.pos == 1:
-        gm = wg.reshape(b * t, n)
-    else:
-        gm = jnp.swapaxes(wg.reshape(b, n, t), 1, 2).reshape(b * t, n)
+    eqn = plan.jaxpr.jaxpr.eqns[tap.eqn]
+    am, gm = jax.vmap(lambda a_, g_: _dot_operands(eqn, tap.pos, a_, g_))(a, wg)
+    am = am.reshape(-1, am.shape[-1])  # [B T, K]: examples and tokens contracted together
+    gm = gm.reshape(-1, gm.shape[-1])
     kn = lax.dot_general(
         am, gm, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=p.dtype
     )
     # [K, N] -> the layer's parameter operand W' (contracting dims cw, then its free dims).
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    cw = tuple(lc if tap.pos == 0 else rc)
     w_shape = eqn.invars[tap.pos].aval.shape
     fw = tuple(d for d in range(len(w_shape)) if d not in cw)
     kn = kn.reshape(tuple(w_shape[d] for d in cw + fw))
     w_grad = jnp.transpose(kn, np.argsort(cw + fw))
 
-    def chain(q):
-        for i in tap.chain:
-            e = eqns[i]
-            if e.primitive.name != "convert_element_type":
-                (q,) = _bind(e, [q])
-        return q
-
-    _, pull = jax.vjp(chain, p)
+    _, pull = jax.vjp(lambda q: _replay_chain(plan, tap, q), p)
     (out,) = pull(w_grad.astype(p.dtype))
     return out
 
