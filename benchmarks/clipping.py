@@ -11,7 +11,9 @@ bf16 compute, this measures in ONE process:
   and output gradients, no per-example gradients);
 
 each jitted, as the median wall time of ``--repeats`` calls after one warm-up
-call, and the compiled temporary memory
+call (the methods of one model and policy timed in interleaved rounds, so that
+load drift on a shared machine hits them alike), and the compiled temporary
+memory
 (``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``).
 It prints a table of ratios to the non-private step and writes the raw
 numbers as JSON (``--json``).
@@ -31,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -131,24 +134,29 @@ def step_fns(loss_fn, policy: str):
     }
 
 
-def measure(fn, params, batch, repeats: int) -> dict:
-    jitted = jax.jit(fn)
+def compile_step(fn, params, batch) -> tuple[Callable, dict]:
+    """Compile, read the temporary memory, run once (warm-up)."""
     t0 = time.perf_counter()
-    compiled = jitted.lower(params, batch).compile()
+    compiled = jax.jit(fn).lower(params, batch).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     jax.block_until_ready(compiled(params, batch))  # warm-up
-    times = []
+    return compiled, {"temp_bytes": int(mem.temp_size_in_bytes), "compile_s": compile_s}
+
+
+def time_interleaved(compiled: dict, params, batch, repeats: int) -> dict[str, list[float]]:
+    """``repeats`` rounds, each timing one call of every method in turn.
+
+    Interleaving spreads any drift of a shared machine's load over all methods
+    alike, so the ratios of medians compare like with like.
+    """
+    times = {m: [] for m in compiled}
     for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(compiled(params, batch))
-        times.append(time.perf_counter() - t)
-    return {
-        "median_s": statistics.median(times),
-        "times_s": times,
-        "temp_bytes": int(mem.temp_size_in_bytes),
-        "compile_s": compile_s,
-    }
+        for m, f in compiled.items():
+            t = time.perf_counter()
+            jax.block_until_ready(f(params, batch))
+            times[m].append(time.perf_counter() - t)
+    return times
 
 
 def main(argv=None) -> int:
@@ -188,18 +196,21 @@ def main(argv=None) -> int:
         for policy in args.policies.split(","):
             loss_fn, params, batch = build(model, policy, args.batch_size)
             fns = step_fns(loss_fn, policy)
-            base = None
+            compiled, info = {}, {}
             for method in methods:
                 print(f"  {model} {policy} {method} ...", end="\r", file=sys.stderr, flush=True)
-                r = measure(fns[method], params, batch, args.repeats)
-                if method == "nonprivate":
-                    base = r
+                compiled[method], info[method] = compile_step(fns[method], params, batch)
+            times = time_interleaved(compiled, params, batch, args.repeats)
+            base = statistics.median(times["nonprivate"]), info["nonprivate"]["temp_bytes"]
+            for method in methods:
+                r = dict(info[method], median_s=statistics.median(times[method]))
                 r.update(
+                    times_s=times[method],
                     model=model,
                     policy=policy,
                     method=method,
-                    time_ratio=r["median_s"] / base["median_s"],
-                    mem_ratio=r["temp_bytes"] / max(base["temp_bytes"], 1),
+                    time_ratio=r["median_s"] / base[0],
+                    mem_ratio=r["temp_bytes"] / max(base[1], 1),
                 )
                 results["runs"].append(r)
                 print(

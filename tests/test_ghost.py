@@ -24,7 +24,8 @@ class DenseSeq(nn.Module):
     @nn.compact
     def __call__(self, x, ids):
         h = nn.Dense(32)(x)  # x [b, 3, 8]: T=3, T(K+N) < KN -> Gram
-        h = nn.relu(nn.Dense(4)(h))  # K=32, N=4: T(K+N) > KN -> outer
+        h = nn.relu(nn.Dense(4)(h))  # K=32, N=4: T(K+N) < KN -> Gram
+        h = nn.Dense(3)(h)  # K=4, N=3: KN < T(K+N) -> per-example gradient
         return h.reshape((h.shape[0], -1))
 
 
@@ -34,6 +35,8 @@ class Conv(nn.Module):
         img = x.reshape((x.shape[0], 6, 4, 1))
         h = nn.relu(nn.Conv(5, (3, 3))(img))
         h = nn.Conv(3, (2, 2), strides=(2, 2), padding="VALID")(h)
+        # 6 positions, 27 inputs, 16 outputs: T(K+N) < KN -> Gram form on image patches
+        h = nn.Conv(16, (3, 3))(h)
         return h.reshape((h.shape[0], -1))
 
 
@@ -111,13 +114,15 @@ def test_ghost_rules_cover_the_layer_kinds():
             params, batch
         )
         rules |= {(row["layer"], row["rule"]) for row in info["layers"]}
-    assert {
-        ("dense", "dot"),
-        ("conv", "conv"),
-        ("embedding", "embed"),
-        ("bias", "generic"),
-    } <= rules
-    assert ("scale", "generic") in rules
+    assert rules == {
+        ("dense", "gram"),
+        ("dense", "per-example"),
+        ("conv", "per-example"),
+        ("conv", "patch-gram"),
+        ("embedding", "id-gram"),
+        ("bias", "per-example"),
+        ("scale", "per-example"),
+    }
 
 
 def test_ghost_equals_vmap_on_an_nnx_model():
@@ -166,16 +171,43 @@ def test_ghost_equals_vmap_with_an_overflowed_example():
     np.testing.assert_allclose(got, _flat(padded.grads), rtol=1e-6, atol=1e-7)
 
 
+def test_ghost_equals_vmap_with_an_overflow_inside_a_per_example_layer():
+    """An inf pixel overflows the convolutions, whose per-example kernel gradients are
+    formed inside the backward pass: both methods drop exactly that example."""
+    loss, params, batch = _linen_problem("conv")
+    batch["x"][9, 1, 2] = np.inf
+    v, g = _both(loss, params, batch, clip=0.05)
+    assert int(v.stats.num_nonfinite) == int(g.stats.num_nonfinite) == 1
+    got, ref = _flat(g.grads), _flat(v.grads)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref)
+
+
+def _conv_problem(n):
+    loss, params, _ = _linen_problem("conv")
+    rng = np.random.default_rng(1)
+    batch = {
+        "x": rng.normal(size=(n, 3, 8)).astype(np.float32) * 4,
+        "ids": rng.integers(0, 7, size=(n, 5)).astype(np.int32),
+        "y": rng.integers(0, 4, size=n).astype(np.int32),
+    }
+    return loss, params, batch
+
+
 @pytest.mark.parametrize("policy", ["bf16", "fp16"])
-def test_ghost_half_precision_per_example_bound_and_neighbours(policy):
+@pytest.mark.parametrize("model", ["mlp", "conv"])
+def test_ghost_half_precision_per_example_bound_and_neighbours(policy, model):
     """Mixed precision inside: each example's clipped contribution has norm <= C (1 + 1e-5),
     measured by removing every example in turn (loss scale 2^6, microbatches of 32)."""
-    n, C = 256, 1.0
-    batch = classification_batch(n, scale=4.0)
-    params = mlp_init()
-    g = dpmp.private_grad(
-        mlp_loss, l2_clip_norm=C, policy=policy, method="ghost", microbatch_size=32
-    )
+    if model == "mlp":  # Gram-norm dense layers, per-example biases
+        n, C = 256, 1.0
+        loss, params, batch = mlp_loss, mlp_init(), classification_batch(256, scale=4.0)
+        first = "w1"
+    else:  # per-example convolution kernels, a patch-Gram convolution
+        n, C = 96, 0.05
+        loss, params, batch = _conv_problem(n)
+        first = "Conv_0"
+    g = dpmp.private_grad(loss, l2_clip_norm=C, policy=policy, method="ghost", microbatch_size=32)
     ls = dpmp.StaticLossScale(2.0**6)
 
     def total(pad):
@@ -190,10 +222,11 @@ def test_ghost_half_precision_per_example_bound_and_neighbours(policy):
     assert dist.max() <= C * (1 + 1e-5), dist.max()
     assert dist.max() > 0.99 * C
     # the sum is float32 and close to the per-example (vmap) result in the same policy
-    v = dpmp.private_grad(mlp_loss, l2_clip_norm=C, policy=policy, method="vmap")
-    ref = np.asarray(jax.jit(lambda: v(params, batch, loss_scale=ls).grads["w1"])(), np.float64)
-    got = np.asarray(jax.jit(lambda: g(params, batch, loss_scale=ls).grads["w1"])())
-    assert got.dtype == np.float32
+    v = dpmp.private_grad(loss, l2_clip_norm=C, policy=policy, method="vmap")
+    ref = _flat(jax.jit(lambda: v(params, batch, loss_scale=ls).grads[first])())
+    out = jax.jit(lambda: g(params, batch, loss_scale=ls).grads[first])()
+    assert {x.dtype for x in jax.tree.leaves(out)} == {jnp.dtype(jnp.float32)}
+    got = _flat(out)
     assert np.linalg.norm(got - ref) <= 2e-2 * np.linalg.norm(ref)
 
 

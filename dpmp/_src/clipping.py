@@ -145,7 +145,8 @@ class PrivateGradFn:
         ``"vmap"`` or ``"ghost"``; ``reason`` says why ``"auto"`` fell back to
         per-example gradients (empty when it did not); ``layers`` lists each
         parameter leaf with the layer kind and the norm rule ghost clipping
-        uses for it. Only shapes and dtypes of the arguments are used.
+        uses for it (``gram``, ``patch-gram``, ``id-gram`` or ``per-example``).
+        Only shapes and dtypes of the arguments are used.
         """
         return self._explain(params, *args)
 
@@ -210,17 +211,20 @@ def private_grad(
         to ``policy.compute``.
       batch_argnums: which positional arguments carry the batch axis.
       method: ``"vmap"`` (per-example gradients, as jax-privacy computes them),
-        ``"ghost"`` (per-example norms from each layer's activations and output
-        gradients, then one clip-weighted contraction per layer; no per-example
-        gradient is formed, see ``dpmp._src.ghost``), or ``"auto"``: ghost
+        ``"ghost"`` (per layer, the cheaper of two: the norm from the layer's
+        activations and output gradients followed by one clip-weighted
+        contraction, or the layer's own per-example gradient formed inside the
+        backward pass; no full per-example gradient is formed, see
+        ``dpmp._src.ghost``), or ``"auto"``: ghost
         where every parameter sits in a supported layer (dense/einsum,
         convolution, embedding, bias, norm scale), else vmap. ``g.explain(params,
         *args)`` says which was chosen and why; ``g.resolved_method`` is the
         last traced choice. ``"ghost"`` on an unsupported model raises. The
         default stays ``"vmap"``: ghost clipping is not yet supported inside
-        ``shard_map``, and it measures overflow differently (it never forms a
-        half-precision per-example weight gradient, so an example overflows
-        only if an activation or output gradient does).
+        ``shard_map``, and it measures overflow differently (it forms
+        per-example weight gradients in the clip dtype, from half-precision
+        activations and output gradients, so an example overflows only if
+        one of those does).
       microbatch_size: examples per vmapped microbatch; microbatches run
         sequentially and are summed in the accumulate dtype.
       keep_batch_dim: pass each example with a leading axis of size 1.

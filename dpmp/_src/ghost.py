@@ -12,16 +12,25 @@ learners", the Gram form for sequences):
   T x T Gram matrices), or ``X_i^T G_i`` itself where that is smaller
   (T (K + N) > K N; Bu et al. 2022, "mixed ghost clipping");
 * embedding rows:          ``sum_{t,s} [id_t = id_s] <g_t, g_s>``;
-* convolutions, norm scales, biases: the per-example gradient of that layer
-  alone (small, or the size of one kernel), from the same ``x_i`` and ``g_i``.
+* convolutions: the same Gram form on image patches.
 
-The whole clipped sum then follows from the same activations and output
-gradients: ``sum_i c_i x_i^T g_i`` is one contraction over the batch (and the
-tokens) per layer, with ``c_i = min(1, C / ||grad_i||)``. This is the
-"book-keeping" form of Bu et al. 2023 ("Differentially private optimization on
-large model at small cost", ICML): no second backward pass, and the norms and
-the sum come from the very same ``(x_i, g_i)`` — so the bound on each
-clipped contribution holds for exactly what is summed.
+Per layer, whichever is smaller is used (Bu et al. 2022, "Scalable and
+efficient training of large convolutional neural networks with differential
+privacy", mixed ghost clipping): the ghost norm above, which keeps ``x_i`` and
+``g_i`` (``T (K + N)`` numbers per example), or the layer's own per-example
+gradient (``K N`` numbers), which is formed inside the backward pass where the
+non-private step forms the batch gradient, so that this layer's ``x_i`` and
+``g_i`` are never kept. Biases, norm scales and most convolution kernels take
+the second route; wide dense layers and embeddings the first.
+
+The whole clipped sum then follows from what the norms were taken from:
+``sum_i c_i x_i^T g_i`` is one contraction over the batch (and the tokens) per
+ghost layer, and ``sum_i c_i G_i`` over the per-example gradients of the
+others, with ``c_i = min(1, C / ||grad_i||)``. This is the "book-keeping" form
+of Bu et al. 2023 ("Differentially private optimization on large model at
+small cost", ICML): no second backward pass, and the norms and the sum come
+from the very same stored values — so the bound on each clipped contribution
+holds for exactly what is summed.
 
 How the layers are found. ``loss_fn`` stays an ordinary function (flax linen,
 flax nnx or plain JAX). Its jaxpr for ONE example is traced and flattened
@@ -36,10 +45,12 @@ two places (tied weights), inside a ``scan``, a ``custom_jvp`` function,
 ``method="auto"`` falls back to per-example gradients: the norm is never
 computed by a rule that does not hold.
 
-Each of those equations gets a zero "perturbation" added to its output; the
-gradient of the summed, loss-scaled per-example losses with respect to the
-perturbations is exactly ``g_i`` for every layer and example, from one
-backward pass that computes no parameter gradients.
+Each ghost layer gets a zero "perturbation" added to its output, each other
+layer a zero per-example "perturbation" whose cotangent its backward defines
+as the per-example parameter gradient (a ``custom_vjp``); the gradient of the
+summed, loss-scaled per-example losses with respect to the perturbations is
+``g_i`` or the layer's per-example gradient for every layer and example, from
+one backward pass that computes no batch parameter gradients.
 
 Precision. The forward pass and the output gradients stay in the compute
 dtype; the activations and output gradients are cast to the clip dtype and
@@ -100,8 +111,9 @@ class _Tap:
     chain: tuple[int, ...]  # equation indices of layout ops from the leaf to the layer
     eqn: int  # the layer equation
     pos: int  # operand position of the (transformed) parameter in it
-    rule: str  # "dot" | "embed" | "generic"
+    rule: str  # "dot" | "conv" | "embed" | "generic"
     kind: str  # a readable layer kind
+    mode: str  # "ghost" (norm from stored x_i, g_i) | "example" (own per-example gradient)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -121,7 +133,10 @@ class GhostPlan:
 
     def layers(self) -> list[dict[str, str]]:
         """One row per parameter leaf: its path, layer kind and norm rule."""
-        return [{"param": t.path, "layer": t.kind, "rule": t.rule} for t in self.taps]
+        return [
+            {"param": t.path, "layer": t.kind, "rule": _RULE_NAMES[t.rule, t.mode]}
+            for t in self.taps
+        ]
 
 
 # ---- tracing and flattening ----------------------------------------------------------
@@ -243,7 +258,8 @@ def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[_Tap], list[int]]:
             if i in claimed:
                 raise Unsupported(f"parameter {path}: {name} also takes parameter {claimed[i]}")
             claimed[i] = path
-            taps.append(_Tap(leaf, path, tuple(chain), i, pos, rule, kind))
+            mode = _mode(eqn, pos, rule)
+            taps.append(_Tap(leaf, path, tuple(chain), i, pos, rule, kind, mode))
             break
     return taps, unused
 
@@ -298,11 +314,64 @@ def _is_embedding_gather(eqn) -> bool:
     )
 
 
+# How each (rule, mode) takes its norm, as ``explain()`` reports it.
+_RULE_NAMES = {
+    ("dot", "ghost"): "gram",  # ||x||^2 ||g||^2 for one token, <X X^T, G G^T> for several
+    ("conv", "ghost"): "patch-gram",  # the Gram form on image patches
+    ("embed", "ghost"): "id-gram",  # sum over equal ids of <g_t, g_s>
+    ("generic", "ghost"): "per-example",  # integer operand: the layer's gradient after the pass
+}
+for _r in ("dot", "conv", "generic"):
+    _RULE_NAMES[_r, "example"] = "per-example"
+
+
+def _tkn(eqn, pos, rule) -> tuple[int, int, int]:
+    """A dense or convolution layer's (tokens T, fan-in K, fan-out N) for one example."""
+    w = eqn.invars[pos].aval.shape
+    if rule == "conv":
+        out = eqn.outvars[0].aval.shape
+        spec = eqn.params["dimension_numbers"].out_spec
+        n = out[spec[1]]
+        t = out[spec[0]] * math.prod(out[d] for d in spec[2:])
+        return t, math.prod(w) // n, n
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    a = eqn.invars[1 - pos].aval.shape
+    k = math.prod(a[d] for d in (rc if pos == 0 else lc))
+    return math.prod(a) // k, k, math.prod(w) // k
+
+
+def _mode(eqn, pos, rule) -> str:
+    """Ghost norm from stored (x_i, g_i), or the layer's own per-example gradient.
+
+    Per layer, the smaller of the two (Bu et al. 2022, "mixed ghost clipping"):
+    a dense or convolution layer stores T (K + N) numbers per example for the
+    ghost norm and K N for its per-example gradient, and the Gram form costs
+    about T^2 (K + N) against T K N. Biases and norm scales are always cheaper
+    per example. The per-example gradient of a layer is formed inside the
+    backward pass (as the non-private step forms the batch gradient), so its
+    x_i and g_i are never kept.
+    """
+    if rule == "embed":
+        return "ghost"
+    act = eqn.invars[1 - pos] if eqn.primitive.name != "gather" else eqn.invars[1]
+    if not _is_float(act.aval.dtype):
+        return "ghost"
+    if rule in ("dot", "conv"):
+        t, k, n = _tkn(eqn, pos, rule)
+        return "example" if k * n <= t * (k + n) else "ghost"
+    return "example"
+
+
 # ---- evaluation ---------------------------------------------------------------------
 
 
-def _forward(plan: GhostPlan, perturb, leaves):
-    """One example: the loss and, per tap, the activation operand (perturbed outputs)."""
+def _forward(plan: GhostPlan, perturb, leaves, layers):
+    """One example: the loss and, per ghost tap, the activation operand.
+
+    Ghost taps get ``perturb[k]`` added to their output; per-example taps are
+    computed by ``layers[k]`` (see :func:`_example_layer`), which gives the
+    layer's own gradient as the cotangent of ``perturb[k]``.
+    """
     jaxpr = plan.jaxpr.jaxpr
     by_eqn = {t.eqn: k for k, t in enumerate(plan.taps)}
     env = {}
@@ -313,17 +382,59 @@ def _forward(plan: GhostPlan, perturb, leaves):
     acts = [None] * len(plan.taps)
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [_read(env, v) for v in eqn.invars]
-        outs = _bind(eqn, invals)
         k = by_eqn.get(i)
-        if k is not None:
+        if k is None:
+            outs = _bind(eqn, invals)
+        elif plan.taps[k].mode == "example":
             tap = plan.taps[k]
-            act = invals[1 - tap.pos] if eqn.primitive.name != "gather" else invals[1]
-            acts[k] = act
-            outs = [outs[0] + perturb[k]]
+            outs = [layers[k](invals[tap.pos], leaves[tap.leaf], invals[1 - tap.pos], perturb[k])]
+        else:
+            tap = plan.taps[k]
+            acts[k] = invals[1 - tap.pos] if eqn.primitive.name != "gather" else invals[1]
+            outs = [_bind(eqn, invals)[0] + perturb[k]]
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     (loss,) = [_read(env, v) for v in jaxpr.outvars]
     return loss, tuple(acts)
+
+
+def _example_layer(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
+    """``layer(w, p, act, delta)``: the tap's output; ``delta``'s cotangent is the
+    gradient of the parameter leaf ``p`` for this example, in ``dtype``.
+
+    The forward is the layer as traced (``w`` is the parameter as it reaches
+    the layer, in the compute dtype). The backward returns the usual input
+    gradient and, in place of the parameter gradient, this example's own one,
+    from ``x_i`` and ``g_i`` cast to ``dtype`` (loss scale still inside) with
+    ``Precision.HIGHEST``. Under ``vmap`` this is the batched per-example weight
+    gradient that per-example clipping forms, for this one layer, inside the
+    backward pass: neither ``x_i`` nor ``g_i`` outlives it.
+    """
+    eqn = plan.jaxpr.jaxpr.eqns[tap.eqn]
+    site = _site(plan, tap, dtype)
+
+    def apply(w, act):
+        ins = [None, None]
+        ins[tap.pos], ins[1 - tap.pos] = w, act
+        return _bind(eqn, ins)[0]
+
+    @jax.custom_vjp
+    def layer(w, p, act, delta):
+        return apply(w, act)
+
+    def fwd(w, p, act, delta):
+        return apply(w, act), (w, p, act)
+
+    def bwd(res, g):
+        w, p, act = res
+        _, pull_act = jax.vjp(lambda a: apply(w, a), act)
+        (d_act,) = pull_act(g)
+        _, pull_p = jax.vjp(lambda q: site(q, act.astype(dtype)), p.astype(dtype))
+        (d_p,) = pull_p(g.astype(dtype))
+        return jnp.zeros_like(w), jnp.zeros_like(p), d_act, d_p
+
+    layer.defvjp(fwd, bwd)
+    return layer
 
 
 def _replay_chain(plan: GhostPlan, tap: _Tap, p):
@@ -507,13 +618,22 @@ def ghost_clipped_sum(
     jaxpr = plan.jaxpr.jaxpr
     eqns = jaxpr.eqns
     batch = jax.tree.leaves(batch_leaves)[0].shape[0]
-    perturb = tuple(
-        jnp.zeros((batch,) + eqns[t.eqn].outvars[0].aval.shape, eqns[t.eqn].outvars[0].aval.dtype)
-        for t in plan.taps
-    )
+
+    def zeros(t):
+        if t.mode == "example":  # the cotangent is the parameter leaf's gradient
+            return jnp.zeros((batch,) + jnp.shape(params_leaves[t.leaf]), clip_dtype)
+        out = eqns[t.eqn].outvars[0].aval  # the cotangent is the layer's output gradient
+        return jnp.zeros((batch,) + out.shape, out.dtype)
+
+    perturb = tuple(zeros(t) for t in plan.taps)
+    layers = {
+        k: _example_layer(plan, t, clip_dtype)
+        for k, t in enumerate(plan.taps)
+        if t.mode == "example"
+    }
 
     def one(pert, example):
-        loss, acts = _forward(plan, pert, (*params_leaves, *others_leaves, *example))
+        loss, acts = _forward(plan, pert, (*params_leaves, *others_leaves, *example), layers)
         loss32 = jnp.asarray(loss).astype(jnp.float32)
         return loss32 * scale, (loss32, acts)
 
@@ -528,7 +648,7 @@ def ghost_clipped_sum(
     # (``xla_allow_excess_precision``) and rounded in another, and the bound on each
     # clipped contribution would hold for a slightly different vector than is summed.
     acts, grads_out = lax.optimization_barrier((acts, grads_out))
-    acts32 = [_cast_act(a, clip_dtype) for a in acts]
+    acts32 = [None if a is None else _cast_act(a, clip_dtype) for a in acts]
     p32 = [params_leaves[t.leaf].astype(clip_dtype) for t in plan.taps]
     inv = (1 / scale.astype(clip_dtype)).astype(clip_dtype)
 
@@ -539,7 +659,10 @@ def ghost_clipped_sum(
     sq = jnp.zeros((batch,), clip_dtype)
     for tap, g, a, p in zip(plan.taps, grads_out, acts32, p32):
         g = g.astype(clip_dtype) * inv  # unscale first, in the clip dtype
-        sq = sq + _sq_norms(plan, tap, a, g, p, clip_dtype).astype(clip_dtype)
+        if tap.mode == "example":  # g is this layer's per-example gradient
+            sq = sq + jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
+        else:
+            sq = sq + _sq_norms(plan, tap, a, g, p, clip_dtype).astype(clip_dtype)
     finite = jnp.isfinite(sq)
     norms = jnp.sqrt(sq)
 
@@ -572,7 +695,15 @@ def ghost_clipped_sum(
             _, pull = jax.vjp(lambda q: jax.vmap(site, (None, 0))(q, a), p)
             return pull(wg)[0]
 
-        if _is_float(a.dtype) and tap.rule != "dot":
+        if tap.mode == "example":
+            # The layer's per-example gradients, weighted and summed as the
+            # per-example (vmap) path does.
+            u = g.astype(clip_dtype) * inv
+            shape = (batch,) + (1,) * (u.ndim - 1)
+            contrib = u.astype(sum_dtype) * factor.astype(sum_dtype).reshape(shape)
+            contrib = jnp.where(keep.reshape(shape), contrib, jnp.zeros_like(contrib))
+            sums[tap.leaf] = jnp.sum(contrib, axis=0)
+        elif _is_float(a.dtype) and tap.rule != "dot":
             # A dropped example's inf would turn its zero weight into NaN.
             sums[tap.leaf] = contract(jnp.where(jnp.isfinite(a), a, jnp.zeros_like(a)), g)
         elif _is_float(a.dtype):
