@@ -7,14 +7,16 @@ bf16 compute, this measures in ONE process:
 * ``jaxprivacy``  ``jax_privacy.clipping.clipped_grad`` (per-example gradients
   under ``vmap``);
 * ``dpmp_vmap``   ``dpmp.private_grad(method="vmap")``;
-* ``dpmp_ghost``  ``dpmp.private_grad(method="ghost")`` (norms from activations
-  and output gradients, no per-example gradients);
+* ``dpmp_ghost``  ``dpmp.private_grad(method="ghost")`` (per layer, the ghost
+  norm from activations and output gradients or the layer's own per-example
+  gradient, whichever is smaller);
 
-each jitted, as the median wall time of ``--repeats`` calls after one warm-up
-call (the methods of one model and policy timed in interleaved rounds, so that
-load drift on a shared machine hits them alike), and the compiled temporary
-memory
-(``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``).
+each jitted: the compiled temporary memory
+(``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``) and
+the median wall time over ``--repeats`` samples after a warm-up call. A sample
+is the mean of enough back-to-back calls to last ~0.5 s, and the methods of
+one model and policy are timed in interleaved rounds, so that load drift on a
+shared machine hits them alike.
 It prints a table of ratios to the non-private step and writes the raw
 numbers as JSON (``--json``).
 
@@ -134,28 +136,39 @@ def step_fns(loss_fn, policy: str):
     }
 
 
+MIN_SAMPLE_S = 0.5  # a fast step is timed as the mean of enough calls to last this long
+
+
 def compile_step(fn, params, batch) -> tuple[Callable, dict]:
-    """Compile, read the temporary memory, run once (warm-up)."""
+    """Compile, read the temporary memory, run twice (warm-up, then a calibration call)."""
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(params, batch).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     jax.block_until_ready(compiled(params, batch))  # warm-up
-    return compiled, {"temp_bytes": int(mem.temp_size_in_bytes), "compile_s": compile_s}
+    t = time.perf_counter()
+    jax.block_until_ready(compiled(params, batch))
+    calls = max(1, min(100, round(MIN_SAMPLE_S / (time.perf_counter() - t))))
+    info = {"temp_bytes": int(mem.temp_size_in_bytes), "compile_s": compile_s, "calls": calls}
+    return compiled, info
 
 
-def time_interleaved(compiled: dict, params, batch, repeats: int) -> dict[str, list[float]]:
-    """``repeats`` rounds, each timing one call of every method in turn.
+def time_interleaved(compiled: dict, calls: dict, params, batch, repeats: int) -> dict:
+    """``repeats`` rounds, each timing every method in turn: ``calls[m]`` back-to-back
+    calls of method ``m``, recorded as seconds per call.
 
     Interleaving spreads any drift of a shared machine's load over all methods
-    alike, so the ratios of medians compare like with like.
+    alike, so the ratios of medians compare like with like; several calls per
+    sample keep a 20 ms step from being one scheduler tick away from 30 ms.
     """
     times = {m: [] for m in compiled}
     for _ in range(repeats):
         for m, f in compiled.items():
             t = time.perf_counter()
-            jax.block_until_ready(f(params, batch))
-            times[m].append(time.perf_counter() - t)
+            for _ in range(calls[m]):
+                out = f(params, batch)
+            jax.block_until_ready(out)
+            times[m].append((time.perf_counter() - t) / calls[m])
     return times
 
 
@@ -200,7 +213,8 @@ def main(argv=None) -> int:
             for method in methods:
                 print(f"  {model} {policy} {method} ...", end="\r", file=sys.stderr, flush=True)
                 compiled[method], info[method] = compile_step(fns[method], params, batch)
-            times = time_interleaved(compiled, params, batch, args.repeats)
+            calls = {m: info[m]["calls"] for m in methods}
+            times = time_interleaved(compiled, calls, params, batch, args.repeats)
             base = statistics.median(times["nonprivate"]), info["nonprivate"]["temp_bytes"]
             for method in methods:
                 r = dict(info[method], median_s=statistics.median(times[method]))

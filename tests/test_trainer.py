@@ -15,7 +15,12 @@ import pytest
 
 import dpmp
 from dpmp._src import accounting
-from dpmp._src.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
+from dpmp._src.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    restore_latest,
+)
 from dpmp._src.config import Config, load_config
 from dpmp._src.data import load_data
 from dpmp._src.run_dir import read_metrics
@@ -152,6 +157,37 @@ def test_build_private_step_audits_ok(digits):
     assert audit_step(cfg, step=built).to_dict()["counts"] == report.counts()
     out = jax.eval_shape(step_fn, *example_args)
     assert jax.tree.structure(out[0]) == jax.tree.structure(example_args[0])
+
+
+@pytest.mark.parametrize("kind", ["mlp", "vit"])
+def test_ghost_clip_method_trains_like_vmap(kind, digits, tmp_path):
+    """privacy.clip_method = "auto" runs ghost clipping, says so in the report and the log,
+    and gives the parameters the per-example (vmap) run gives (f32, same noise)."""
+    extra = ["policy=f32", "training.steps=3", "training.optimizer=sgd", f"model.kind={kind}"]
+    extra += ["model.dim=16", "model.depth=1", "model.heads=2", "model.patch=4"]
+    reports, params = {}, {}
+    for method in ("vmap", "auto"):
+        out = tmp_path / method
+        cfg = small(f"privacy.clip_method={method}", *extra)
+        reports[method] = train(cfg, out_dir=out, progress=False, data=digits)
+        init = build_private_step(cfg, digits).init_state
+        final = restore_latest(out / "checkpoints", init)[0]["params"]
+        # what the three steps moved, not the parameters themselves
+        params[method] = jax.tree.leaves(jax.tree.map(np.subtract, final, init["params"]))
+    ghost = reports["auto"]["clipping"]
+    assert ghost["method_requested"] == "auto" and ghost["method"] == "ghost", ghost
+    assert ghost["method_reason"] == ""
+    assert len(ghost["layers"]) == len(params["auto"])  # one rule per parameter leaf
+    assert reports["vmap"]["clipping"]["method"] == "vmap"
+    assert (
+        "per-example clipping: ghost (requested auto)"
+        in (tmp_path / "auto" / "train.log").read_text()
+    )
+    assert reports["auto"]["audit"]["ok"] is True, reports["auto"]["audit"]
+    ref, got = (np.concatenate([x.ravel() for x in params[m]]) for m in ("vmap", "auto"))
+    ref = ref.astype(np.float64)
+    assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref)
+    assert reports["auto"]["epsilon"] == reports["vmap"]["epsilon"]
 
 
 # ---- budget ----------------------------------------------------------------------------

@@ -104,6 +104,9 @@ class PrivateStep:
       budget: the ``PrivacyBudget`` the run is tracked against.
       count_noise_stddev: noise on each released overflow count, or None.
       sampling_prob: q = expected_batch_size / num_train.
+      grad_fn: the ``dpmp.private_grad`` function inside ``step_fn``.
+      clipping: ``grad_fn.explain(...)`` for this config's batches: the clip
+        method requested, the one used, why, and the rule for each parameter.
     """
 
     step_fn: Callable
@@ -120,6 +123,8 @@ class PrivateStep:
     count_noise_stddev: float | None
     sampling_prob: float
     init_state: dict[str, Any]
+    grad_fn: Any
+    clipping: dict[str, Any]
 
     def __iter__(self):  # ``step_fn, example_args = build_private_step(...)``
         return iter((self.step_fn, self.example_args))
@@ -261,6 +266,7 @@ def build_private_step(config: Config, data: Dataset | None = None) -> PrivateSt
         policy=policy,
         microbatch_size=t.microbatch_size,
         allow_nonprivate_loss_scale=config.loss_scale.kind == "nonprivate_dynamic",
+        method=config.privacy.clip_method,
     )
     optimizer = private_optimizer(
         _make_optimizer(config),
@@ -306,7 +312,18 @@ def build_private_step(config: Config, data: Dataset | None = None) -> PrivateSt
         count_noise_stddev=count_sigma,
         sampling_prob=q,
         init_state=init_state,
+        grad_fn=grad_fn,
+        clipping=_explain_clipping(grad_fn, example_args[0], example_args[1]),
     )
+
+
+def _explain_clipping(grad_fn, params, batch) -> dict[str, Any]:
+    """Which clip method the step uses; ``method="ghost"`` on an unsupported model is a
+    ``ConfigError`` naming the parameter (before any work)."""
+    try:
+        return grad_fn.explain(params, batch)
+    except ValueError as e:
+        raise ConfigError(f"privacy.clip_method: {e}") from None
 
 
 def audit_step(config: Config, data: Dataset | None = None, *, step: PrivateStep | None = None):
@@ -525,6 +542,12 @@ def train(
         f"({'calibrated to' if step.noise_calibrated else 'given; target'} epsilon "
         f"{config.privacy.target_epsilon:g} at delta {config.privacy.delta:g} over {t.steps} "
         f"steps, q = {step.sampling_prob:.6g}, accountant {config.privacy.accountant})"
+    )
+    clip = step.clipping
+    run.log(
+        f"per-example clipping: {clip['method']} (requested {clip['requested']}"
+        + (f"; {clip['reason']}" if clip["reason"] and clip["requested"] != "vmap" else "")
+        + ")"
     )
     if nonprivate:
         run.log("WARNING: " + _NONPRIVATE_WARNING, echo=True)
@@ -809,6 +832,10 @@ def _report(
         "clipping": {
             "clipped_fraction": totals["clipped"] / max(totals["examples"], 1),
             "examples_seen": totals["examples"],
+            "method_requested": step.clipping["requested"],
+            "method": step.clipping["method"],
+            "method_reason": step.clipping["reason"],
+            "layers": step.clipping["layers"],
         },
         "audit": audit,
         "sampling": sampling,
