@@ -9,8 +9,7 @@ learners", the Gram form for sequences):
 
 * flat input (one token):  ``||x_i^T g_i||^2 = ||x_i||^2 ||g_i||^2``;
 * T tokens:                ``||X_i^T G_i||_F^2 = <X_i X_i^T, G_i G_i^T>`` (two
-  T x T Gram matrices), or ``X_i^T G_i`` itself where that is smaller
-  (T (K + N) > K N; Bu et al. 2022, "mixed ghost clipping");
+  T x T Gram matrices);
 * embedding rows:          ``sum_{t,s} [id_t = id_s] <g_t, g_s>``;
 * convolutions: the same Gram form on image patches.
 
@@ -490,21 +489,17 @@ def _dot_operands(eqn, pos, a, g):
 
 def _sq_norm_dot(eqn, pos, a, g, dtype):
     """||per-example grad of the dot_general's parameter operand||^2 for one example."""
-    return _gram_or_outer(*_dot_operands(eqn, pos, a, g), dtype)
+    return _gram(*_dot_operands(eqn, pos, a, g), dtype)
 
 
-def _gram_or_outer(am, gm, dtype):
-    """||A^T G||_F^2 for A [T, K], G [T, N]: the cheaper of Gram and outer product."""
-    t, k = am.shape
-    n = gm.shape[1]
-    dot = lambda x, y, dims: lax.dot_general(  # noqa: E731
-        x, y, (dims, ((), ())), precision=_HIGHEST, preferred_element_type=dtype
-    )
-    if t == 1:
+def _gram(am, gm, dtype):
+    """||A^T G||_F^2 = <A A^T, G G^T> for A [T, K], G [T, N] (ghost mode: T (K + N) < K N)."""
+    if am.shape[0] == 1:
         return jnp.sum(jnp.square(am)) * jnp.sum(jnp.square(gm))
-    if t * (k + n) <= k * n:
-        return jnp.sum(dot(am, am, ((1,), (1,))) * dot(gm, gm, ((1,), (1,))))
-    return jnp.sum(jnp.square(dot(am, gm, ((0,), (0,)))))
+    gram = lambda x: lax.dot_general(  # noqa: E731
+        x, x, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
+    )
+    return jnp.sum(gram(am) * gram(gm))
 
 
 def _sq_norm_conv(eqn, a, g, dtype):
@@ -527,7 +522,7 @@ def _sq_norm_conv(eqn, a, g, dtype):
     order = (dn.out_spec[0], *dn.out_spec[2:], dn.out_spec[1])  # batch, spatial..., feature
     pm = jnp.transpose(patches, order)
     gm = jnp.transpose(g, order)
-    return _gram_or_outer(pm.reshape(-1, pm.shape[-1]), gm.reshape(-1, gm.shape[-1]), dtype)
+    return _gram(pm.reshape(-1, pm.shape[-1]), gm.reshape(-1, gm.shape[-1]), dtype)
 
 
 def _sum_dot(plan: GhostPlan, tap: _Tap, a, wg, p):
