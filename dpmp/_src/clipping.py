@@ -317,11 +317,7 @@ def private_grad(
         factor = jnp.where(keep, factor, jnp.zeros_like(factor)) / s.astype(clip_dtype)
 
         def weighted_sum(g):
-            shape = (-1,) + (1,) * (g.ndim - 1)
-            contrib = g.astype(sum_dtype) * factor.astype(sum_dtype).reshape(shape)
-            # where, not multiply by 0: an overflowed example's inf * 0 would be NaN.
-            contrib = jnp.where(keep.reshape(shape), contrib, jnp.zeros_like(contrib))
-            return jnp.sum(contrib, axis=0)
+            return ghost_lib.weighted_example_sum(g, factor, keep, sum_dtype)
 
         return jax.tree.map(weighted_sum, grads), (norms, finite, losses)
 

@@ -73,7 +73,14 @@ from jax import lax
 from jax._src import source_info_util
 from jax.extend import core as jax_core
 
-__all__ = ["GhostPlan", "Unsupported", "aval", "ghost_clipped_sum", "plan_ghost"]
+__all__ = [
+    "GhostPlan",
+    "Unsupported",
+    "aval",
+    "ghost_clipped_sum",
+    "plan_ghost",
+    "weighted_example_sum",
+]
 
 # Operations that only move, cast or broadcast a parameter on its way to a layer.
 _LAYOUT = frozenset(
@@ -319,9 +326,10 @@ _RULE_NAMES = {
     ("conv", "ghost"): "patch-gram",  # the Gram form on image patches
     ("embed", "ghost"): "id-gram",  # sum over equal ids of <g_t, g_s>
     ("generic", "ghost"): "per-example",  # integer operand: the layer's gradient after the pass
+    ("dot", "example"): "per-example",
+    ("conv", "example"): "per-example",
+    ("generic", "example"): "per-example",
 }
-for _r in ("dot", "conv", "generic"):
-    _RULE_NAMES[_r, "example"] = "per-example"
 
 
 def _tkn(eqn, pos, rule) -> tuple[int, int, int]:
@@ -352,7 +360,7 @@ def _mode(eqn, pos, rule) -> str:
     """
     if rule == "embed":
         return "ghost"
-    act = eqn.invars[1 - pos] if eqn.primitive.name != "gather" else eqn.invars[1]
+    act = eqn.invars[1 - pos]  # a gather's parameter is its operand (pos 0): act = indices
     if not _is_float(act.aval.dtype):
         return "ghost"
     if rule in ("dot", "conv"):
@@ -389,7 +397,7 @@ def _forward(plan: GhostPlan, perturb, leaves, layers):
             outs = [layers[k](invals[tap.pos], leaves[tap.leaf], invals[1 - tap.pos], perturb[k])]
         else:
             tap = plan.taps[k]
-            acts[k] = invals[1 - tap.pos] if eqn.primitive.name != "gather" else invals[1]
+            acts[k] = invals[1 - tap.pos]
             outs = [_bind(eqn, invals)[0] + perturb[k]]
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
@@ -428,8 +436,7 @@ def _example_layer(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
         w, p, act = res
         _, pull_act = jax.vjp(lambda a: apply(w, a), act)
         (d_act,) = pull_act(g)
-        _, pull_p = jax.vjp(lambda q: site(q, act.astype(dtype)), p.astype(dtype))
-        (d_p,) = pull_p(g.astype(dtype))
+        d_p = _layer_grad(site, p.astype(dtype), act.astype(dtype), g.astype(dtype))
         return jnp.zeros_like(w), jnp.zeros_like(p), d_act, d_p
 
     layer.defvjp(fwd, bwd)
@@ -458,11 +465,30 @@ def _site(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
             over = {"precision": _HIGHEST, "preferred_element_type": dtype}
         ins = [None, None]
         ins[tap.pos] = x
-        ins[1 - tap.pos] = act  # for a gather: the parameter is the operand, pos 0
+        ins[1 - tap.pos] = act  # for a gather: the indices (the parameter is operand 0)
         (out,) = _bind(e, ins, **over)
         return out
 
     return site
+
+
+def _layer_grad(site, p, act, g):
+    """The gradient of one layer's parameter leaf ``p`` for one example, from its
+    input ``act`` and output gradient ``g``."""
+    _, pull = jax.vjp(lambda q: site(q, act), p)
+    return pull(g)[0]
+
+
+def weighted_example_sum(x, factor, keep, dtype):
+    """``sum_i factor_i x_i`` over the leading (example) axis, in ``dtype``.
+
+    Examples not kept add exactly zero: ``where``, not a multiply by 0, since an
+    overflowed example's ``inf * 0`` would be NaN.
+    """
+    shape = (-1,) + (1,) * (x.ndim - 1)
+    contrib = x.astype(dtype) * factor.astype(dtype).reshape(shape)
+    contrib = jnp.where(keep.reshape(shape), contrib, jnp.zeros_like(contrib))
+    return jnp.sum(contrib, axis=0)
 
 
 def _cast_act(a, dtype):
@@ -582,14 +608,8 @@ def _sq_norms(plan: GhostPlan, tap: _Tap, a, g, p, dtype):
             lambda ag: _sq_norm_conv(eqn, ag[0], ag[1], dtype), (a, g), batch_size=_CONV_CHUNK
         )
     site = _site(plan, tap, dtype)
-
-    def one(a_, g_):
-        # The layer's own per-example gradient: small for biases, scales and kernels.
-        _, pull = jax.vjp(lambda q: site(q, a_), p)
-        (gp,) = pull(g_)
-        return jnp.sum(jnp.square(gp))
-
-    return jax.vmap(one)(a, g)
+    # The layer's own per-example gradient (a layer with an integer operand).
+    return jax.vmap(lambda a_, g_: jnp.sum(jnp.square(_layer_grad(site, p, a_, g_))))(a, g)
 
 
 def ghost_clipped_sum(
@@ -647,13 +667,16 @@ def ghost_clipped_sum(
     p32 = [params_leaves[t.leaf].astype(clip_dtype) for t in plan.taps]
     inv = (1 / scale.astype(clip_dtype)).astype(clip_dtype)
 
+    def unscale(g):
+        return g.astype(clip_dtype) * inv
+
     # Output gradients -> per-example squared norms, layer by layer, from
     # (x_i, g_i) alone.
     # A non-finite entry of x_i or g_i makes the squared norm inf or NaN under
     # every rule below (inf * 0 is NaN), so ``isfinite(sq)`` is the overflow test.
     sq = jnp.zeros((batch,), clip_dtype)
     for tap, g, a, p in zip(plan.taps, grads_out, acts32, p32):
-        g = g.astype(clip_dtype) * inv  # unscale first, in the clip dtype
+        g = unscale(g)  # unscale first, in the clip dtype
         if tap.mode == "example":  # g is this layer's per-example gradient
             sq = sq + jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
         else:
@@ -677,7 +700,7 @@ def ghost_clipped_sum(
 
         def contract(a, g, tap=tap, p=p):
             p = p.astype(sum_dtype)
-            g = g.astype(clip_dtype) * inv
+            g = unscale(g)
             shape = (batch,) + (1,) * (g.ndim - 1)
             # where, not multiply by 0: a dropped example's inf * 0 would be NaN.
             wg = jnp.where(keep.reshape(shape), g * factor.reshape(shape), jnp.zeros_like(g))
@@ -692,12 +715,8 @@ def ghost_clipped_sum(
 
         if tap.mode == "example":
             # The layer's per-example gradients, weighted and summed as the
-            # per-example (vmap) path does.
-            u = g.astype(clip_dtype) * inv
-            shape = (batch,) + (1,) * (u.ndim - 1)
-            contrib = u.astype(sum_dtype) * factor.astype(sum_dtype).reshape(shape)
-            contrib = jnp.where(keep.reshape(shape), contrib, jnp.zeros_like(contrib))
-            sums[tap.leaf] = jnp.sum(contrib, axis=0)
+            # per-example (vmap) path sums whole per-example gradients.
+            sums[tap.leaf] = weighted_example_sum(unscale(g), factor, keep, sum_dtype)
         elif _is_float(a.dtype) and tap.rule != "dot":
             # A dropped example's inf would turn its zero weight into NaN.
             sums[tap.leaf] = contract(jnp.where(jnp.isfinite(a), a, jnp.zeros_like(a)), g)
