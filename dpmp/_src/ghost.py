@@ -691,10 +691,15 @@ def ghost_clipped_sum(
 
     # The clip-weighted sum from the SAME activations and output gradients the
     # norms were taken from: one contraction over examples (and tokens) per layer.
-    # (Recomputing g_i in a second backward pass would save memory, but under
+    # (A second backward pass could recompute g_i instead of keeping it. Under
     # emulated or fused half precision the recomputed g_i can round differently
-    # from the one that was measured, and the per-example bound would no longer
-    # hold for what is summed.)
+    # from the measured one, so each layer's recomputed gradient would have to be
+    # measured again and weighted by c_i min(1, n_ik / n'_ik) for the bound to
+    # hold. Built and measured that way it saved nothing on XLA:CPU: the second
+    # pass keeps the pre-activations its ReLU masks need as well as the
+    # activations the sums need (6,305,056 B against 6,312,928 B for the float32
+    # MLP of benchmarks/clipping.py; 7.1-7.9 MB when the activations are
+    # recomputed late).)
     sums = [None] * len(params_leaves)
     for tap, g, a, p in zip(plan.taps, grads_out, acts32, p32):
 
