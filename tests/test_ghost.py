@@ -1,5 +1,11 @@
 """Ghost clipping: the same clipped sum as per-example gradients, without forming them."""
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -9,7 +15,13 @@ import pytest
 from flax import nnx
 
 import dpmp
-from tests._reference import classification_batch, mlp_init, mlp_loss
+from tests._reference import (
+    classification_batch,
+    clipped_sum_f64,
+    mlp_init,
+    mlp_loss,
+    per_example_grads_f64,
+)
 
 B = 24
 
@@ -291,3 +303,71 @@ def test_audit_understands_the_ghost_path():
         assert report.ok is ok, report
         if not ok:
             assert {f.kind for f in report.findings if not f.ok} == {"norm", "batch_reduction"}
+
+
+_SHARDED = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    import dpmp
+    from tests._reference import (
+        classification_batch, clipped_sum_f64, flat, mlp_init, mlp_loss, per_example_grads_f64
+    )
+
+    assert jax.device_count() == 4, jax.devices()
+    params, batch = mlp_init(), classification_batch(32)
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    out = {"f64": clipped_sum_f64(per_example_grads_f64(mlp_loss, params, batch), 5.0)[0].tolist()}
+    for method in ("vmap", "ghost"):
+        for policy in ("fp32", "bf16"):
+            g = dpmp.private_grad(mlp_loss, l2_clip_norm=5.0, policy=policy, method=method)
+            out[f"{method}_{policy}_one"] = flat(jax.jit(g)(params, batch).grads).tolist()
+            for mark in (True, False):  # the caller marks the params varying, or not
+                def local(p, b, g=g, mark=mark):
+                    p = jax.lax.pcast(p, "d", to="varying") if mark else p
+                    s = g(p, b)
+                    return jax.lax.psum((s.grads, s.stats.num_clipped), "d")
+                f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+                grads, clipped = jax.jit(f)(params, batch)
+                out[f"{method}_{policy}_{mark}"] = flat(grads).tolist()
+                out[f"{method}_{policy}_{mark}_clipped"] = int(clipped)
+    print("JSON" + json.dumps(out))
+    """
+)
+
+
+def test_ghost_and_vmap_inside_shard_map(tmp_path):
+    """On 4 devices, each clipping its quarter of the batch, the psum of the clipped
+    sums is the clipped sum of the whole batch (float64 reference), whether or not
+    the caller marked the replicated params as varying: dpmp never lets JAX
+    all-reduce per-example gradients before they are clipped."""
+    script = tmp_path / "sharded.py"
+    script.write_text(_SHARDED)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env["JAX_PLATFORMS"] = "cpu"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=root,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = json.loads(run.stdout.split("JSON", 1)[1])
+    ref = np.asarray(out["f64"])
+    per_example = per_example_grads_f64(mlp_loss, mlp_init(), classification_batch(32))
+    _, norms = clipped_sum_f64(per_example, 5.0)
+    assert 0 < (norms > 5.0).sum() < 32  # clipping is active for some, not all
+    for method in ("vmap", "ghost"):
+        for mark in (True, False):
+            got = np.asarray(out[f"{method}_fp32_{mark}"])
+            assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref), (method, mark)
+            assert out[f"{method}_fp32_{mark}_clipped"] == (norms > 5.0).sum()
+            # bf16: the same per-example work as on one device, summed in another order.
+            one = np.asarray(out[f"{method}_bf16_one"])
+            got = np.asarray(out[f"{method}_bf16_{mark}"])
+            assert np.linalg.norm(got - one) <= 1e-5 * np.linalg.norm(one), (method, mark)

@@ -220,11 +220,10 @@ def private_grad(
         convolution, embedding, bias, norm scale), else vmap. ``g.explain(params,
         *args)`` says which was chosen and why; ``g.resolved_method`` is the
         last traced choice. ``"ghost"`` on an unsupported model raises. The
-        default stays ``"vmap"``: ghost clipping is not yet supported inside
-        ``shard_map``, and it measures overflow differently (it forms
-        per-example weight gradients in the clip dtype, from half-precision
-        activations and output gradients, so an example overflows only if
-        one of those does).
+        default stays ``"vmap"``: ghost clipping measures overflow differently
+        (it forms per-example weight gradients in the clip dtype, from
+        half-precision activations and output gradients, so an example
+        overflows only if one of those does).
       microbatch_size: examples per vmapped microbatch; microbatches run
         sequentially and are summed in the accumulate dtype.
       keep_batch_dim: pass each example with a leading axis of size 1.
@@ -235,6 +234,11 @@ def private_grad(
     Returns:
       A ``PrivateGradFn`` ``g(params, *batch, loss_scale=NoOpLossScale(),
       is_padding_example=None) -> PrivateGrad``.
+
+    Inside ``jax.shard_map``, parameters replicated over the mesh axes the batch
+    is split over are first cast to vary over them (``jax.lax.pcast``), so that
+    JAX does not all-reduce per-example gradients across devices before they
+    are clipped. ``grads`` is then this device's clipped sum: ``psum`` it.
 
     Example::
 
@@ -397,6 +401,12 @@ def private_grad(
             raise ValueError(
                 f"microbatch_size: {microbatch_size} does not divide the batch size {batch_size}"
             )
+        # Inside shard_map, parameters replicated over the mesh axes the batch is
+        # split over are made to vary over them. Otherwise JAX all-reduces the
+        # per-example gradients of a replicated value across devices BEFORE they
+        # are clipped: each "example" would mix examples of every device. The
+        # clipped sums stay per device; psum them as usual.
+        diff_params = ghost_lib.vary_like(diff_params, batch_args)
         plan = chooser.choose(diff_params, others, batch_args)
         sums, (norms, finite, losses) = summed_fn(plan)(
             diff_params, s, others, is_padding_example, *batch_args
@@ -457,7 +467,10 @@ class _MethodChooser:
         def sig(tree):
             leaves, treedef = jax.tree.flatten(tree)
             avals = [ghost_lib.aval(x) for x in leaves]
-            return treedef, tuple((a.shape, str(a.dtype)) for a in avals)
+            # Inside shard_map a plan is traced with the mesh axes each leaf varies over.
+            return treedef, tuple(
+                (a.shape, str(a.dtype), str(getattr(a, "manual_axis_type", None))) for a in avals
+            )
 
         return sig(params), sig(others), sig(batch_args)
 

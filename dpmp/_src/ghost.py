@@ -79,6 +79,7 @@ __all__ = [
     "aval",
     "ghost_clipped_sum",
     "plan_ghost",
+    "vary_like",
     "weighted_example_sum",
 ]
 
@@ -640,7 +641,9 @@ def ghost_clipped_sum(
         out = eqns[t.eqn].outvars[0].aval  # the cotangent is the layer's output gradient
         return jnp.zeros((batch,) + out.shape, out.dtype)
 
-    perturb = tuple(zeros(t) for t in plan.taps)
+    # Inside shard_map the perturbations vary over the mesh axes the batch varies
+    # over: their cotangents are this device's examples' own, never all-reduced.
+    perturb = tuple(vary_like(zeros(t), batch_leaves) for t in plan.taps)
     layers = {
         k: _example_layer(plan, t, clip_dtype)
         for k, t in enumerate(plan.taps)
@@ -745,8 +748,48 @@ def ghost_clipped_sum(
     return sums, norms, finite, losses
 
 
+def vary_like(x, refs):
+    """``x`` (a pytree) cast to vary over every mesh axis some leaf of ``refs``
+    varies over; unchanged outside ``shard_map``."""
+    axes = set()
+    for r in jax.tree.leaves(refs):
+        typ = _manual_type(r)
+        if typ is not None:
+            axes |= set(typ[0].varying)
+    if not axes:
+        return x
+    return jax.tree.map(lambda leaf: _vary(leaf, axes), x)
+
+
+def _vary(x, axes):
+    typ = _manual_type(x)
+    missing = axes - set(typ[0].varying if typ is not None else ())
+    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+
 def aval(x, *, drop_batch: bool = False) -> jax.ShapeDtypeStruct:
     """Shape and dtype of an array, tracer, ``ShapeDtypeStruct`` or Python scalar."""
     shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
     dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
-    return jax.ShapeDtypeStruct(shape[1:] if drop_batch else shape, dtype)
+    shape = shape[1:] if drop_batch else shape
+    typ = _manual_type(x)
+    if typ is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    mat, sharding = typ
+    if drop_batch:
+        sharding = sharding.update(spec=jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=mat)
+
+
+def _manual_type(x):
+    """Inside ``shard_map``: the mesh axes ``x`` varies over (with its sharding on
+    the abstract mesh), so that a plan is traced with the types it is replayed on."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        mat = getattr(x, "manual_axis_type", None)
+        return None if mat is None or mat.empty else (mat, x.sharding)
+    try:
+        typ = jax.typeof(x)
+        mat = typ.mat
+    except (TypeError, AttributeError):
+        return None
+    return None if mat.empty else (mat, typ.sharding)
