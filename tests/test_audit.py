@@ -3,9 +3,6 @@ the right site and dtype; their float32 versions audit clean; dpmp's own steps
 audit clean with every kind of site present."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -26,6 +23,7 @@ from dpmp._src.audit import (
     audit_precision,
 )
 from dpmp._src.audit_numeric import NumericReport, fp_sum_sensitivity, numeric_audit
+from tests._devices import run_on_host_devices
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 B = 8
@@ -228,20 +226,7 @@ _MULTI_DEVICE = textwrap.dedent(
 
 
 def test_e_psum_across_devices_in_subprocess(tmp_path):
-    script = tmp_path / "multi_device_audit.py"
-    script.write_text(_MULTI_DEVICE)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    reports = json.loads(out.stdout.split("JSON", 1)[1])
+    reports = run_on_host_devices(tmp_path, "multi_device_audit.py", _MULTI_DEVICE, timeout=120)
     for mode in ("shard_map", "pmap"):
         bad, good = reports[f"{mode}_bf16"], reports[f"{mode}_f32"]
         reduces = [f for f in bad["findings"] if f["kind"] == "all_reduce"]

@@ -1,9 +1,5 @@
 """Ghost clipping: the same clipped sum as per-example gradients, without forming them."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import flax.linen as nn
@@ -15,6 +11,7 @@ import pytest
 from flax import nnx
 
 import dpmp
+from tests._devices import run_on_host_devices
 from tests._reference import (
     classification_batch,
     clipped_sum_f64,
@@ -342,22 +339,7 @@ def test_ghost_and_vmap_inside_shard_map(tmp_path):
     sums is the clipped sum of the whole batch (float64 reference), whether or not
     the caller marked the replicated params as varying: dpmp never lets JAX
     all-reduce per-example gradients before they are clipped."""
-    script = tmp_path / "sharded.py"
-    script.write_text(_SHARDED)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    env["JAX_PLATFORMS"] = "cpu"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=root,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    out = json.loads(run.stdout.split("JSON", 1)[1])
+    out = run_on_host_devices(tmp_path, "sharded.py", _SHARDED)
     ref = np.asarray(out["f64"])
     per_example = per_example_grads_f64(mlp_loss, mlp_init(), classification_batch(32))
     _, norms = clipped_sum_f64(per_example, 5.0)
