@@ -643,7 +643,7 @@ def ghost_clipped_sum(
 
     # Inside shard_map the perturbations vary over the mesh axes the batch varies
     # over: their cotangents are this device's examples' own, never all-reduced.
-    perturb = tuple(vary_like(zeros(t), batch_leaves) for t in plan.taps)
+    perturb = vary_like(tuple(zeros(t) for t in plan.taps), batch_leaves)
     layers = {
         k: _example_layer(plan, t, clip_dtype)
         for k, t in enumerate(plan.taps)
@@ -768,7 +768,8 @@ def _vary(x, axes):
 
 
 def aval(x, *, drop_batch: bool = False) -> jax.ShapeDtypeStruct:
-    """Shape and dtype of an array, tracer, ``ShapeDtypeStruct`` or Python scalar."""
+    """Shape and dtype of an array, tracer, ``ShapeDtypeStruct`` or Python scalar
+    (inside ``shard_map`` also its manual axis type and sharding)."""
     shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
     dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
     shape = shape[1:] if drop_batch else shape
