@@ -492,6 +492,24 @@ def weighted_example_sum(x, factor, keep, dtype):
     return jnp.sum(contrib, axis=0)
 
 
+def _weighted_examples(x, factor, dtype):
+    """``factor_i x_i`` per example in ``dtype`` (every ``x_i`` finite)."""
+    shape = (-1,) + (1,) * (x.ndim - 1)
+    return x.astype(dtype) * factor.astype(dtype).reshape(shape)
+
+
+def _weighted_example_dot(x, factor, dtype):
+    """``sum_i factor_i x_i`` as one contraction over the example axis, in ``dtype``
+    (every ``x_i`` finite): no weighted copy of ``x`` is formed."""
+    return lax.dot_general(
+        factor.astype(dtype),
+        x.astype(dtype),
+        (((0,), (0,)), ((), ())),
+        precision=_HIGHEST,
+        preferred_element_type=dtype,
+    )
+
+
 def _cast_act(a, dtype):
     return a.astype(dtype) if _is_float(a.dtype) else a
 
@@ -552,12 +570,21 @@ def _sq_norm_conv(eqn, a, g, dtype):
     return _gram(pm.reshape(-1, pm.shape[-1]), gm.reshape(-1, gm.shape[-1]), dtype)
 
 
-def _sum_dot(plan: GhostPlan, tap: _Tap, a, wg, p):
-    """sum_i w_i x_i^T g_i for a dense layer: ONE contraction over examples and tokens."""
+def _sum_dot(plan: GhostPlan, tap: _Tap, a, g, p, factor):
+    """sum_i w_i x_i^T g_i for a dense layer: ONE contraction over examples and tokens.
+
+    The weights scale the smaller of the two operands (every entry finite).
+    """
     eqn = plan.jaxpr.jaxpr.eqns[tap.eqn]
-    am, gm = jax.vmap(lambda a_, g_: _dot_operands(eqn, tap.pos, a_, g_))(a, wg)
+    am, gm = jax.vmap(lambda a_, g_: _dot_operands(eqn, tap.pos, a_, g_))(a, g)
+    t = am.shape[1]
+    w = jnp.repeat(factor.astype(p.dtype), t)  # one weight per example and token
     am = am.reshape(-1, am.shape[-1])  # [B T, K]: examples and tokens contracted together
     gm = gm.reshape(-1, gm.shape[-1])
+    if gm.shape[1] <= am.shape[1]:
+        gm = gm * w[:, None]
+    else:
+        am = am * w[:, None]
     kn = lax.dot_general(
         am, gm, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=p.dtype
     )
@@ -698,51 +725,70 @@ def ghost_clipped_sum(
     # emulated or fused half precision the recomputed g_i can round differently
     # from the measured one, so each layer's recomputed gradient would have to be
     # measured again and weighted by c_i min(1, n_ik / n'_ik) for the bound to
-    # hold. Built and measured that way it saved nothing on XLA:CPU: the second
-    # pass keeps the pre-activations its ReLU masks need as well as the
-    # activations the sums need (6,305,056 B against 6,312,928 B for the float32
-    # MLP of benchmarks/clipping.py; 7.1-7.9 MB when the activations are
-    # recomputed late).)
-    sums = [None] * len(params_leaves)
-    for tap, g, a, p in zip(plan.taps, grads_out, acts32, p32):
+    # hold. Built and measured that way it kept more on XLA:CPU: the second pass
+    # keeps the pre-activations its ReLU masks need as well as the activations the
+    # sums need (6,305,056 B against this path's 5,261,016 B for the float32 MLP
+    # of benchmarks/clipping.py).)
+    #
+    # Every kept example's x_i and g_i are finite (its squared norm is), so when
+    # every squared norm is finite the weights alone do the dropping: a padded
+    # example's factor is exactly 0 and its values are finite. Otherwise the
+    # non-finite entries (dropped examples' only) are zero-filled first, since
+    # inf * 0 is NaN. A ``cond`` per layer picks the route, so the usual step
+    # copies no activation and no gradient: the weights scale the smaller operand
+    # of the contraction, or enter it (per-example gradients) as a vector.
+    #
+    # Order. Each layer's branch test also reads the sum of the layer summed just
+    # before it (a sum that is not finite picks the zero-filled route, which
+    # gives the same sum from finite inputs). That data dependency makes XLA sum
+    # the layers one after another from the output back to the input, and each
+    # layer's x_i and g_i are freed as soon as its own sum is done; left to
+    # itself, XLA:CPU schedules the sums input-first and keeps every layer's
+    # values until the last one (float32 MLP: 6,304,280 B without the
+    # dependency, 5,261,016 B with it; the non-private step takes 4,194,304 B).
+    all_finite = finite.all()
 
-        def contract(a, g, tap=tap, p=p):
-            p = p.astype(sum_dtype)
+    def zero_filled(x):
+        if x is None or not _is_float(x.dtype):
+            return x
+        return jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
+
+    sums = [None] * len(params_leaves)
+    before = None  # the sum done just before this one
+    for k in reversed(range(len(plan.taps))):
+        tap, g, a, p = plan.taps[k], grads_out[k], acts32[k], p32[k]
+
+        def clipped_sum(a, g, tap=tap, p=p):
+            """sum_i factor_i (this layer's gradient from x_i, g_i); every entry finite."""
             g = unscale(g)
-            shape = (batch,) + (1,) * (g.ndim - 1)
-            # where, not multiply by 0: a dropped example's inf * 0 would be NaN.
-            wg = jnp.where(keep.reshape(shape), g * factor.reshape(shape), jnp.zeros_like(g))
-            wg = wg.astype(sum_dtype)
+            if tap.mode == "example":  # g is the layer's per-example gradient
+                return _weighted_example_dot(g, factor, sum_dtype)
+            p = p.astype(sum_dtype)
             if _is_float(a.dtype):
                 a = a.astype(sum_dtype)
             if tap.rule == "dot":
-                return _sum_dot(plan, tap, a, wg, p)
+                return _sum_dot(plan, tap, a, g.astype(sum_dtype), p, factor)
+            wg = _weighted_examples(g, factor, sum_dtype)
             site = _site(plan, tap, sum_dtype)
             _, pull = jax.vjp(lambda q: jax.vmap(site, (None, 0))(q, a), p)
             return pull(wg)[0]
 
-        if tap.mode == "example":
-            # The layer's per-example gradients, weighted and summed as the
-            # per-example (vmap) path sums whole per-example gradients.
-            sums[tap.leaf] = weighted_example_sum(unscale(g), factor, keep, sum_dtype)
-        elif _is_float(a.dtype) and tap.rule != "dot":
-            # A dropped example's inf would turn its zero weight into NaN.
-            sums[tap.leaf] = contract(jnp.where(jnp.isfinite(a), a, jnp.zeros_like(a)), g)
-        elif _is_float(a.dtype):
-            # A dense layer's activation is used as it is unless some entry in the
-            # batch is not finite (a dropped example's inf would turn its zero weight
-            # into NaN): zero-filled only then, so the usual step copies no activation.
-            # Every x_i is finite when every squared norm is (see pass 1). (Only for
-            # dense layers: XLA:CPU runs convolutions inside a conditional ~10x slower.)
+        operands = (None, g) if tap.mode == "example" else (a, g)
+        if tap.mode == "example" or tap.rule == "dot":
+            fast = all_finite
+            if before is not None and before.size:
+                fast = fast & jnp.isfinite(before.ravel()[0])
             sums[tap.leaf] = lax.cond(
-                finite.all(),
-                contract,
-                lambda a, g, c=contract: c(jnp.where(jnp.isfinite(a), a, jnp.zeros_like(a)), g),
-                a,
-                g,
+                fast,
+                clipped_sum,
+                lambda *xs, f=clipped_sum: f(*map(zero_filled, xs)),
+                *operands,
             )
         else:
-            sums[tap.leaf] = contract(a, g)
+            # Convolutions, embeddings and the like always take the zero-filled
+            # route: XLA:CPU runs convolutions inside a conditional ~10x slower.
+            sums[tap.leaf] = clipped_sum(*map(zero_filled, operands))
+        before = sums[tap.leaf]
     for leaf in plan.unused:
         sums[leaf] = jnp.zeros(jnp.shape(params_leaves[leaf]), sum_dtype)
     return sums, norms, finite, losses
