@@ -486,14 +486,13 @@ def weighted_example_sum(x, factor, keep, dtype):
     Examples not kept add exactly zero: ``where``, not a multiply by 0, since an
     overflowed example's ``inf * 0`` would be NaN.
     """
-    shape = (-1,) + (1,) * (x.ndim - 1)
-    contrib = x.astype(dtype) * factor.astype(dtype).reshape(shape)
-    contrib = jnp.where(keep.reshape(shape), contrib, jnp.zeros_like(contrib))
-    return jnp.sum(contrib, axis=0)
+    contrib = _weighted_examples(x, factor, dtype)
+    keep = keep.reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.sum(jnp.where(keep, contrib, jnp.zeros_like(contrib)), axis=0)
 
 
 def _weighted_examples(x, factor, dtype):
-    """``factor_i x_i`` per example in ``dtype`` (every ``x_i`` finite)."""
+    """``factor_i x_i`` per example in ``dtype`` (a non-finite ``x_i`` stays non-finite)."""
     shape = (-1,) + (1,) * (x.ndim - 1)
     return x.astype(dtype) * factor.astype(dtype).reshape(shape)
 
