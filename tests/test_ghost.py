@@ -353,3 +353,201 @@ def test_ghost_and_vmap_inside_shard_map(tmp_path):
             one = np.asarray(out[f"{method}_bf16_one"])
             got = np.asarray(out[f"{method}_bf16_{mark}"])
             assert np.linalg.norm(got - one) <= 1e-5 * np.linalg.norm(one), (method, mark)
+
+
+# ---- adversarial inputs: tokens whose gradients cancel inside one example ----------
+#
+# Each problem is a layer whose ghost rule sums over several tokens (or patches, or
+# ids) of one example, with a linear loss sum_t <y_t, v_t>, so that the layer's
+# output gradients are exactly v. Example 0 is crafted: equal activations a on
+# three tokens and output gradients (h, -h, e), so its true gradient is a e^T
+# while the Gram terms are |a|^2 |h|^2. Unbounded, the Gram form reported 6.79 for
+# a true norm of 10, and one such example moved the float32 sum by 4.5 C or made
+# it NaN.
+
+ADV_B, ADV_T = 8, 3
+
+
+def _adv_dense():
+    k, n = 8, 8  # T (K + N) < K N: the Gram rule
+
+    def loss(p, b):
+        y = b["x"].astype(p["w"].dtype) @ p["w"]
+        return jnp.sum(y.astype(jnp.float32) * b["v"])
+
+    def batch(rng, a, v0):
+        x = rng.normal(size=(ADV_B, ADV_T, k)) * 0.3
+        v = rng.normal(size=(ADV_B, ADV_T, n)) * 0.3
+        x[0], v[0] = a, v0
+        return {"x": x.astype(np.float32), "v": v.astype(np.float32)}
+
+    params = {"w": np.random.default_rng(0).normal(size=(k, n)).astype(np.float32)}
+    return loss, params, batch, k, n
+
+
+def _adv_embed():
+    # Two tables: T^2 <= V D takes the id-Gram rule, T^2 > V D the scatter-added rows.
+    def loss(p, b):
+        out = 0.0
+        for name in ("gram", "rows"):
+            rows = p[name][b["ids"]]
+            out = out + jnp.sum(rows.astype(jnp.float32) * b[name])
+        return out
+
+    def batch(rng, a, v0):
+        ids = rng.integers(0, 2, size=(ADV_B, ADV_T))
+        ids[0] = 0  # one row takes all three tokens: (h, -0.6 h + w, -0.4 h - w + e) sum to e
+        h, w, e = v0[0, :2], v0[0, 2:4] * 0.3, v0[2, :2]
+        v = {name: rng.normal(size=(ADV_B, ADV_T, 2)) * 0.3 for name in ("gram", "rows")}
+        for name in v:
+            v[name][0] = np.stack([h, -0.6 * h + w, -0.4 * h - w + e]) * np.linalg.norm(a)
+        return {"ids": ids.astype(np.int32), **{k: x.astype(np.float32) for k, x in v.items()}}
+
+    params = {
+        "gram": np.ones((40, 2), np.float32),  # 9 <= 80: id-Gram
+        "rows": np.ones((2, 2), np.float32),  # 9 > 4: rows
+    }
+    return loss, params, batch, None, 2
+
+
+def _adv_conv():
+    cin, cout = 4, 16  # 2x2 kernel on a 2x4 image: 3 patches of 16 inputs -> patch-Gram
+
+    def loss(p, b):
+        y = lax_conv(b["x"].astype(p["w"].dtype), p["w"])
+        return jnp.sum(y.astype(jnp.float32) * b["v"])
+
+    def batch(rng, a, v0):
+        x = rng.normal(size=(ADV_B, 2, 4, cin)) * 0.3
+        v = rng.normal(size=(ADV_B, 1, 3, cout)) * 0.3
+        x[0] = a[:cin] / 2  # a constant image: every patch equal, |patch| = |a|
+        v[0, 0] = v0[:, :cout] if v0.shape[1] >= cout else np.pad(v0, ((0, 0), (0, cout - 8)))
+        return {"x": x.astype(np.float32), "v": v.astype(np.float32)}
+
+    params = {"w": np.random.default_rng(0).normal(size=(2, 2, cin, cout)).astype(np.float32)}
+    return loss, params, batch, 2 * 2 * cin, cout
+
+
+def lax_conv(x, w):
+    return jax.lax.conv_general_dilated(
+        x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+
+
+ADVERSARIAL = {"dense": _adv_dense, "embed": _adv_embed, "conv": _adv_conv}
+
+
+def _crafted(problem, mags, seed=0):
+    """One batch per magnitude |h| / |e|; example 0 has tokens (a, a, a) and gradients
+    (h, -h, e) with |a| = 1 and |e| = 10."""
+    loss, params, make, _, _ = problem
+    rng = np.random.default_rng(seed)
+    out = []
+    for mag in mags:
+        a = rng.normal(size=8)
+        a /= np.linalg.norm(a)
+        h, e = rng.normal(size=(2, 8))
+        v0 = np.stack(
+            [h * mag / np.linalg.norm(h), -h * mag / np.linalg.norm(h), e * 10 / np.linalg.norm(e)]
+        )
+        out.append(make(rng, a, v0))
+    return loss, params, jax.tree.map(lambda *xs: np.stack(xs), *out)
+
+
+def _with_and_without_example_0(loss, params, batches, *, clip, policy):
+    """Per batch: the clipped sums with all examples, without example 0 and of example 0
+    alone (float64 numpy), its certified norm, and the overflow count."""
+    g = dpmp.private_grad(loss, l2_clip_norm=clip, policy=policy, method="ghost")
+    first = jnp.arange(ADV_B) == 0
+
+    def one(b):
+        def total(pad):
+            out = g(params, b, is_padding_example=pad)
+            return jnp.concatenate([x.ravel() for x in jax.tree.leaves(out.grads)]), out.stats
+
+        full, stats = total(jnp.zeros(ADV_B, bool))
+        without, _ = total(first)
+        alone, alone_stats = total(~first)
+        return full, without, alone, alone_stats.norm_max, stats.num_nonfinite
+
+    out = jax.jit(lambda bs: jax.lax.map(one, bs))(batches)
+    full, without, alone, norm0, nonfinite = (np.asarray(x, np.float64) for x in out)
+    return full, without, alone, norm0, nonfinite
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("kind", sorted(ADVERSARIAL))
+def test_ghost_bound_holds_on_cancelling_tokens(kind, policy):
+    """Over |h| / |e| from 0.1 to 10^6: no NaN sum, the crafted example alone has norm
+    <= C (1 + 1e-5), and removing it moves the sum by at most C (1 + 1e-5).
+    (The unbounded Gram form failed all three.)"""
+    C = 1.0
+    problem = ADVERSARIAL[kind]()
+    info = dpmp.private_grad(problem[0], l2_clip_norm=C, policy=policy, method="ghost").explain(
+        problem[1], jax.tree.map(lambda x: x[0], _crafted(problem, [1.0])[2])
+    )
+    want = {"dense": {"gram"}, "embed": {"id-gram"}, "conv": {"patch-gram"}}[kind]
+    assert {r["rule"] for r in info["layers"]} == want, info
+    mags = np.logspace(-1, 6, 36)
+    loss, params, batches = _crafted(problem, mags)
+    full, without, alone, _, nonfinite = _with_and_without_example_0(
+        loss, params, batches, clip=C, policy=policy
+    )
+    assert np.isfinite(full).all() and np.isfinite(without).all()
+    dist = np.linalg.norm(full - without, axis=1)
+    own = np.linalg.norm(alone, axis=1)
+    assert own.max() <= C * (1 + 1e-5), own.max()
+    assert dist.max() <= C * (1 + 1e-5), dist.max()
+    # Not vacuous: without cancellation (small |h|) the example is clipped to about C.
+    assert own[:4].min() > 0.99 * C, own[:4]
+    if policy != "fp16":  # fp16 overflows at the largest |h| (counted, contributes zero)
+        assert nonfinite.max() == 0
+
+
+def _exact_sq_norm_dense(b, i, dtype):
+    """||A_i^T V_i||_F^2 in float64 from the values the step sees (cast to ``dtype``)."""
+    x = np.asarray(jnp.asarray(b["x"][i]).astype(dtype), np.float64)
+    v = np.asarray(jnp.asarray(b["v"][i]).astype(dtype), np.float64)
+    return np.sum(np.square(x.T @ v))
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_ghost_norm_is_never_below_the_exact_norm_in_a_random_search(policy):
+    """Random cancelling examples (tokens with near-equal activations and output
+    gradients of random signs summing to nearly zero, magnitudes over 12 decades):
+    every certified ghost norm is at least the float64 norm (1 - 1e-5), and an
+    ordinary example's is within 1e-3 of it."""
+    loss, params, _, k, n = _adv_dense()
+    rng = np.random.default_rng(7)
+    trials = []
+    for _ in range(48):
+        scale = 10.0 ** rng.uniform(-6, 6)
+        a = rng.normal(size=k)
+        x = a + rng.normal(size=(ADV_B, ADV_T, k)) * 10.0 ** rng.uniform(-8, 0)
+        h = rng.normal(size=n) * scale
+        signs = rng.choice([-1.0, 1.0], size=(ADV_B, ADV_T, 1))
+        signs[..., -1, :] = -signs[..., :-1, :].sum(-2)  # token signs sum to zero
+        v = signs * h + rng.normal(size=(ADV_B, ADV_T, n)) * 10.0 ** rng.uniform(-8, 0)
+        trials.append({"x": x.astype(np.float32), "v": v.astype(np.float32)})
+    trials.append(  # ordinary examples, for the other side of the check
+        {
+            k_: rng.normal(size=(ADV_B, ADV_T, d)).astype(np.float32)
+            for k_, d in (("x", k), ("v", n))
+        }
+    )
+    batches = jax.tree.map(lambda *xs: np.stack(xs), *trials)
+    dtype = dpmp.Policy.parse(policy).compute
+    g = dpmp.private_grad(loss, l2_clip_norm=1.0, policy=policy, method="ghost")
+
+    def norms(b):  # each example alone: its certified norm
+        def one(i):
+            pad = jnp.arange(ADV_B) != i
+            return g(params, b, is_padding_example=pad).stats.norm_max
+
+        return jax.lax.map(one, jnp.arange(ADV_B))
+
+    got = np.asarray(jax.jit(lambda bs: jax.lax.map(norms, bs))(batches), np.float64)
+    exact = np.sqrt([[_exact_sq_norm_dense(b, i, dtype) for i in range(ADV_B)] for b in trials])
+    assert np.isfinite(got).all()
+    assert (got >= exact * (1 - 1e-5)).all(), np.min(got / exact)
+    np.testing.assert_allclose(got[-1], exact[-1], rtol=1e-3)

@@ -80,7 +80,9 @@ class PrivateGradStats(NamedTuple):
         (they contributed zero).
       num_clipped: real, finite examples whose norm exceeded the clip norm.
       norm_mean, norm_max, norm_median: over real, finite examples, of the
-        unscaled per-example gradient norm (clip dtype).
+        unscaled per-example gradient norm (clip dtype) that the clip factor
+        used; under ghost clipping a certified upper bound of it (its rounding
+        error added, see ``dpmp._src.ghost``).
       loss_mean: mean per-example loss over real examples (float32).
       loss_scale: the loss scale used in this step (float32).
       noised_overflow_count: the privatized overflow count released by a
@@ -214,8 +216,9 @@ def private_grad(
         ``"ghost"`` (per layer, the cheaper of two: the norm from the layer's
         activations and output gradients followed by one clip-weighted
         contraction, or the layer's own per-example gradient formed inside the
-        backward pass; no full per-example gradient is formed, see
-        ``dpmp._src.ghost``), or ``"auto"``: ghost
+        backward pass; no full per-example gradient is formed, and each
+        ghost norm carries a bound on its rounding error so that it is never
+        below the exact norm, see ``dpmp._src.ghost``), or ``"auto"``: ghost
         where every parameter sits in a supported layer (dense/einsum,
         convolution, embedding, bias, norm scale), else vmap. ``g.explain(params,
         *args)`` says which was chosen and why; ``g.resolved_method`` is the

@@ -57,6 +57,23 @@ the loss scale is divided out (in float32) BEFORE any norm; Gram matrices,
 norms and clip factors are computed in the clip dtype and the clip-weighted
 contraction accumulates in ``promote(clip, accumulate)`` with
 ``Precision.HIGHEST`` (no TF32 on GPUs).
+
+Certified norms. A per-example gradient that is formed (the vmap path, and
+every ``per-example`` layer here) is normed and summed from one tensor, so its
+clipped contribution is bounded by construction. A ghost norm is a formula
+instead, and over several tokens it can cancel: with equal activations and
+output gradients ``(h, -h, e)`` the Gram terms are ``|x|^2 |h|^2`` while the
+norm is ``|x| |e|``, and float32 rounding of the large terms can leave an
+estimate far below the norm, or negative (NaN after the square root). So
+each ghost rule returns its computed value PLUS a bound on its rounding error
+(Higham's ``gamma_n`` bounds, see :func:`_gram`), never below the exact
+squared norm; and the clip factor takes each ghost layer's norm as at least
+``sum_t |x_t| |g_t| / 64`` (:func:`_certified`), which keeps the rounding of
+the clip-weighted contraction of a cancelling example below ``64 u C``. A
+negative or NaN value counts as overflow: the example is dropped and counted.
+The stats' norms are these certified upper bounds. On ordinary examples the
+bound adds about ``(K + N + T^2) u`` relative (0.08% of the norm on a
+64-token transformer; nothing on single-token layers).
 """
 
 from __future__ import annotations
@@ -103,6 +120,7 @@ _BIJECTIVE = frozenset(
 _CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
 _HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 _CONV_CHUNK = 64  # examples per step when convolution norms are taken from image patches
+_CANCELLATION = 64.0  # a ghost layer's norm is at least sum_t |x_t| |g_t| / 64 (_certified)
 
 
 class Unsupported(ValueError):
@@ -532,18 +550,67 @@ def _dot_operands(eqn, pos, a, g):
 
 
 def _sq_norm_dot(eqn, pos, a, g, dtype):
-    """||per-example grad of the dot_general's parameter operand||^2 for one example."""
+    """Certified ``||per-example grad||^2`` of the dot_general's parameter operand for one
+    example, and the magnitude ``sum_t |x_t| |g_t|`` (see :func:`_gram`)."""
     return _gram(*_dot_operands(eqn, pos, a, g), dtype)
 
 
+def _gamma(n: int, dtype) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)`` for the unit roundoff ``u`` of ``dtype``.
+
+    A dot product of length ``n`` computed in floating point, summed in any
+    order, is within ``gamma_n |x|.|y|`` of the exact one (Higham 2002,
+    "Accuracy and Stability of Numerical Algorithms", Eq. 3.5). Capped at 1 when
+    ``n u >= 1/2``, which only an unsafe (below float32) clip dtype reaches.
+    """
+    nu = n * float(jnp.finfo(dtype).eps) / 2
+    return nu / (1 - nu) if nu < 0.5 else 1.0
+
+
 def _gram(am, gm, dtype):
-    """||A^T G||_F^2 = <A A^T, G G^T> for A [T, K], G [T, N] (ghost mode: T (K + N) < K N)."""
-    if am.shape[0] == 1:
-        return jnp.sum(jnp.square(am)) * jnp.sum(jnp.square(gm))
+    """Certified ``||A^T G||_F^2`` for A [T, K], G [T, N], and ``m = sum_t |a_t| |g_t|``.
+
+    One token: ``||a||^2 ||g||^2``, a product of two sums of squares (no
+    cancellation, rounded like every per-example norm). Several tokens: the Gram
+    form ``S = <A A^T, G G^T> = sum_{t,s} P_ts Q_ts`` mixes signs and can cancel
+    (equal ``a_t`` with ``g = (h, -h, e)`` has ``S = |a|^2 |e|^2`` from terms of size
+    ``|a|^2 |h|^2``), so the computed ``S^`` comes with a bound on its error and
+    ``S^ + bound`` is returned, never below the exact ``S``. With ``P^, Q^`` the
+    computed Gram matrices, ``|P^_ts - P_ts| <= gamma_K |a_t| |a_s|`` and
+    ``|Q^_ts - Q_ts| <= gamma_N |g_t| |g_s|`` (:func:`_gamma`), so::
+
+        |S - S^| <= gamma_K  sum_ts |a_t||a_s| |Q^_ts|       (errors of P)
+                  + gamma_N  sum_ts |g_t||g_s| |P^_ts|       (errors of Q)
+                  + gamma_{T^2+1} sum_ts |P^_ts Q^_ts|        (the final sum)
+                  + gamma_K gamma_N m^2                       (second order)
+
+    with ``|a_t|, |g_t|`` read off the Gram diagonals. The bound is doubled, which
+    covers the rounding of the bound itself and of those norms. On ordinary
+    inputs the extra terms are the size of the diagonal, so the bound adds about
+    ``(K + N + T^2) u`` relative; on a cancelling example it grows with the
+    cancelled terms, and the example is clipped as hard as they require.
+    """
+    t, k = am.shape
+    n = gm.shape[1]
+    if t == 1:
+        sq = jnp.sum(jnp.square(am)) * jnp.sum(jnp.square(gm))
+        return sq, jnp.sqrt(sq)
     gram = lambda x: lax.dot_general(  # noqa: E731
         x, x, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
     )
-    return jnp.sum(gram(am) * gram(gm))
+    p, q = gram(am), gram(gm)
+    pq = p * q
+    na = jnp.sqrt(jnp.maximum(jnp.diagonal(p), 0))
+    ng = jnp.sqrt(jnp.maximum(jnp.diagonal(q), 0))
+    m = jnp.sum(na * ng)
+    # Elementwise products and sums, not dots: no reduced-precision (TF32) matmul here.
+    err = (
+        _gamma(k, dtype) * jnp.sum(na[:, None] * jnp.abs(q) * na[None, :])
+        + _gamma(n, dtype) * jnp.sum(ng[:, None] * jnp.abs(p) * ng[None, :])
+        + _gamma(t * t + 1, dtype) * jnp.sum(jnp.abs(pq))
+        + _gamma(k, dtype) * _gamma(n, dtype) * m * m
+    )
+    return jnp.sum(pq) + 2 * err, m
 
 
 def _sq_norm_conv(eqn, a, g, dtype):
@@ -601,6 +668,15 @@ def _sum_dot(plan: GhostPlan, tap: _Tap, a, g, p, factor):
 
 
 def _sq_norm_embed(eqn, idx, g, dtype):
+    """Certified squared norm of one example's embedding-table gradient, and its magnitude.
+
+    The gradient's row ``r`` is ``sum_{t: id_t = r} g_t``. Few tokens: the Gram form
+    ``sum_{t,s} [id_t = id_s] <g_t, g_s>``, which cancels like the dense one and is
+    bounded the same way (:func:`_gram`; the id mask is exact). Many tokens: the
+    rows themselves, each a sum of at most T vectors, so ``||R - R^||_F <= gamma_T
+    ||R_abs||_F`` with ``R_abs`` the rows of ``|g_t|``. The magnitude ``m`` is
+    ``||R_abs||_F`` (or its Gram bound ``sum [id_t = id_s] |g_t| |g_s|`` squared).
+    """
     vocab, dim = eqn.invars[0].aval.shape
     ids = idx.reshape(-1)
     t = ids.shape[0]
@@ -613,30 +689,52 @@ def _sq_norm_embed(eqn, idx, g, dtype):
         valid = jnp.ones_like(ids, dtype=bool)
     if t * t <= vocab * dim:
         same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
-        gram_g = lax.dot_general(
+        q = lax.dot_general(
             gm, gm, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
         )
-        return jnp.sum(jnp.where(same, gram_g, jnp.zeros_like(gram_g)))
-    rows = jnp.zeros((vocab, dim), dtype).at[jnp.where(valid, ids, vocab)].add(gm, mode="drop")
-    return jnp.sum(jnp.square(rows))
+        zero = jnp.zeros_like(q)
+        ng = jnp.sqrt(jnp.maximum(jnp.diagonal(q), 0))
+        mm = jnp.sum(jnp.where(same, ng[:, None] * ng[None, :], zero))
+        err = _gamma(dim, dtype) * mm + _gamma(t * t + 1, dtype) * jnp.sum(
+            jnp.where(same, jnp.abs(q), zero)
+        )
+        return jnp.sum(jnp.where(same, q, zero)) + 2 * err, jnp.sqrt(mm)
+    slot = jnp.where(valid, ids, vocab)
+    rows = jnp.zeros((vocab, dim), dtype).at[slot].add(gm, mode="drop")
+    rows_abs = jnp.zeros((vocab, dim), dtype).at[slot].add(jnp.abs(gm), mode="drop")
+    m = jnp.sqrt(jnp.sum(jnp.square(rows_abs)))
+    return jnp.square(jnp.sqrt(jnp.sum(jnp.square(rows))) + 2 * _gamma(t, dtype) * m), m
 
 
-def _sq_norms(plan: GhostPlan, tap: _Tap, a, g, p, dtype):
-    """Per-example squared norm of the gradient of one parameter leaf, batched."""
+def _sq_norms(plan: GhostPlan, tap: _Tap, a, g, dtype):
+    """Per-example certified squared norm of one ghost layer's parameter gradient and its
+    magnitude (``(sq, m)``, each ``[B]``), batched: see :func:`_certified`."""
     eqn = plan.jaxpr.jaxpr.eqns[tap.eqn]
     if tap.rule == "dot":
         return jax.vmap(lambda a_, g_: _sq_norm_dot(eqn, tap.pos, a_, g_, dtype))(a, g)
     if tap.rule == "embed":
         return jax.vmap(lambda i_, g_: _sq_norm_embed(eqn, i_, g_, dtype))(a, g)
-    if tap.rule == "conv":
-        # Image patches are kernel-size times the activation: taken a few examples
-        # at a time so they never all exist at once.
-        return lax.map(
-            lambda ag: _sq_norm_conv(eqn, ag[0], ag[1], dtype), (a, g), batch_size=_CONV_CHUNK
-        )
-    site = _site(plan, tap, dtype)
-    # The layer's own per-example gradient (a layer with an integer operand).
-    return jax.vmap(lambda a_, g_: jnp.sum(jnp.square(_layer_grad(site, p, a_, g_))))(a, g)
+    # Image patches are kernel-size times the activation: taken a few examples at a
+    # time so they never all exist at once.
+    return lax.map(
+        lambda ag: _sq_norm_conv(eqn, ag[0], ag[1], dtype), (a, g), batch_size=_CONV_CHUNK
+    )
+
+
+def _certified(sq, m):
+    """A ghost layer's squared norm as the clip factor uses it: ``max(sq, (m / 64)^2)``.
+
+    ``sq`` is already an upper bound of the exact squared norm (its rounding error
+    added). The clip-weighted sum of a ghost layer is one contraction over
+    examples AND tokens (or patches, or ids), whose rounding for example ``i`` is
+    about ``u c_i m_i`` with ``m_i = sum_t |x_t| |g_t|``: a few ulps of the
+    cancelled terms. Taking the norm as at least ``m_i / 64`` keeps ``c_i m_i <= 64 C``,
+    so that rounding stays below ``64 u C`` (4e-6 C in float32) however much the
+    tokens cancel. An ordinary example's tokens cancel far less than 64-fold in
+    norm, and this leaves it alone. A negative or NaN ``sq`` is never finite.
+    """
+    floor = jnp.square(m / _CANCELLATION)
+    return jnp.where(sq >= 0, jnp.maximum(sq, floor), jnp.full_like(sq, jnp.nan))
 
 
 def ghost_clipped_sum(
@@ -703,13 +801,23 @@ def ghost_clipped_sum(
     # (x_i, g_i) alone.
     # A non-finite entry of x_i or g_i makes the squared norm inf or NaN under
     # every rule below (inf * 0 is NaN), so ``isfinite(sq)`` is the overflow test.
+    #
+    # Per-example gradients (``example`` taps, and ghost taps with an integer
+    # operand, whose gradient is formed here and kept) are normed and summed from
+    # one tensor. Ghost norms carry their rounding error (:func:`_gram`) and a floor
+    # against cancellation (:func:`_certified`): never below the exact norm of what
+    # is summed.
     sq = jnp.zeros((batch,), clip_dtype)
-    for tap, g, a, p in zip(plan.taps, grads_out, acts32, p32):
+    formed = {}  # tap index -> that layer's per-example gradients, unscaled
+    for k, (tap, g, a, p) in enumerate(zip(plan.taps, grads_out, acts32, p32)):
         g = unscale(g)  # unscale first, in the clip dtype
-        if tap.mode == "example":  # g is this layer's per-example gradient
+        if tap.mode == "ghost" and tap.rule == "generic":
+            site = _site(plan, tap, clip_dtype)
+            g = formed[k] = jax.vmap(lambda a_, g_, s=site, q=p: _layer_grad(s, q, a_, g_))(a, g)
+        if tap.mode == "example" or k in formed:  # g is this layer's per-example gradient
             sq = sq + jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
         else:
-            sq = sq + _sq_norms(plan, tap, a, g, p, clip_dtype).astype(clip_dtype)
+            sq = sq + _certified(*_sq_norms(plan, tap, a, g, clip_dtype)).astype(clip_dtype)
     finite = jnp.isfinite(sq)
     norms = jnp.sqrt(sq)
 
@@ -726,7 +834,8 @@ def ghost_clipped_sum(
     # measured again and weighted by c_i min(1, n_ik / n'_ik) for the bound to
     # hold. Built and measured that way it kept more on XLA:CPU: the second pass
     # keeps the pre-activations its ReLU masks need as well as the activations the
-    # sums need (6,305,056 B against this path's 5,261,016 B for the float32 MLP
+    # sums need (6,305,056 B against this path's 5,261,016 B, both measured before
+    # the certified norms added 4 KB, for the float32 MLP
     # of benchmarks/clipping.py).)
     #
     # Every kept example's x_i and g_i are finite (its squared norm is), so when
@@ -744,7 +853,8 @@ def ghost_clipped_sum(
     # layer's x_i and g_i are freed as soon as its own sum is done; left to
     # itself, XLA:CPU schedules the sums input-first and keeps every layer's
     # values until the last one (float32 MLP: 6,304,280 B without the
-    # dependency, 5,261,016 B with it; the non-private step takes 4,194,304 B).
+    # dependency, 5,261,016 B with it, before the certified norms' 4 KB; the
+    # non-private step takes 4,194,304 B).
     all_finite = finite.all()
 
     def zero_filled(x):
@@ -757,8 +867,10 @@ def ghost_clipped_sum(
     for k in reversed(range(len(plan.taps))):
         tap, g, a, p = plan.taps[k], grads_out[k], acts32[k], p32[k]
 
-        def clipped_sum(a, g, tap=tap, p=p):
+        def clipped_sum(a, g, tap=tap, p=p, formed=k in formed):
             """sum_i factor_i (this layer's gradient from x_i, g_i); every entry finite."""
+            if formed:  # the per-example gradients the norm was taken from
+                return _weighted_example_dot(g, factor, sum_dtype)
             g = unscale(g)
             if tap.mode == "example":  # g is the layer's per-example gradient
                 return _weighted_example_dot(g, factor, sum_dtype)
@@ -772,8 +884,11 @@ def ghost_clipped_sum(
             _, pull = jax.vjp(lambda q: jax.vmap(site, (None, 0))(q, a), p)
             return pull(wg)[0]
 
-        operands = (None, g) if tap.mode == "example" else (a, g)
-        if tap.mode == "example" or tap.rule == "dot":
+        if k in formed:
+            operands = (None, formed.pop(k))
+        else:
+            operands = (None, g) if tap.mode == "example" else (a, g)
+        if tap.mode == "example" or tap.rule in ("dot", "generic"):
             fast = all_finite
             if before is not None and before.size:
                 fast = fast & jnp.isfinite(before.ravel()[0])
