@@ -551,3 +551,22 @@ def test_ghost_norm_is_never_below_the_exact_norm_in_a_random_search(policy):
     assert np.isfinite(got).all()
     assert (got >= exact * (1 - 1e-5)).all(), np.min(got / exact)
     np.testing.assert_allclose(got[-1], exact[-1], rtol=1e-3)
+
+
+def test_gram_rule_is_not_used_where_its_rounding_bound_is_loose():
+    """(T^2 + K + N) u above 5% (float32: T above ~900) forms the per-example gradient."""
+
+    def loss(p, b):
+        return jnp.sum((b["x"] @ p["w"]) * b["v"])
+
+    params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
+    rules = {}
+    for t in (64, 900, 1000):
+        batch = {
+            "x": jax.ShapeDtypeStruct((2, t, 4096), jnp.float32),
+            "v": jax.ShapeDtypeStruct((2, t, 4096), jnp.float32),
+        }
+        g = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="f32", method="ghost")
+        (row,) = g.explain(params, batch)["layers"]
+        rules[t] = row["rule"]
+    assert rules == {64: "gram", 900: "gram", 1000: "per-example"}
