@@ -273,6 +273,22 @@ def test_call_errors_name_the_problem():
         g(mlp_init(), batch, loss_scale=dpmp.DynamicLossScale(2.0**8))
 
 
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_batch_leaves_without_a_batch_axis_are_named(method):
+    """A scalar in the batch (optax's per-example tools raise a ValueError for it too) and
+    leaves of different lengths are ValueErrors that name the leaves, not IndexErrors."""
+
+    def loss(p, b):
+        return mlp_loss(p, b) + jnp.sum(b["extra"]).astype(jnp.float32)
+
+    g = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="f32", method=method)
+    batch = classification_batch(8)
+    with pytest.raises(ValueError, match=r"batch argument 1\['extra'\] is a scalar"):
+        g(mlp_init(), dict(batch, extra=np.float32(1.0)))
+    with pytest.raises(ValueError, match=r"5 \(argument 1\['extra'\]\), 8 \(argument 1\['x'\]\)"):
+        g(mlp_init(), dict(batch, extra=np.ones(5, np.float32)))
+
+
 def test_nonprivate_dynamic_scale_is_an_explicit_diagnostic():
     with pytest.warns(UserWarning, match="not accounted|NOT"):
         g = dpmp.private_grad(

@@ -183,6 +183,28 @@ class PrivateGradFn:
         )
 
 
+def _batch_size(batch_args, argnums) -> int:
+    """The common leading-axis size of the batch arguments; a ``ValueError`` names a leaf
+    without a batch axis, or the leaves whose sizes disagree."""
+    sizes: dict[int, str] = {}
+    for argnum, arg in zip(argnums, batch_args):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(arg):
+            name = f"argument {argnum}{jax.tree_util.keystr(path)}"
+            if not jnp.ndim(leaf):
+                raise ValueError(
+                    f"batch {name} is a scalar: every leaf of a batch argument needs a "
+                    "leading batch axis (pass per-batch constants in a non-batch argument, "
+                    "see batch_argnums)"
+                )
+            sizes.setdefault(jnp.shape(leaf)[0], name)
+    if not sizes:
+        raise ValueError(f"batch arguments at positions {argnums} have no array leaves")
+    if len(sizes) != 1:
+        found = ", ".join(f"{n} ({name})" for n, name in sorted(sizes.items()))
+        raise ValueError(f"batch arguments disagree on the batch size: {found}")
+    return next(iter(sizes))
+
+
 def _global_sq_norm(tree):
     """Sum of squares over all leaves, in the leaves' dtype."""
     leaves = [jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)]
@@ -388,10 +410,7 @@ def private_grad(
         s = loss_scale.loss_scale.astype(jnp.float32)
         diff_params = cast_tree(params, policy.grad)
         batch_args, others = split(args)
-        sizes = {x.shape[0] for x in jax.tree.leaves(batch_args)}
-        if len(sizes) != 1:
-            raise ValueError(f"batch arguments disagree on the batch size: {sorted(sizes)}")
-        (batch_size,) = sizes
+        batch_size = _batch_size(batch_args, argnums)
         if is_padding_example is None:
             is_padding_example = jnp.zeros((batch_size,), jnp.bool_)
         is_padding_example = jnp.asarray(is_padding_example, jnp.bool_)
