@@ -67,6 +67,30 @@ def test_noise_state_advances_and_is_reproducible():
     np.testing.assert_array_equal(n1["a"], again["a"])
 
 
+def test_without_a_key_the_noise_is_secret_and_fresh(monkeypatch):
+    from . import _entropy
+
+    g = jnp.zeros(8)
+    a, b = (dpmp.gaussian_privatizer(stddev=1.0, policy="fp32") for _ in range(2))
+    na, _ = a.update(g, a.init(g))
+    nb, _ = b.update(g, b.init(g))
+    assert not np.array_equal(na, nb)  # not derived from any fixed seed
+    # the key is the OS entropy: the same entropy stream gives the same noise
+    _entropy.install(monkeypatch, seed=1)
+    c = dpmp.gaussian_privatizer(stddev=1.0, policy="fp32")
+    _entropy.install(monkeypatch, seed=1)
+    opt = dpmp.private_optimizer(
+        optax.sgd(1.0),
+        noise_multiplier=1.0,
+        l2_clip_norm=1.0,
+        expected_batch_size=1,
+        policy="fp32",
+    )
+    nc, _ = c.update(g, c.init(g))
+    updates, _ = opt.update(g, opt.init(g), g)
+    np.testing.assert_array_equal(-updates, nc)  # sgd(1.0) of the noisy sum / 1
+
+
 def test_zero_noise_infinite_clip_equals_mean_gradient_sgd():
     batch = classification_batch(64)
     params = jax.tree.map(jnp.asarray, mlp_init())

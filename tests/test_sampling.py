@@ -130,6 +130,20 @@ def test_same_seed_same_batches_and_resume_mid_stream(make):
     np.testing.assert_array_equal(resumed.batch(3).indices, run_a[3].indices)
 
 
+@pytest.mark.parametrize("make", [PoissonSampler, ShuffledSampler])
+def test_without_a_seed_the_sampling_is_secret(make):
+    kwargs = dict(sampling_prob=0.2) if make is PoissonSampler else dict(batch_size=17)
+    a, b = make(100, **kwargs), make(100, **kwargs)
+    assert a.seed != b.seed and a.seed.bit_length() > 64  # 128 bits of OS entropy
+    assert any(
+        not np.array_equal(x.indices, y.indices)
+        for x, y in zip(_draw(a, 10), _draw(b, 10), strict=True)
+    )
+    assert str(a.seed) not in repr(a)  # a repr may end up in a log
+    resumed = make.from_state_dict(a.state_dict())  # the checkpoint keeps the seed
+    np.testing.assert_array_equal(resumed.batch(4).indices, a.batch(4).indices)
+
+
 def test_restore_refuses_a_different_configuration():
     state = PoissonSampler(100, sampling_prob=0.2, seed=7).state_dict()
     with pytest.raises(ValueError, match="seed"):

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 from jax_privacy import noise_addition as jp_noise
 
+from dpmp._src.entropy import key_from
 from dpmp._src.policy import Policy
 
 __all__ = ["gaussian_privatizer", "private_optimizer"]
@@ -40,7 +41,7 @@ def _lift_to(tree, dtype):
 
 
 def gaussian_privatizer(
-    *, stddev: float, prng_key: Any, policy: Policy | str
+    *, stddev: float, prng_key: Any = None, policy: Policy | str
 ) -> optax.GradientTransformation:
     """Adds N(0, stddev^2) noise to every entry, drawn and added in ``policy.noise``.
 
@@ -49,10 +50,18 @@ def gaussian_privatizer(
     state)`` returns the noisy sum in at least the noise dtype. For DP-SGD,
     ``stddev = noise_multiplier * l2_clip_norm``.
 
+    The noise key is secret: with ``prng_key=None`` (the default) it is drawn
+    from the operating system's entropy (``os.urandom``, every bit of the key).
+    The key then lives only in the optimizer state: checkpoint that state to
+    resume, and keep the checkpoint as secret as the data. An int derives the
+    key from a public number: reproducible, for tests and debugging, and then
+    NOT differentially private (anyone who knows the number and the other
+    records can rerun the training and tell which dataset it was).
+
     Example::
 
       >>> import jax, jax.numpy as jnp, dpmp
-      >>> priv = dpmp.gaussian_privatizer(stddev=1.0, prng_key=0, policy="bf16")
+      >>> priv = dpmp.gaussian_privatizer(stddev=1.0, policy="bf16")
       >>> g = jnp.zeros(4, jnp.bfloat16)            # even a bf16 sum ...
       >>> noisy, _ = priv.update(g, priv.init(g))
       >>> noisy.dtype                                # ... gets float32 noise
@@ -65,9 +74,9 @@ def gaussian_privatizer(
         raise ValueError(f"stddev: must be a number, got {stddev!r}") from e
     if not stddev >= 0:
         raise ValueError(f"stddev: must be >= 0, got {stddev!r}")
-    if isinstance(prng_key, int):
-        prng_key = jax.random.key(prng_key)
-    inner = jp_noise.gaussian_privatizer(stddev=stddev, prng_key=prng_key, dtype=policy.noise)
+    inner = jp_noise.gaussian_privatizer(
+        stddev=stddev, prng_key=key_from(prng_key), dtype=policy.noise
+    )
 
     def init(params):
         return inner.init(_lift_to(params, policy.noise))
@@ -85,7 +94,7 @@ def private_optimizer(
     noise_multiplier: float,
     l2_clip_norm: float,
     expected_batch_size: float,
-    prng_key: Any,
+    prng_key: Any = None,
     policy: Policy | str,
 ) -> optax.GradientTransformation:
     """``optax.chain(noise, scale(1 / expected_batch_size), optimizer)`` for DP-SGD.
@@ -94,7 +103,8 @@ def private_optimizer(
     it adds N(0, (noise_multiplier * l2_clip_norm)^2) in the noise dtype,
     divides by the expected batch size and runs ``optimizer``. The updates
     are cast to each parameter's dtype, which must be at least float32
-    (master params).
+    (master params). ``prng_key`` is the secret noise key, as in
+    ``gaussian_privatizer``: leave it None for fresh OS entropy.
     """
     policy = Policy.parse(policy)
     if not float(expected_batch_size) > 0:

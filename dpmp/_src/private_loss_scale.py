@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dpmp._src.entropy import key_from
 from dpmp._src.loss_scale import (
     _as_f32_scale,
     _check_static,
@@ -55,7 +56,10 @@ class PrivateDynamicLossScale:
 
     Args:
       loss_scale: initial scale (stored as float32).
-      prng_key: key for the count noise (a typed key or a raw uint32 key).
+      prng_key: secret key for the count noise (a typed key or raw uint32 key
+        data). None (the default) draws it from the OS entropy; an int derives
+        it from a public number, which is reproducible and NOT private. The key
+        advances inside the object, so checkpoint the object to resume.
       count_noise_stddev: standard deviation of the noise on the count
         (sensitivity 1, so this is also the noise multiplier of the release).
       threshold: back off when the noised count exceeds this; defaults to
@@ -65,7 +69,7 @@ class PrivateDynamicLossScale:
     """
 
     loss_scale: Any
-    prng_key: Any
+    prng_key: Any = None
     count_noise_stddev: float = 8.0
     threshold: float | None = None
     period: int = 200
@@ -78,12 +82,7 @@ class PrivateDynamicLossScale:
         object.__setattr__(self, "loss_scale", _as_f32_scale(self.loss_scale))
         counter = jnp.zeros((), jnp.int32) if self.counter is None else self.counter
         object.__setattr__(self, "counter", jnp.asarray(counter).astype(jnp.int32))
-        key = self.prng_key
-        if isinstance(key, int):
-            key = jax.random.key(key)
-        elif not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
-            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
-        object.__setattr__(self, "prng_key", key)
+        object.__setattr__(self, "prng_key", key_from(self.prng_key))
         stddev = _check_static("count_noise_stddev", self.count_noise_stddev)
         object.__setattr__(self, "count_noise_stddev", stddev)
         threshold = 3.0 * stddev if self.threshold is None else self.threshold

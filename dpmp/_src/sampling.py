@@ -18,6 +18,11 @@ does not give on its own:
   ``(seed, t)``, so the batch of step ``t`` is a pure function of the seed
   and ``t``: the state is two integers, and a run resumed at step ``k`` gets
   exactly the batches of an uninterrupted run.
+* *Secret seed.* Which examples a step uses is part of what privacy
+  amplification by subsampling assumes hidden, so the seed defaults to 128
+  bits of OS entropy (``seed=None``). It lives in ``state_dict()``: keep that
+  (a checkpoint) as secret as the data. A given seed is public and
+  reproducible, for tests and debugging: NOT private.
 * *Counted truncation.* jax-privacy's ``truncated_batch_size`` drops examples
   silently; here a sample larger than ``padded_batch_size`` is cut to a
   uniformly random subset of that size (the same distribution as
@@ -37,6 +42,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from jax_privacy import batch_selection
 from scipy import stats
+
+from dpmp._src.entropy import fresh_seed
 
 __all__ = [
     "PoissonSampler",
@@ -91,7 +98,7 @@ class PoissonSampler:
     ``sampling_prob``; the sample is padded with ``-1`` to ``padded_batch_size``.
 
     Example:
-      >>> sampler = PoissonSampler(1437, expected_batch_size=256, seed=0)
+      >>> sampler = PoissonSampler(1437, expected_batch_size=256)  # secret seed
       >>> indices, is_padding_example = next(sampler)
       >>> indices.shape == (sampler.padded_batch_size,)
       True
@@ -126,6 +133,8 @@ class PoissonSampler:
       max_truncation_prob: truncation probability per step that the default
         ``padded_batch_size`` must not exceed, in (0, 1).
       seed: non-negative integer; batches are a function of ``(seed, step)``.
+        None (the default): a secret 128-bit seed from the OS entropy. A seed
+        you give is public, and the run NOT private.
       num_steps: iteration stops after this many steps (None: never).
     """
 
@@ -144,7 +153,7 @@ class PoissonSampler:
         sampling_prob: float | None = None,
         padded_batch_size: int | None = None,
         max_truncation_prob: float = 1e-12,
-        seed: int = 0,
+        seed: int | None = None,
         num_steps: int | None = None,
     ):
         self.num_examples = _check_int("num_examples", num_examples, 1)
@@ -165,7 +174,7 @@ class PoissonSampler:
         if padded_batch_size is None:
             padded_batch_size = self._default_padded_size(max_truncation_prob)
         self.padded_batch_size = _check_int("padded_batch_size", padded_batch_size, 1)
-        self.seed = _check_int("seed", seed, 0)
+        self.seed = fresh_seed() if seed is None else _check_int("seed", seed, 0)
         self.num_steps = None if num_steps is None else _check_int("num_steps", num_steps, 0)
         self.step = 0
         self.num_truncated = 0
@@ -261,7 +270,7 @@ class PoissonSampler:
         return (
             f"PoissonSampler(num_examples={self.num_examples}, "
             f"sampling_prob={self.sampling_prob:.6g}, "
-            f"padded_batch_size={self.padded_batch_size}, seed={self.seed}, step={self.step})"
+            f"padded_batch_size={self.padded_batch_size}, step={self.step})"
         )
 
 
@@ -288,7 +297,12 @@ class ShuffledSampler:
     )
 
     def __init__(
-        self, num_examples: int, batch_size: int, *, seed: int = 0, num_steps: int | None = None
+        self,
+        num_examples: int,
+        batch_size: int,
+        *,
+        seed: int | None = None,
+        num_steps: int | None = None,
     ):
         self.num_examples = _check_int("num_examples", num_examples, 1)
         self.batch_size = _check_int("batch_size", batch_size, 1)
@@ -296,7 +310,7 @@ class ShuffledSampler:
             raise ValueError(
                 f"batch_size must be <= num_examples={self.num_examples}, got {batch_size}."
             )
-        self.seed = _check_int("seed", seed, 0)
+        self.seed = fresh_seed() if seed is None else _check_int("seed", seed, 0)
         self.num_steps = None if num_steps is None else _check_int("num_steps", num_steps, 0)
         self.steps_per_epoch = -(-self.num_examples // self.batch_size)
         self.step = 0
@@ -351,5 +365,5 @@ class ShuffledSampler:
     def __repr__(self) -> str:
         return (
             f"ShuffledSampler(num_examples={self.num_examples}, batch_size={self.batch_size}, "
-            f"seed={self.seed}, step={self.step}, poisson=False)"
+            f"step={self.step}, poisson=False)"
         )
