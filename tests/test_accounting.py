@@ -272,6 +272,79 @@ def test_epsilon_breakdown_reports_the_cost_of_the_counts():
     assert b.counts > 0
 
 
+def _reference_with_preprocessing(name, q, sigma, steps, sigma_p, delta, interval=1e-4):
+    """A one-off Gaussian release of the whole dataset, composed with the steps."""
+    parts = [dp_accounting.GaussianDpEvent(sigma_p)]
+    if steps:
+        parts.append(dp_accounting.SelfComposedDpEvent(_sampled_gaussian(q, sigma), steps))
+    event = dp_accounting.ComposedDpEvent(parts)
+    return _accountant(name, interval).compose(event).get_epsilon(delta)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+@pytest.mark.parametrize("steps", [0, 1, 40])
+def test_preprocessing_release_matches_hand_built_composed_event(accountant, steps):
+    plan = dict(noise_multiplier=1.1, sampling_prob=0.05, steps=steps, delta=1e-5)
+    got = acc.epsilon(**plan, accountant=accountant, preprocessing_noise_multiplier=20.0)
+    want = _reference_with_preprocessing(accountant, 0.05, 1.1, steps, 20.0, 1e-5)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert got > acc.epsilon(**plan, accountant=accountant)
+    # the tracker composes it too: its first value already includes it
+    budget = acc.PrivacyBudget(
+        noise_multiplier=1.1,
+        sampling_prob=0.05,
+        delta=1e-5,
+        target_epsilon=50.0,
+        accountant=accountant,
+        preprocessing_noise_multiplier=20.0,
+    )
+    tracker = acc.BudgetTracker(budget)
+    for _ in range(steps):
+        tracker.step()
+    want_tracked = _reference_with_preprocessing(accountant, 0.05, 1.1, steps, 20.0, 1e-5, 1e-3)
+    assert tracker.spent() == pytest.approx(want_tracked, rel=1e-6)
+
+
+def test_breakdown_of_a_run_with_counts_and_preprocessing():
+    plan = dict(noise_multiplier=1.0, sampling_prob=0.02, steps=300, delta=1e-5, accountant="rdp")
+    b = acc.epsilon_breakdown(
+        **plan, count_noise_stddev=3.0, count_every=2, preprocessing_noise_multiplier=10.0
+    )
+    with_counts = _reference_with_counts("rdp", 0.02, 1.0, 3.0, 300, 2, 1e-5)
+    assert b.dpsgd == pytest.approx(_reference_epsilon("rdp", 0.02, 1.0, 300, 1e-5), rel=1e-6)
+    assert b.dpsgd + b.counts == pytest.approx(with_counts, rel=1e-6)
+    assert b.total == pytest.approx(b.dpsgd + b.counts + b.preprocessing, rel=1e-12)
+    assert b.counts > 0 and b.preprocessing > 0
+    tracker = acc.BudgetTracker(
+        acc.PrivacyBudget(
+            noise_multiplier=1.0,
+            sampling_prob=0.02,
+            delta=1e-5,
+            target_epsilon=50.0,
+            accountant="rdp",
+            count_noise_stddev=3.0,
+            count_every=2,
+            preprocessing_noise_multiplier=10.0,
+        ),
+        steps=300,
+        count_releases=150,
+    )
+    tb = tracker.breakdown()
+    assert tb.total == pytest.approx(b.total, rel=1e-6)
+    assert tb.preprocessing == pytest.approx(b.preprocessing, rel=1e-5)
+
+
+def test_calibration_accounts_for_the_preprocessing_release():
+    common = dict(target_epsilon=2.0, sampling_prob=0.1, steps=100, delta=1e-5, accountant="rdp")
+    plain = acc.calibrate_noise_multiplier(**common)
+    sigma = acc.calibrate_noise_multiplier(**common, preprocessing_noise_multiplier=20.0)
+    assert sigma > plain  # less budget is left for the steps
+    got = _reference_with_preprocessing("rdp", 0.1, sigma, 100, 20.0, 1e-5)
+    assert got <= 2.0 + 1e-9 and got == pytest.approx(2.0, rel=2e-3)
+    with pytest.raises(ValueError, match="preprocessing_noise_multiplier=0.5"):
+        acc.calibrate_noise_multiplier(**common, preprocessing_noise_multiplier=0.5)
+
+
 def test_effective_noise_multiplier_matches_dp_accounting_rdp_reduction():
     # dp-accounting's RDP accountant reduces Poisson(q, Composed(G(a), G(b)))
     # itself; the closed form must give the same epsilon.

@@ -16,6 +16,9 @@ multiplier, ``sigma_c`` = ``count_noise_stddev``)::
     run of n steps:   ComposedDpEvent([SelfComposedDpEvent(plain, n - k),
                                        SelfComposedDpEvent(with_count, k)])
                       k = n // count_every
+    preprocessing:    GaussianDpEvent(sigma_p), once, composed with the run
+                      (a release computed from the whole training set before
+                      training, e.g. private feature statistics; not subsampled)
 
 Formal Guarantees:
   * Each step's gradient sum has L2 sensitivity ``C`` (the clip norm) and gets
@@ -78,6 +81,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 __all__ = [
     "ACCOUNTANTS",
     "NEIGHBORING_RELATIONS",
+    "NEIGHBOURING_RELATION_NOTE",
     "REPORT_DISCRETIZATION",
     "TRACKING_DISCRETIZATION",
     "BudgetExceededError",
@@ -108,22 +112,36 @@ REPORT_DISCRETIZATION = 1e-4
 TRACKING_DISCRETIZATION = 1e-3
 
 
+# The relation a dpmp run's guarantee is stated for, in words (report, README).
+NEIGHBOURING_RELATION_NOTE = (
+    "zero-out: two datasets are neighbours if one record of one is replaced, in the "
+    "other, by a null record that contributes nothing (a zero gradient, zero to every "
+    "count and statistic). The number of records n is public, and so are the "
+    "sampling probability and noise multiplier computed from it. Poisson sampling "
+    "is accounted with the add-or-remove-one analysis, which covers zero-out "
+    "neighbours (a null record behaves exactly like a removed one)."
+)
+
+
 class BudgetExceededError(RuntimeError):
     """Raised when a step would take the run past its target epsilon."""
 
 
 class EpsilonBreakdown(NamedTuple):
-    """Epsilon of a run, and the part of it that the count releases cost.
+    """Epsilon of a run, and the parts of it that the other releases cost.
 
     Attributes:
-      total: epsilon of everything released (DP-SGD steps and counts).
-      dpsgd: epsilon of the DP-SGD steps alone, as if no count were released.
-      counts: ``total - dpsgd``: the extra epsilon the loss scale costs.
+      total: epsilon of everything released (preprocessing, DP-SGD steps, counts).
+      dpsgd: epsilon of the DP-SGD steps alone, as if nothing else were released.
+      counts: what the count releases add to ``dpsgd``: the loss scale's cost.
+      preprocessing: what the preprocessing release adds on top:
+        ``total - dpsgd - counts``.
     """
 
     total: float
     dpsgd: float
     counts: float
+    preprocessing: float = 0.0
 
 
 # ---------------------------------------------------------------------------
@@ -200,6 +218,12 @@ def _check_count_noise(value: Any) -> float | None:
     return _check_noise_multiplier(value, "count_noise_stddev")
 
 
+def _check_preprocessing(value: Any) -> float | None:
+    if value is None:
+        return None
+    return _check_noise_multiplier(value, "preprocessing_noise_multiplier")
+
+
 def _check_interval(value: Any) -> float:
     value = _real("value_discretization_interval", value)
     if not 0 < value < 1:
@@ -266,6 +290,7 @@ def dpsgd_event(
     steps: int,
     count_noise_stddev: float | None = None,
     count_every: int = 1,
+    preprocessing_noise_multiplier: float | None = None,
 ) -> dp_accounting.DpEvent:
     """The dp-accounting event of ``steps`` DP-SGD steps and their count releases.
 
@@ -277,19 +302,30 @@ def dpsgd_event(
         count (sensitivity 1), or ``None`` if no count is released.
       count_every: a count is released at steps ``count_every``,
         ``2 * count_every``, ... (1-based).
+      preprocessing_noise_multiplier: noise multiplier of one Gaussian release
+        of the whole training set made once before training (sensitivity
+        normalised to 1), or ``None`` if there is none.
 
     Returns:
       A ``SelfComposedDpEvent`` of Poisson-sampled Gaussian steps, or a
-      ``ComposedDpEvent`` of two of them when some steps also release a count.
+      ``ComposedDpEvent`` of two of them when some steps also release a count,
+      composed with a ``GaussianDpEvent`` for the preprocessing release.
       Any dp-accounting accountant that supports these events can consume it.
     """
     sigma = _check_noise_multiplier(noise_multiplier)
     q = _check_sampling_prob(sampling_prob)
     steps = _check_int("steps", steps, 0)
     count_every = _check_int("count_every", count_every, 1)
+    sigma_p = _check_preprocessing(preprocessing_noise_multiplier)
     sigma_eff = effective_noise_multiplier(sigma, count_noise_stddev)
     plain, with_count = _split_steps(steps, count_noise_stddev, count_every)
-    return _run_event(sigma, q, sigma_eff, plain, with_count)
+    run = _run_event(sigma, q, sigma_eff, plain, with_count)
+    if sigma_p is None or sigma_p == math.inf:
+        return run
+    pre = dp_accounting.GaussianDpEvent(sigma_p)
+    if isinstance(run, dp_accounting.NoOpDpEvent):
+        return pre
+    return dp_accounting.ComposedDpEvent([pre, run])
 
 
 def _make_accountant(
@@ -320,8 +356,9 @@ def epsilon(
     count_noise_stddev: float | None = None,
     count_every: int = 1,
     value_discretization_interval: float = REPORT_DISCRETIZATION,
+    preprocessing_noise_multiplier: float | None = None,
 ) -> float:
-    """Epsilon at ``delta`` of a DP-SGD run (and its count releases, if any).
+    """Epsilon at ``delta`` of a DP-SGD run (and its count and preprocessing releases).
 
     Example:
       >>> import dpmp.accounting
@@ -341,6 +378,8 @@ def epsilon(
         ``None`` when the loss scale releases nothing.
       count_every: a count is released every this many steps.
       value_discretization_interval: PLD discretisation (ignored by RDP).
+      preprocessing_noise_multiplier: a one-off Gaussian release before
+        training (see ``dpsgd_event``), or ``None``.
 
     Returns:
       The epsilon that dp-accounting's accountant gives for ``dpsgd_event``.
@@ -360,8 +399,9 @@ def epsilon(
         steps=steps,
         count_noise_stddev=count_noise_stddev,
         count_every=count_every,
+        preprocessing_noise_multiplier=preprocessing_noise_multiplier,
     )
-    if steps == 0:
+    if isinstance(event, dp_accounting.NoOpDpEvent):
         return 0.0
     acct = _make_accountant(accountant, neighboring, interval)
     return float(acct.compose(event).get_epsilon(delta))
@@ -378,11 +418,13 @@ def epsilon_breakdown(
     accountant: str = "pld",
     neighboring: str = "add_or_remove",
     value_discretization_interval: float = REPORT_DISCRETIZATION,
+    preprocessing_noise_multiplier: float | None = None,
 ) -> EpsilonBreakdown:
-    """Epsilon with and without the count releases: what the loss scale costs.
+    """Epsilon with and without the count and preprocessing releases.
 
-    Epsilon does not add up over mechanisms, so ``counts`` is the difference
-    ``epsilon(run with counts) - epsilon(run without)``, at the same delta.
+    Epsilon does not add up over mechanisms, so each part is a difference at
+    the same delta: ``counts = epsilon(steps and counts) - epsilon(steps)``,
+    ``preprocessing = epsilon(everything) - epsilon(steps and counts)``.
     """
     common = dict(
         noise_multiplier=noise_multiplier,
@@ -394,8 +436,15 @@ def epsilon_breakdown(
         value_discretization_interval=value_discretization_interval,
     )
     dpsgd = epsilon(**common)
-    total = epsilon(**common, count_noise_stddev=count_noise_stddev, count_every=count_every)
-    return EpsilonBreakdown(total=total, dpsgd=dpsgd, counts=total - dpsgd)
+    common.update(count_noise_stddev=count_noise_stddev, count_every=count_every)
+    with_counts = epsilon(**common)
+    total = epsilon(**common, preprocessing_noise_multiplier=preprocessing_noise_multiplier)
+    return EpsilonBreakdown(
+        total=total,
+        dpsgd=dpsgd,
+        counts=with_counts - dpsgd,
+        preprocessing=total - with_counts,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -415,18 +464,20 @@ def calibrate_noise_multiplier(
     count_every: int = 1,
     value_discretization_interval: float = REPORT_DISCRETIZATION,
     rtol: float = 1e-4,
+    preprocessing_noise_multiplier: float | None = None,
 ) -> float:
     """The smallest noise multiplier whose run stays within ``target_epsilon``.
 
     Uses dp-accounting's ``calibrate_dp_mechanism`` (Brent's method, then a
     check that the returned value does not exceed the target) inside a bracket
-    found by doubling. With count releases, the count noise is held fixed and
-    only the gradient noise is calibrated.
+    found by doubling. With count or preprocessing releases, their noise is
+    held fixed and only the gradient noise is calibrated.
 
     Args:
       target_epsilon: in (0, inf).
       sampling_prob, steps, delta, accountant, neighboring, count_noise_stddev,
-        count_every, value_discretization_interval: as in ``epsilon``; steps >= 1.
+        count_every, value_discretization_interval,
+        preprocessing_noise_multiplier: as in ``epsilon``; steps >= 1.
       rtol: relative tolerance on the noise multiplier.
 
     Returns:
@@ -434,7 +485,8 @@ def calibrate_noise_multiplier(
       in sigma, the smallest such value.
 
     Raises:
-      ValueError: if the count releases alone exceed ``target_epsilon``.
+      ValueError: if the count and preprocessing releases alone exceed
+        ``target_epsilon``.
     """
     target = _check_target_epsilon(target_epsilon)
     q = _check_sampling_prob(sampling_prob)
@@ -443,6 +495,7 @@ def calibrate_noise_multiplier(
     accountant = _check_accountant(accountant)
     neighboring = _check_neighboring(neighboring, accountant)
     sigma_c = _check_count_noise(count_noise_stddev)
+    sigma_p = _check_preprocessing(preprocessing_noise_multiplier)
     count_every = _check_int("count_every", count_every, 1)
     interval = _check_interval(value_discretization_interval)
     rtol = _real("rtol", rtol)
@@ -456,6 +509,7 @@ def calibrate_noise_multiplier(
             steps=steps,
             count_noise_stddev=sigma_c,
             count_every=count_every,
+            preprocessing_noise_multiplier=sigma_p,
         )
 
     def make_accountant() -> dp_accounting.PrivacyAccountant:
@@ -464,10 +518,14 @@ def calibrate_noise_multiplier(
     def eps(sigma: float) -> float:
         return make_accountant().compose(make_event(sigma)).get_epsilon(delta)
 
-    if sigma_c is not None and eps(math.inf) > target:
+    if (sigma_c is not None or sigma_p is not None) and eps(math.inf) > target:
+        fixed = []
+        if sigma_c is not None:
+            fixed.append(f"count_noise_stddev={sigma_c} (raise it or count_every)")
+        if sigma_p is not None:
+            fixed.append(f"preprocessing_noise_multiplier={sigma_p} (raise it)")
         raise ValueError(
-            f"count_noise_stddev={sigma_c} releases alone cost more than "
-            f"target_epsilon={target}: raise count_noise_stddev or count_every."
+            f"the releases of {' and '.join(fixed)} alone cost more than target_epsilon={target}."
         )
     # Bracket the root by doubling from sigma = 1. (dp-accounting's own
     # LowerEndpointAndGuess starts at sigma = 0, where epsilon is infinite.)
@@ -506,6 +564,7 @@ def calibrate_steps(
     count_every: int = 1,
     value_discretization_interval: float = REPORT_DISCRETIZATION,
     max_steps: int = 10**7,
+    preprocessing_noise_multiplier: float | None = None,
 ) -> int:
     """The most steps whose run stays within ``target_epsilon``.
 
@@ -527,6 +586,7 @@ def calibrate_steps(
         count_noise_stddev=count_noise_stddev,
         count_every=count_every,
         value_discretization_interval=value_discretization_interval,
+        preprocessing_noise_multiplier=preprocessing_noise_multiplier,
     )
     max_steps = _check_int("max_steps", max_steps, 0)
     return BudgetTracker(budget).remaining_steps(max_steps)
@@ -538,12 +598,13 @@ def calibrate_steps(
 
 
 class _EpsilonCurve:
-    """epsilon(plain steps, steps with a count), memoised.
+    """epsilon(plain steps, steps with a count), memoised; the plan's one-off
+    preprocessing release, if any, is part of every value.
 
     RDP: the per-step RDP curves are computed once by dp-accounting's
     accountant; a run's curve is ``plain * rdp_plain + with_count * rdp_count``
-    (what the accountant does for a ``SelfComposedDpEvent``), converted with
-    dp-accounting's ``compute_epsilon``.
+    (+ ``rdp_preprocessing``; what the accountant does for a
+    ``SelfComposedDpEvent``), converted with dp-accounting's ``compute_epsilon``.
 
     PLD: the per-step PLDs are built once (as ``PLDAccountant`` builds them);
     a run's PLD is their self-composition. When queries walk forward one step
@@ -561,27 +622,31 @@ class _EpsilonCurve:
         self._memo: collections.OrderedDict[tuple[int, int], float] = collections.OrderedDict()
         sigma = budget.noise_multiplier
         sigma_eff = effective_noise_multiplier(sigma, budget.count_noise_stddev)
-        self._sigmas = (sigma, sigma_eff)
-        self._per_step: list[Any] = [None, None]
+        sigma_p = budget.preprocessing_noise_multiplier
+        # kinds: 0 a plain step, 1 a step with a count, 2 the preprocessing release
+        self._sigmas = (sigma, sigma_eff, math.inf if sigma_p is None else sigma_p)
+        self._pre = int(self._sigmas[2] < math.inf)  # how often kind 2 is released
+        self._per_step: list[Any] = [None, None, None]
         self._cursor: tuple[int, int, Any] | None = None
 
     def _single(self, kind: int) -> Any:
         if self._per_step[kind] is None:
             b = self._budget
+            q = 1.0 if kind == 2 else b.sampling_prob  # preprocessing reads every record
+            gaussian = dp_accounting.GaussianDpEvent(self._sigmas[kind])
             if b.accountant == "rdp":
                 acct = dp_accounting.rdp.RdpAccountant(
                     neighboring_relation=_NEIGHBORING[b.neighboring]
                 )
-                event = dp_accounting.PoissonSampledDpEvent(
-                    b.sampling_prob, dp_accounting.GaussianDpEvent(self._sigmas[kind])
+                acct.compose(
+                    gaussian if kind == 2 else dp_accounting.PoissonSampledDpEvent(q, gaussian)
                 )
-                acct.compose(event)
                 self._per_step[kind] = (acct.orders, acct.rdp)
             else:
                 self._per_step[kind] = privacy_loss_distribution.from_gaussian_mechanism(
                     standard_deviation=self._sigmas[kind],
                     value_discretization_interval=b.value_discretization_interval,
-                    sampling_prob=b.sampling_prob,
+                    sampling_prob=q,
                     neighboring_relation=_NEIGHBORING[b.neighboring],
                 )
         return self._per_step[kind]
@@ -599,9 +664,8 @@ class _EpsilonCurve:
                 for _ in range(with_count - c0):
                     pld = pld.compose(self._single(1))
                 return pld
-        parts = [
-            self._single(kind).self_compose(n) for kind, n in ((0, plain), (1, with_count)) if n > 0
-        ]
+        counts = ((0, plain), (1, with_count), (2, self._pre))
+        parts = [self._single(kind).self_compose(n) for kind, n in counts if n > 0]
         pld = parts[0]
         for part in parts[1:]:
             pld = pld.compose(part)
@@ -612,7 +676,7 @@ class _EpsilonCurve:
         plain = 0 if self._sigmas[0] == math.inf else plain
         with_count = 0 if self._sigmas[1] == math.inf else with_count
         key = (plain, with_count)
-        if key == (0, 0):
+        if key == (0, 0) and not self._pre:
             return 0.0
         if key in self._memo:
             self._memo.move_to_end(key)
@@ -620,7 +684,7 @@ class _EpsilonCurve:
         delta = self._budget.delta
         if self._budget.accountant == "rdp":
             rdp = 0
-            for kind, n in ((0, plain), (1, with_count)):
+            for kind, n in ((0, plain), (1, with_count), (2, self._pre)):
                 if n > 0:
                     orders, per_step = self._single(kind)
                     rdp = rdp + n * per_step
@@ -680,6 +744,8 @@ class PrivacyBudget:
       neighboring: ``"add_or_remove"`` or ``"replace_one"`` (PLD only).
       count_noise_stddev: noise stddev of each released overflow count, or None.
       count_every: a count is released at steps k, 2k, ... (1-based), k >= 1.
+      preprocessing_noise_multiplier: noise multiplier of a one-off Gaussian
+        release of the whole training set before training, or None.
       value_discretization_interval: PLD discretisation used while tracking;
         defaults to the coarser ``TRACKING_DISCRETIZATION`` (1e-3), which is
         still an upper bound. Report the final number with ``epsilon(...)``
@@ -695,6 +761,7 @@ class PrivacyBudget:
     count_noise_stddev: float | None = None
     count_every: int = 1
     value_discretization_interval: float = TRACKING_DISCRETIZATION
+    preprocessing_noise_multiplier: float | None = None
 
     def __post_init__(self):
         accountant = _check_accountant(self.accountant)
@@ -707,6 +774,9 @@ class PrivacyBudget:
             count_noise_stddev=_check_count_noise(self.count_noise_stddev),
             count_every=_check_int("count_every", self.count_every, 1),
             value_discretization_interval=_check_interval(self.value_discretization_interval),
+            preprocessing_noise_multiplier=_check_preprocessing(
+                self.preprocessing_noise_multiplier
+            ),
         )
         for name, value in fields.items():
             object.__setattr__(self, name, value)
@@ -797,11 +867,19 @@ class BudgetTracker:
         return self._eps(self._steps, self._count_releases)
 
     def breakdown(self) -> EpsilonBreakdown:
-        """``spent()`` split into the DP-SGD steps alone and the extra for counts."""
+        """``spent()`` split into the DP-SGD steps alone, the extra for counts and
+        the extra for the preprocessing release (see ``EpsilonBreakdown``)."""
         total = self.spent()
-        plain = _curve_for(dataclasses.replace(self._budget, count_noise_stddev=None))
+        no_pre = dataclasses.replace(self._budget, preprocessing_noise_multiplier=None)
+        with_counts = _curve_for(no_pre)(self._steps - self._count_releases, self._count_releases)
+        plain = _curve_for(dataclasses.replace(no_pre, count_noise_stddev=None))
         dpsgd = plain(self._steps, 0)
-        return EpsilonBreakdown(total=total, dpsgd=dpsgd, counts=total - dpsgd)
+        return EpsilonBreakdown(
+            total=total,
+            dpsgd=dpsgd,
+            counts=with_counts - dpsgd,
+            preprocessing=total - with_counts,
+        )
 
     def peek(self, count_released: bool | None = None) -> float:
         """Epsilon after one more step (``None``: follow the plan's count schedule)."""
