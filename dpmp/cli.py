@@ -86,7 +86,15 @@ def _cmd_train(args) -> int:
     for p in plots:
         print(f"plot: {p}")
     print(f"run directory: {out}")
+    for line in _inventory(out):
+        print(line)
     return 0
+
+
+def _inventory(run_dir) -> list[str]:
+    from dpmp._src.release import inventory_lines
+
+    return inventory_lines(run_dir)
 
 
 def _fmt(value, spec=".4g"):
@@ -98,8 +106,10 @@ def _fmt(value, spec=".4g"):
 
 
 def _summary(report: dict) -> str:
+    """The report's public numbers as a table, and whether the run is private."""
     overflow = report.get("overflow", {}) or {}
     audit = report.get("audit", {}) or {}
+    standardize = report.get("standardize") or {}
     rows = [
         ("policy", report.get("policy")),
         (
@@ -112,12 +122,19 @@ def _summary(report: dict) -> str:
         ("test accuracy", _fmt(report.get("test_accuracy"))),
         ("epsilon", f"{_fmt(report.get('epsilon'))} (delta {_fmt(report.get('delta'))})"),
         ("noise multiplier", _fmt(report.get("noise_multiplier"))),
-        ("overflowed examples", _fmt(overflow.get("examples_nonfinite"))),
         ("noised overflow total", _fmt(overflow.get("noised_count_total"))),
         ("loss-scale cost (epsilon)", _fmt(overflow.get("epsilon_cost"))),
+        ("standardize", standardize.get("mode", "-")),
         ("audit", "ok" if audit.get("ok") else ("FAILED" if audit else "-")),
-        ("wall time (s)", _fmt(report.get("wall_time_s"), ".1f")),
     ]
+    if standardize.get("epsilon_cost") is not None:
+        rows.append(("standardize cost (epsilon)", _fmt(standardize["epsilon_cost"])))
+    if report.get("private") is True:
+        rows.append(("private", "yes (differentially private; zero-out neighbours)"))
+    elif report.get("private") is False:
+        rows.append(("private", "NO: this run is NOT differentially private"))
+        for warning in report.get("privacy_warnings") or []:
+            rows.append(("privacy warning", warning))
     if report.get("stopped_early"):
         rows.append(("stopped early", report["stopped_early"]))
     if overflow.get("privacy"):
@@ -226,6 +243,8 @@ def _cmd_report(args) -> int:
     print(_summary(report))
     for p in plot_run(run):
         print(f"plot: {p}")
+    for line in _inventory(run):
+        print(line)
     return 0
 
 
@@ -287,7 +306,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "report",
         help="summary table and plots of a finished run",
-        description="Print a run's summary and (re)write its plots.",
+        description="Print a run's summary, (re)write its plots and say which of its "
+        "files are safe to publish.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print report.json")

@@ -14,14 +14,21 @@ The MLP is a plain ``nn.Module`` with ``dtype=bfloat16`` (compute) and
 the policy's grad dtype, so the per-example gradients are bf16, while the
 norms, the clipping, the sum over the batch and the noise stay float32.
 
-Expected output (2 CPU cores, 20-35 s; the accuracy is that of ``dpmp train``):
+The features are the pixels mapped to [-1, 1] by their public range (no
+statistic of the training data), the sampler's seed and the noise key are
+secret (OS entropy), and the only numbers printed are the plan, epsilon and
+the test accuracy on held-out data.
+
+Expected output (2 CPU cores, 35-50 s; the accuracies vary by about a point
+between runs, since the noise and the batches are fresh and secret each time;
+``dpmp train`` measured 93.3-93.9% over five runs):
 
     digits: 1437 train / 360 test; policy param=f32,compute=bf16,...
-    noise multiplier 7.204 for epsilon 2 at delta 1e-05 over 400 steps (q = 0.1781)
-    step  100  loss 0.89  epsilon 0.940
-    step  200  loss 0.42  epsilon 1.367
-    step  300  loss 0.34  epsilon 1.707
-    step  400  loss 0.23  epsilon 2.000
+    noise multiplier 12.38 for epsilon 2 at delta 1e-05 over 300 steps (q = 0.3563)
+    step   75  test accuracy 0.86  epsilon 0.935
+    step  150  test accuracy 0.90  epsilon 1.364
+    step  225  test accuracy 0.92  epsilon 1.705
+    step  300  test accuracy 0.93  epsilon 2.000
     epsilon 2.000 (delta 1e-05), test accuracy 0.93
 
 Run: ``python examples/private_linen.py [--steps N]`` (fewer steps spend the
@@ -41,19 +48,19 @@ from sklearn.model_selection import train_test_split
 import dpmp
 
 EPSILON, DELTA = 2.0, 1e-5
-CLIP, BATCH, LEARNING_RATE = 1.0, 256, 3e-3
+CLIP, BATCH, LEARNING_RATE = 1.0, 512, 7e-3
 POLICY = dpmp.Policy.parse("bf16")  # bf16 compute and per-example grads; fp32 the rest
 
 
 def digits():
-    """Standardised digits features (train mean/std: not privatized) and labels."""
+    """The digits and labels; pixels 0..16 mapped to [-1, 1] by that public range
+    (x / 8 - 1), so no statistic of the private training data is computed."""
     x, y = load_digits(return_X_y=True)
+    x = x.astype(np.float32) / 8 - 1
     x_train, x_test, y_train, y_test = train_test_split(
-        x.astype(np.float32), y.astype(np.int32), test_size=0.2, random_state=0, stratify=y
+        x, y.astype(np.int32), test_size=0.2, random_state=0, stratify=y
     )
-    mean, std = x_train.mean(0), x_train.std(0)
-    std = np.where(std > 1e-8, std, 1.0)
-    return (x_train - mean) / std, y_train, (x_test - mean) / std, y_test
+    return x_train, y_train, x_test, y_test
 
 
 class MLP(nn.Module):
@@ -79,7 +86,8 @@ def main(steps: int) -> float:
     n = len(x_train)
     print(f"digits: {n} train / {len(x_test)} test; policy {POLICY}")
 
-    sampler = dpmp.PoissonSampler(n, expected_batch_size=BATCH, seed=0, num_steps=steps)
+    # no seed: the sampler draws a secret one from the OS entropy
+    sampler = dpmp.PoissonSampler(n, expected_batch_size=BATCH, num_steps=steps)
     sigma = dpmp.accounting.calibrate_noise_multiplier(
         target_epsilon=EPSILON, sampling_prob=sampler.sampling_prob, steps=steps, delta=DELTA
     )
@@ -88,15 +96,13 @@ def main(steps: int) -> float:
         f"{steps} steps (q = {sampler.sampling_prob:.4g})"
     )
 
-    init_key, noise_key = jax.random.split(jax.random.key(0))
-    params = MODEL.init(init_key, jnp.zeros((1, 64), jnp.float32))["params"]
+    params = MODEL.init(jax.random.key(0), jnp.zeros((1, 64), jnp.float32))["params"]
     grad_fn = dpmp.private_grad(loss_fn, l2_clip_norm=CLIP, policy=POLICY)
-    optimizer = dpmp.private_optimizer(
+    optimizer = dpmp.private_optimizer(  # no prng_key: a secret noise key from the OS
         optax.adam(LEARNING_RATE),
         noise_multiplier=sigma,
         l2_clip_norm=CLIP,
         expected_batch_size=BATCH,
-        prng_key=noise_key,
         policy=POLICY,
     )
     opt_state = optimizer.init(params)
@@ -105,26 +111,31 @@ def main(steps: int) -> float:
     def step(params, opt_state, batch, is_padding):
         out = grad_fn(params, batch, is_padding_example=is_padding)  # fp32 sum of clipped grads
         updates, opt_state = optimizer.update(out.grads, opt_state, params)  # + fp32 noise
-        return optax.apply_updates(params, updates), opt_state, out.stats.loss_mean
+        return optax.apply_updates(params, updates), opt_state
+
+    predict = jax.jit(lambda p, x: MODEL.apply({"params": p}, x))
+
+    def test_accuracy(params):  # held-out data: public, unlike any training statistic
+        logits = np.asarray(predict(params, x_test), np.float32)
+        return float(np.mean(np.argmax(logits, -1) == y_test))
 
     report_every, eps = max(steps // 4, 1), 0.0
     for t, (indices, is_padding) in enumerate(sampler, start=1):
         rows = np.where(is_padding, 0, indices)  # padding rows: any example, masked out
         batch = {"x": x_train[rows], "y": y_train[rows]}
-        params, opt_state, loss = step(params, opt_state, batch, is_padding)
+        params, opt_state = step(params, opt_state, batch, is_padding)
         if t % report_every == 0 or t == steps:  # epsilon spent by the t steps taken
             eps = dpmp.accounting.epsilon(
                 noise_multiplier=sigma, sampling_prob=sampler.sampling_prob, steps=t, delta=DELTA
             )
-            print(f"step {t:>4}  loss {float(loss):.2f}  epsilon {eps:.3f}")
+            print(f"step {t:>4}  test accuracy {test_accuracy(params):.2f}  epsilon {eps:.3f}")
 
-    logits = jax.jit(lambda p, x: MODEL.apply({"params": p}, x))(params, x_test)
-    accuracy = float(np.mean(np.argmax(np.asarray(logits, np.float32), -1) == y_test))
+    accuracy = test_accuracy(params)
     print(f"epsilon {eps:.3f} (delta {DELTA:g}), test accuracy {accuracy:.2f}")
     return accuracy
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=300)
     main(parser.parse_args().steps)

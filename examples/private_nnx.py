@@ -12,14 +12,15 @@ params). ``nnx.update`` writes the trained state back into the module.
     out      = dpmp.private_grad(loss_fn, ...)(state, batch, is_padding_example=...)
     updates  = dpmp.private_optimizer(optax.adam(...), ...).update(out.grads, ...)
 
-Expected output (2 CPU cores, 20-35 s):
+Expected output (2 CPU cores, 35-50 s; the accuracies vary by about a point
+between runs: the noise and the batches are fresh and secret each time):
 
     digits: 1437 train / 360 test; policy param=f32,compute=bf16,...
     nnx.State with 4 arrays (19210 parameters), all float32
-    noise multiplier 7.204 for epsilon 2 at delta 1e-05 over 400 steps (q = 0.1781)
-    step  100  loss 0.85  epsilon 0.940
+    noise multiplier 12.38 for epsilon 2 at delta 1e-05 over 300 steps (q = 0.3563)
+    step   75  test accuracy 0.86  epsilon 0.935
     ...
-    step  400  loss 0.17  epsilon 2.000
+    step  300  test accuracy 0.92  epsilon 2.000
     epsilon 2.000 (delta 1e-05), test accuracy 0.92
 
 Run: ``python examples/private_nnx.py [--steps N]``
@@ -38,19 +39,19 @@ from sklearn.model_selection import train_test_split
 import dpmp
 
 EPSILON, DELTA = 2.0, 1e-5
-CLIP, BATCH, LEARNING_RATE = 1.0, 256, 3e-3
+CLIP, BATCH, LEARNING_RATE = 1.0, 512, 7e-3
 POLICY = dpmp.Policy.parse("bf16")
 
 
 def digits():
-    """Standardised digits features (train mean/std: not privatized) and labels."""
+    """The digits and labels; pixels 0..16 mapped to [-1, 1] by that public range
+    (x / 8 - 1), so no statistic of the private training data is computed."""
     x, y = load_digits(return_X_y=True)
+    x = x.astype(np.float32) / 8 - 1
     x_train, x_test, y_train, y_test = train_test_split(
-        x.astype(np.float32), y.astype(np.int32), test_size=0.2, random_state=0, stratify=y
+        x, y.astype(np.int32), test_size=0.2, random_state=0, stratify=y
     )
-    mean, std = x_train.mean(0), x_train.std(0)
-    std = np.where(std > 1e-8, std, 1.0)
-    return (x_train - mean) / std, y_train, (x_test - mean) / std, y_test
+    return x_train, y_train, x_test, y_test
 
 
 class MLP(nnx.Module):
@@ -81,7 +82,8 @@ def main(steps: int) -> float:
         logits = nnx.merge(graphdef, state)(batch["x"]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-    sampler = dpmp.PoissonSampler(n, expected_batch_size=BATCH, seed=0, num_steps=steps)
+    # no seed: the sampler draws a secret one from the OS entropy
+    sampler = dpmp.PoissonSampler(n, expected_batch_size=BATCH, num_steps=steps)
     sigma = dpmp.accounting.calibrate_noise_multiplier(
         target_epsilon=EPSILON, sampling_prob=sampler.sampling_prob, steps=steps, delta=DELTA
     )
@@ -90,12 +92,11 @@ def main(steps: int) -> float:
         f"{steps} steps (q = {sampler.sampling_prob:.4g})"
     )
     grad_fn = dpmp.private_grad(loss_fn, l2_clip_norm=CLIP, policy=POLICY)
-    optimizer = dpmp.private_optimizer(
+    optimizer = dpmp.private_optimizer(  # no prng_key: a secret noise key from the OS
         optax.adam(LEARNING_RATE),
         noise_multiplier=sigma,
         l2_clip_norm=CLIP,
         expected_batch_size=BATCH,
-        prng_key=1,
         policy=POLICY,
     )
     opt_state = optimizer.init(state)
@@ -104,18 +105,24 @@ def main(steps: int) -> float:
     def step(state, opt_state, batch, is_padding):
         out = grad_fn(state, batch, is_padding_example=is_padding)
         updates, opt_state = optimizer.update(out.grads, opt_state, state)
-        return optax.apply_updates(state, updates), opt_state, out.stats.loss_mean
+        return optax.apply_updates(state, updates), opt_state
+
+    predict = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+
+    def test_accuracy(state):  # held-out data: public, unlike any training statistic
+        logits = np.asarray(predict(state, x_test), np.float32)
+        return float(np.mean(np.argmax(logits, -1) == y_test))
 
     report_every, eps = max(steps // 4, 1), 0.0
     for t, (indices, is_padding) in enumerate(sampler, start=1):
         rows = np.where(is_padding, 0, indices)
         batch = {"x": x_train[rows], "y": y_train[rows]}
-        state, opt_state, loss = step(state, opt_state, batch, is_padding)
+        state, opt_state = step(state, opt_state, batch, is_padding)
         if t % report_every == 0 or t == steps:  # epsilon spent by the t steps taken
             eps = dpmp.accounting.epsilon(
                 noise_multiplier=sigma, sampling_prob=sampler.sampling_prob, steps=t, delta=DELTA
             )
-            print(f"step {t:>4}  loss {float(loss):.2f}  epsilon {eps:.3f}")
+            print(f"step {t:>4}  test accuracy {test_accuracy(state):.2f}  epsilon {eps:.3f}")
 
     nnx.update(model, state)  # the trained parameters, back in the module
     logits = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(x_test))
@@ -126,5 +133,5 @@ def main(steps: int) -> float:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=300)
     main(parser.parse_args().steps)

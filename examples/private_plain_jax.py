@@ -7,15 +7,16 @@ grad dtype (bf16 here) and the batch features cast to its compute dtype, so the
 matmuls, the per-example gradients and their memory are bf16; the norms, the
 clipping, the sum over the batch and the noise are float32.
 
-Expected output (2 CPU cores, 20-35 s):
+Expected output (2 CPU cores, 35-50 s; the accuracies vary by about a point
+between runs: the noise and the batches are fresh and secret each time):
 
     digits: 1437 train / 360 test; policy param=f32,compute=bf16,...
-    noise multiplier 7.204 for epsilon 2 at delta 1e-05 over 400 steps (q = 0.1781)
+    noise multiplier 12.38 for epsilon 2 at delta 1e-05 over 300 steps (q = 0.3563)
     per-example gradient dtype inside the loss: bfloat16; clipped sum dtype: float32
-    step  100  loss 0.79  epsilon 0.940
+    step   75  test accuracy 0.86  epsilon 0.935
     ...
-    step  400  loss 0.18  epsilon 2.000
-    epsilon 2.000 (delta 1e-05), test accuracy 0.92
+    step  300  test accuracy 0.94  epsilon 2.000
+    epsilon 2.000 (delta 1e-05), test accuracy 0.94
 
 Run: ``python examples/private_plain_jax.py [--steps N]``
 """
@@ -32,20 +33,20 @@ from sklearn.model_selection import train_test_split
 import dpmp
 
 EPSILON, DELTA = 2.0, 1e-5
-CLIP, BATCH, LEARNING_RATE = 1.0, 256, 3e-3
+CLIP, BATCH, LEARNING_RATE = 1.0, 512, 7e-3
 POLICY = dpmp.Policy.parse("bf16")
 WIDTHS = (64, 256, 10)
 
 
 def digits():
-    """Standardised digits features (train mean/std: not privatized) and labels."""
+    """The digits and labels; pixels 0..16 mapped to [-1, 1] by that public range
+    (x / 8 - 1), so no statistic of the private training data is computed."""
     x, y = load_digits(return_X_y=True)
+    x = x.astype(np.float32) / 8 - 1
     x_train, x_test, y_train, y_test = train_test_split(
-        x.astype(np.float32), y.astype(np.int32), test_size=0.2, random_state=0, stratify=y
+        x, y.astype(np.int32), test_size=0.2, random_state=0, stratify=y
     )
-    mean, std = x_train.mean(0), x_train.std(0)
-    std = np.where(std > 1e-8, std, 1.0)
-    return (x_train - mean) / std, y_train, (x_test - mean) / std, y_test
+    return x_train, y_train, x_test, y_test
 
 
 def init(key):
@@ -79,7 +80,8 @@ def main(steps: int) -> float:
     n = len(x_train)
     print(f"digits: {n} train / {len(x_test)} test; policy {POLICY}")
 
-    sampler = dpmp.PoissonSampler(n, expected_batch_size=BATCH, seed=0, num_steps=steps)
+    # no seed: the sampler draws a secret one from the OS entropy
+    sampler = dpmp.PoissonSampler(n, expected_batch_size=BATCH, num_steps=steps)
     sigma = dpmp.accounting.calibrate_noise_multiplier(
         target_epsilon=EPSILON, sampling_prob=sampler.sampling_prob, steps=steps, delta=DELTA
     )
@@ -96,12 +98,11 @@ def main(steps: int) -> float:
 
     params = init(jax.random.key(0))
     grad_fn = dpmp.private_grad(traced_loss, l2_clip_norm=CLIP, policy=POLICY)
-    optimizer = dpmp.private_optimizer(
+    optimizer = dpmp.private_optimizer(  # no prng_key: a secret noise key from the OS
         optax.adam(LEARNING_RATE),
         noise_multiplier=sigma,
         l2_clip_norm=CLIP,
         expected_batch_size=BATCH,
-        prng_key=1,
         policy=POLICY,
     )
     opt_state = optimizer.init(params)
@@ -119,26 +120,30 @@ def main(steps: int) -> float:
     def step(params, opt_state, batch, is_padding):
         out = grad_fn(params, batch, is_padding_example=is_padding)
         updates, opt_state = optimizer.update(out.grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, out.stats.loss_mean
+        return optax.apply_updates(params, updates), opt_state
+
+    predict = jax.jit(forward)
+
+    def test_accuracy(params):  # held-out data: public, unlike any training statistic
+        return float(np.mean(np.argmax(np.asarray(predict(params, x_test)), -1) == y_test))
 
     report_every, eps = max(steps // 4, 1), 0.0
     for t, (indices, is_padding) in enumerate(sampler, start=1):
         rows = np.where(is_padding, 0, indices)
         batch = {"x": x_train[rows], "y": y_train[rows]}
-        params, opt_state, loss = step(params, opt_state, batch, is_padding)
+        params, opt_state = step(params, opt_state, batch, is_padding)
         if t % report_every == 0 or t == steps:  # epsilon spent by the t steps taken
             eps = dpmp.accounting.epsilon(
                 noise_multiplier=sigma, sampling_prob=sampler.sampling_prob, steps=t, delta=DELTA
             )
-            print(f"step {t:>4}  loss {float(loss):.2f}  epsilon {eps:.3f}")
+            print(f"step {t:>4}  test accuracy {test_accuracy(params):.2f}  epsilon {eps:.3f}")
 
-    logits = jax.jit(forward)(params, x_test)
-    accuracy = float(np.mean(np.argmax(np.asarray(logits), -1) == y_test))
+    accuracy = test_accuracy(params)
     print(f"epsilon {eps:.3f} (delta {DELTA:g}), test accuracy {accuracy:.2f}")
     return accuracy
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=300)
     main(parser.parse_args().steps)

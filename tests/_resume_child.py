@@ -1,20 +1,27 @@
 """Runs ``dpmp``'s trainer in a child process for the kill-and-resume test.
 
-Usage: ``python tests/_resume_child.py OUT_DIR SLEEP_S [section.key=value ...]``
+Usage: ``python tests/_resume_child.py OUT_DIR SLEEP_S ENTROPY_SEED [section.key=value ...]``
 
 Sleeps ``SLEEP_S`` after every step (through the step callback, which touches
-no training state) so that the parent can SIGKILL it mid-run.
+no training state) so that the parent can SIGKILL it mid-run. The OS entropy
+that the run's secret keys come from is replaced by a stream seeded with
+``ENTROPY_SEED`` (``tests/_entropy.py``), so that the parent can compare a
+killed and resumed run with an uninterrupted one that drew the same keys.
 """
 
 import sys
 import time
 
+from _entropy import FakeEntropy
+
+from dpmp._src import entropy
 from dpmp._src.config import load_config
 from dpmp._src.trainer import train
 
 
 def main() -> None:
-    out_dir, sleep_s, *overrides = sys.argv[1:]
+    out_dir, sleep_s, entropy_seed, *overrides = sys.argv[1:]
+    entropy._urandom = FakeEntropy(int(entropy_seed))
     config = load_config(None, overrides)
     pause = float(sleep_s)
     train(

@@ -173,6 +173,9 @@ def test_train_report_and_audit_end_to_end(tmp_path, capsys):
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     assert "test accuracy" in text and "audit" in text
+    assert "private" in text and "yes (differentially private; zero-out neighbours)" in text
+    assert "safe to publish: report.json, metrics.jsonl, train.log" in text
+    assert "private (non-private diagnostics: do not publish): private/" in text
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 6 and report["audit"]["ok"] is True
     assert report["epsilon"] <= 1.0 + 1e-6
@@ -180,7 +183,15 @@ def test_train_report_and_audit_end_to_end(tmp_path, capsys):
     assert (out / "precision.png").stat().st_size > 1000
     assert len((out / "metrics.jsonl").read_text().splitlines()) >= 3
     assert cli.main(["report", str(out)]) == 0
-    assert "epsilon" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "epsilon" in text and "wall time" not in text  # timings stay in private/
+    lines = text.splitlines()
+    assert (
+        "safe to publish: report.json, metrics.jsonl, train.log, privacy_utility.png, "
+        "precision.png" in lines
+    )
+    assert "private (non-private diagnostics: do not publish): private/" in lines
+    assert any(line.startswith("secret (noise keys") and "checkpoints/" in line for line in lines)
     assert cli.main(["report", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["steps"] == 6
     # the run directory now holds a checkpoint of another config: refused before any work
@@ -257,7 +268,8 @@ def test_train_and_audit_config_errors(argv, needle, capsys, tmp_path):
         (["loss_scale.min_scale=10", "loss_scale.max_scale=1"], ["loss_scale.min_scale"]),
         (["data.dataset=npz"], ["data.path", "required"]),
         (["data.dataset=npz", "data.path=3"], ["data.path", "string"]),
-        (["data.standardize=yes"], ["data.standardize", "true or false"]),
+        (["data.standardize=yes"], ["data.standardize", "'yes'", "none, private, nonprivate"]),
+        (["data.standardize=true"], ["data.standardize", "no longer allowed", '"nonprivate"']),
         (["data.test_fraction=1"], ["data.test_fraction", "(0, 1)"]),
         (["policy=fp8"], ["policy", "fp32, bf16, fp16"]),
         (["policy=bf16,compute=int8"], ["compute", "int8"]),
@@ -337,7 +349,7 @@ _NPZ_CASES = {
     "empty": (dict(x=np.ones((0, 3)), y=np.zeros(0, np.int32)), ["x:", "no examples"]),
     "small_for_batch": (
         dict(x=np.ones((40, 3)), y=np.arange(40) % 2),
-        ["training.expected_batch_size", "256", "32 training examples"],
+        ["training.expected_batch_size", "512", "32 training examples"],
     ),
 }
 
@@ -365,6 +377,51 @@ def test_data_that_is_not_an_npz_archive(capsys, tmp_path):
     vit = ["--set", "model.kind=vit"]
     assert cli.main(["audit", "--data", str(tmp_path / "ok.npz"), *vit]) == 2
     assert_one_line_error(capsys, "audit", "model.kind = 'vit'", "image")
+
+
+def test_resume_on_other_data_is_refused(capsys, tmp_path):
+    """The run directory's checkpoint was made on other data: one line, exit 2."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data.npz"
+    arrays = dict(x=rng.normal(size=(60, 3)), y=np.arange(60) % 2)
+    np.savez(data, **arrays)
+    argv = ["train", "--quiet", "--data", str(data), "--out", str(tmp_path / "run")]
+    argv += ["--set", "training.steps=2", "--set", "training.expected_batch_size=8"]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    arrays["x"][7, 1] += 1.0  # the same file, one value of one record changed
+    np.savez(data, **arrays)
+    assert cli.main(argv) == 2
+    assert_one_line_error(capsys, "train", "different training data", "--fresh")
+
+
+def test_summary_says_whether_a_run_is_private():
+    base = {"policy": "bf16", "steps": 3, "test_accuracy": 0.5, "epsilon": 1.0, "delta": 1e-5}
+    text = cli._summary({**base, "private": True, "privacy_warnings": []})
+    assert "yes (differentially private; zero-out neighbours)" in text
+    warning = "privacy.reproducible_noise = true: ... NOT differentially private."
+    text = cli._summary({**base, "private": False, "privacy_warnings": [warning]})
+    assert "NO: this run is NOT differentially private" in text and warning in text
+    assert "wall time" not in text and "overflowed examples" not in text  # private numbers
+
+
+@pytest.mark.slow
+def test_nonprivate_runs_say_so_in_the_summary(capsys, tmp_path):
+    """The end-of-run summary, dpmp report, train.log and report.json all say it."""
+    argv = ["train", "--quiet", "--out", str(tmp_path), "--set", "training.steps=1"]
+    argv += ["--set", "privacy.reproducible_noise=true", "--set", "data.standardize=nonprivate"]
+    argv += ["--set", "model.hidden=[8]"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "NO: this run is NOT differentially private" in text
+    assert "privacy.reproducible_noise = true" in text and "data.standardize = 'nonprivate'" in text
+    assert cli.main(["report", str(tmp_path)]) == 0
+    assert "NO: this run is NOT differentially private" in capsys.readouterr().out
+    log = (tmp_path / "train.log").read_text()
+    assert "WARNING: privacy.reproducible_noise = true" in log
+    assert "NOT differentially private (see privacy_warnings)" in log
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["private"] is False and len(report["privacy_warnings"]) == 2
 
 
 def test_out_that_is_a_file(capsys, tmp_path):

@@ -45,7 +45,8 @@ def test_table_defaults_are_the_dataclass_defaults():
     rows = {r["key"]: r["default"] for r in config_lib.config_reference()}
     assert rows["training.steps"] == str(Config().training.steps)
     assert rows["privacy.delta"] == "1e-5" and rows["privacy.noise_multiplier"] == "unset"
-    assert rows["model.hidden"] == "[256]" and rows["data.standardize"] == "true"
+    assert rows["model.hidden"] == "[256]" and rows["data.standardize"] == '"none"'
+    assert rows["privacy.reproducible_noise"] == "false"
     assert rows["policy"] == '"bf16"'
     choices = {r["key"]: r["allowed"] for r in config_lib.config_reference()}
     assert choices["model.kind"] == ", ".join(f'"{k}"' for k in config_lib.MODEL_KINDS)
@@ -62,7 +63,10 @@ def test_defaults_evaluate_periodically():
     "overrides,match",
     [
         (["training.seed=-1"], "training.seed: must be an integer >= 0"),
-        (["data.standardize=1"], "data.standardize: must be true or false"),
+        (["data.standardize=1"], "data.standardize: 1 is not allowed; allowed: none, private"),
+        (["data.standardize=mean"], "data.standardize: 'mean' is not allowed"),
+        (["data.standardize_clip=0"], "data.standardize_clip: must be finite and > 0"),
+        (["privacy.reproducible_noise=1"], "privacy.reproducible_noise: must be true or false"),
         (["data.path=[1]"], "data.path: must be a string"),
         (["privacy.accountant=moments"], "privacy.accountant: 'moments' is not allowed"),
         (["training.stepz=1"], "unknown key training.stepz"),
@@ -71,6 +75,20 @@ def test_defaults_evaluate_periodically():
 def test_validation_names_the_field(overrides, match):
     with pytest.raises(ConfigError, match=re.escape(match)):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("old", ["true", "false"])
+def test_the_old_boolean_standardize_names_the_allowed_values(old):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"data.standardize={old}"])
+    message = str(e.value)
+    assert message.startswith(f"data.standardize: {old} is no longer allowed")
+    assert '"none", "private", "nonprivate"' in message and "NOT differentially private" in message
+
+
+def test_default_reads_no_statistic_and_draws_secret_noise():
+    c = Config()
+    assert c.data.standardize == "none" and c.privacy.reproducible_noise is False
 
 
 def test_file_errors_name_the_file(tmp_path):

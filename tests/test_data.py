@@ -1,10 +1,13 @@
-"""Data loading: the digits split, standardisation, and validation of user .npz files."""
+"""Data loading: the digits split, the public pixel range, the fingerprint, and
+validation of user .npz files."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from dpmp._src.config import DataConfig
-from dpmp._src.data import DataError, load_data
+from dpmp._src.data import DataError, fingerprint, load_data
 
 
 def test_digits_split_and_shapes():
@@ -24,16 +27,49 @@ def test_digits_split_is_seeded():
     assert not np.array_equal(a.y_test, c.y_test)
 
 
-def test_standardize_uses_train_statistics_only():
-    raw = load_data(DataConfig(standardize=False), seed=0)
-    std = load_data(DataConfig(standardize=True), seed=0)
-    assert raw.x_train.max() == 16.0 and not raw.standardized
-    mean = raw.x_train.mean(0, dtype=np.float64)
-    sd = raw.x_train.std(0, dtype=np.float64)
-    sd = np.where(sd > 1e-8, sd, 1.0)
-    np.testing.assert_allclose(std.x_test, (raw.x_test - mean) / sd, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(std.x_train.mean(0), 0, atol=1e-5)
-    assert np.isfinite(std.x_train).all()  # constant border pixels do not divide by 0
+def test_digits_use_their_public_pixel_range():
+    """x / 8 - 1 of sklearn's 0..16 pixels: no statistic of the training data."""
+    from sklearn.datasets import load_digits
+
+    data = load_data(DataConfig(), seed=0)
+    assert data.standardize == "none" and data.summary()["standardize"] == "none"
+    assert data.x_train.min() == -1.0 and data.x_train.max() == 1.0
+    images = load_digits().images.reshape(-1, 64).astype(np.float64)
+    expected = {tuple(row) for row in images / 8 - 1}
+    got = {tuple(row) for row in data.x_train.reshape(-1, 64).astype(np.float64)}
+    assert got <= expected  # every training example is its own pixels, mapped
+
+
+def test_user_features_do_not_depend_on_the_other_records(tmp_path):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 5)) * 7 + 3, np.arange(40) % 2
+    x_test, y_test = rng.normal(size=(6, 5)), np.arange(6) % 2
+    a = load_data(_npz(tmp_path, "a.npz", x=x, y=y, x_test=x_test, y_test=y_test), seed=0)
+    x2 = x.copy()
+    x2[0] = 1e6  # one record replaced by an extreme one
+    b = load_data(_npz(tmp_path, "b.npz", x=x2, y=y, x_test=x_test, y_test=y_test), seed=0)
+    np.testing.assert_array_equal(a.x_train[1:], b.x_train[1:])
+    np.testing.assert_array_equal(a.x_test, b.x_test)
+    np.testing.assert_array_equal(a.x_train, x.astype(np.float32))
+
+
+def test_fingerprint_is_a_sha256_of_the_arrays():
+    import hashlib
+
+    data = load_data(DataConfig(), seed=0)
+    h = hashlib.sha256()
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        arr = getattr(data, name)
+        h.update(f"{name}:{arr.dtype.str}:{arr.shape};".encode() + arr.tobytes())
+    assert fingerprint(data) == h.hexdigest()
+    assert fingerprint(load_data(DataConfig(), seed=0)) == fingerprint(data)
+    assert fingerprint(load_data(DataConfig(), seed=1)) != fingerprint(data)  # another split
+    x = data.x_train.copy()
+    x[5, 3, 3, 0] += np.float32(1 / 8)  # one pixel of one record
+    assert fingerprint(dataclasses.replace(data, x_train=x)) != fingerprint(data)
+    y = data.y_train.copy()
+    y[0] = (y[0] + 1) % 10  # one label
+    assert fingerprint(dataclasses.replace(data, y_train=y)) != fingerprint(data)
 
 
 def _npz(tmp_path, name="d.npz", **arrays):

@@ -437,8 +437,12 @@ def epsilon_breakdown(
     )
     dpsgd = epsilon(**common)
     common.update(count_noise_stddev=count_noise_stddev, count_every=count_every)
-    with_counts = epsilon(**common)
-    total = epsilon(**common, preprocessing_noise_multiplier=preprocessing_noise_multiplier)
+    with_counts = dpsgd if count_noise_stddev is None else epsilon(**common)
+    total = (
+        with_counts
+        if preprocessing_noise_multiplier is None
+        else epsilon(**common, preprocessing_noise_multiplier=preprocessing_noise_multiplier)
+    )
     return EpsilonBreakdown(
         total=total,
         dpsgd=dpsgd,

@@ -9,6 +9,10 @@ A checkpoint is one file ``checkpoint_<step>.npz`` holding
 * ``__meta__``: a JSON string (step, config, sampler and budget-tracker state,
   metric totals, and a description of every leaf).
 
+A trainer's checkpoint holds its secret randomness (the noise keys, the
+sampler's seed) and a fingerprint of the data: keep checkpoints as secret as
+the data itself.
+
 Restoring needs a *template*: the same pytree built from a fresh ``init``
 (linen dicts and nnx ``State`` alike). The stored leaves are checked against
 the template's shapes and dtypes and put back into its structure.

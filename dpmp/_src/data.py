@@ -1,8 +1,12 @@
 """Training data for the trainer: scikit-learn's digits, or a user ``.npz`` file.
 
 ``load_data(config.data, seed)`` returns a :class:`Dataset` of float32 features
-and int32 labels, split into train and test, optionally standardised with the
-*training* mean and std (the test set never informs the scaling).
+and int32 labels, split into train and test. It computes no statistic of the
+training data: the digits' pixels (0..16, a public range) are mapped to
+[-1, 1] as ``x / 8 - 1``, and a user's features are taken as they are.
+Standardisation by data statistics is a separate, opt-in stage
+(``dpmp._src.preprocess``). ``fingerprint(data)`` identifies the arrays (a
+resumed run refuses other data).
 
 Features keep the shape of one example (``input_shape``): the digits are
 8 x 8 x 1 images, so the vision transformer can cut them into patches and the
@@ -11,16 +15,12 @@ image shape, ``[n, h, w]`` becomes ``[n, h, w, 1]``, and ``[n, d]`` stays flat.
 
 Every problem with a user file is a :class:`DataError` (a ``ValueError``)
 whose message names the array and what is wrong with it.
-
-Privacy note: the standardisation statistics are computed from the private
-training data and are not privatized; they shape the model's input only (a
-common, documented simplification). Use ``standardize = false`` for a run
-whose only access to the training data is through DP-SGD.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ import numpy as np
 
 from dpmp._src.config import DataConfig
 
-__all__ = ["DataError", "Dataset", "MIN_TRAIN_EXAMPLES", "load_data"]
+__all__ = ["DataError", "Dataset", "MIN_TRAIN_EXAMPLES", "fingerprint", "load_data"]
 
 # Fewer examples than this cannot be sampled, split and evaluated meaningfully.
 MIN_TRAIN_EXAMPLES = 10
@@ -50,7 +50,8 @@ class Dataset:
       num_classes: ``max(label) + 1`` over both splits.
       input_shape: shape of one example (``(8, 8, 1)`` for digits).
       description: one line saying where the data came from.
-      standardized: whether features were scaled by the training mean and std.
+      standardize: how the features were standardised: ``"none"``,
+        ``"private"`` or ``"nonprivate"`` (see ``dpmp._src.preprocess``).
     """
 
     x_train: np.ndarray
@@ -60,7 +61,7 @@ class Dataset:
     num_classes: int
     input_shape: tuple[int, ...]
     description: str
-    standardized: bool = False
+    standardize: str = "none"
 
     @property
     def num_train(self) -> int:
@@ -78,12 +79,12 @@ class Dataset:
             "num_test": self.num_test,
             "num_classes": self.num_classes,
             "input_shape": list(self.input_shape),
-            "standardized": self.standardized,
+            "standardize": self.standardize,
         }
 
 
 def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
-    """Loads, validates, splits and (optionally) standardises the configured data.
+    """Loads, validates and splits the configured data (no standardisation).
 
     Args:
       config: a ``DataConfig`` (default: the digits data).
@@ -100,12 +101,15 @@ def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
         from sklearn.datasets import load_digits
 
         digits = load_digits()
-        x = digits.images.astype(np.float32)[..., None]  # [n, 8, 8, 1], values 0..16
+        # [n, 8, 8, 1]; pixels 0..16 by the data set's definition: x / 8 - 1 maps
+        # that public range to [-1, 1] without reading any statistic of the data.
+        x = digits.images.astype(np.float32)[..., None] / np.float32(8) - np.float32(1)
         y = digits.target.astype(np.int32)
         x_train, x_test, y_train, y_test = _split(x, y, config.test_fraction, seed)
         description = (
-            f"scikit-learn digits: {x.shape[0]} 8x8 grey images, 10 classes; "
-            f"stratified split (test_fraction={config.test_fraction}, seed={seed})"
+            f"scikit-learn digits: {x.shape[0]} 8x8 grey images, 10 classes, pixels 0..16 "
+            f"mapped to [-1, 1]; stratified split (test_fraction={config.test_fraction}, "
+            f"seed={seed})"
         )
     elif config.dataset == "npz":
         x_train, y_train, x_test, y_test, description = _load_npz(
@@ -115,12 +119,6 @@ def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
         raise DataError(f"data.dataset: unknown {config.dataset!r}")
 
     num_classes = int(max(y_train.max(), y_test.max())) + 1
-    if config.standardize:
-        mean = x_train.mean(axis=0, dtype=np.float64)
-        std = x_train.std(axis=0, dtype=np.float64)
-        std = np.where(std > 1e-8, std, 1.0)  # constant features (digit borders) stay 0
-        x_train = ((x_train - mean) / std).astype(np.float32)
-        x_test = ((x_test - mean) / std).astype(np.float32)
     return Dataset(
         x_train=np.ascontiguousarray(x_train, np.float32),
         y_train=np.ascontiguousarray(y_train, np.int32),
@@ -129,8 +127,21 @@ def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
         num_classes=num_classes,
         input_shape=tuple(int(d) for d in x_train.shape[1:]),
         description=description,
-        standardized=bool(config.standardize),
     )
+
+
+def fingerprint(data: Dataset) -> str:
+    """sha256 (hex) of the train and test arrays: their dtypes, shapes and bytes.
+
+    A function of the private data: it is kept in checkpoints (as secret as
+    the data) and never written to a report or log.
+    """
+    h = hashlib.sha256()
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        arr = np.ascontiguousarray(getattr(data, name))
+        h.update(f"{name}:{arr.dtype.str}:{arr.shape};".encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()
 
 
 def _split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int):

@@ -1,11 +1,15 @@
-"""PNG plots of a run directory: what people would rather look at than read.
+"""PNG plots of a run directory, drawn from its public files only.
 
-``plot_run(run_dir)`` reads ``metrics.jsonl`` (and ``report.json`` when there)
-and writes:
+``plot_run(run_dir)`` reads ``metrics.jsonl`` (and ``report.json`` when there),
+never ``private/``, and writes:
 
-* ``privacy_utility.png`` — training loss and test accuracy against epsilon spent;
-* ``precision.png`` — loss scale and overflowed examples (this step, and the
-  privatized release where the scale is private) against steps.
+* ``privacy_utility.png`` — test loss and test accuracy (held-out split)
+  against epsilon spent;
+* ``precision.png`` — the loss scale against steps and, for a private dynamic
+  loss scale, the released noised overflow counts (noise included: they can be
+  negative).
+
+``plot_series(records)`` returns exactly the numbers the plots draw.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 
 from dpmp._src import run_dir as run_dir_lib
 
-__all__ = ["plot_run", "read_metrics"]
+__all__ = ["plot_run", "plot_series", "read_metrics"]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -27,14 +31,41 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return records
 
 
-def _series(records, key):
+def _series(records, x_key, y_key) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for r in records:
-        v = r.get(key)
-        if isinstance(v, int | float) and not (isinstance(v, float) and math.isnan(v)):
-            xs.append(r)
+        v = r.get(y_key)
+        if isinstance(v, int | float) and math.isfinite(v):
+            xs.append(r[x_key])
             ys.append(v)
     return xs, ys
+
+
+def plot_series(records: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """``{name: (xs, ys)}``: every series the plots draw, from public records."""
+    return {
+        "test_loss": _series(records, "epsilon", "test_loss"),
+        "test_accuracy": _series(records, "epsilon", "test_accuracy"),
+        "loss_scale": _series(records, "step", "loss_scale"),
+        "noised_overflow": _series(records, "step", "noised_overflow"),
+    }
+
+
+def _title(run_dir: Path) -> str:
+    title = run_dir.name
+    report_path = run_dir / "report.json"
+    if report_path.is_file():
+        try:
+            report = json.loads(report_path.read_text())
+            compute = dict(
+                kv.split("=", 1) for kv in str(report.get("policy", "")).split(",") if "=" in kv
+            ).get("compute", "?")
+            title = f"{run_dir.name} (compute {compute}, eps {report.get('epsilon', 0):.3g})"
+            if report.get("private") is False:
+                title += " — NOT DP"
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            pass
+    return title
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
@@ -45,44 +76,25 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
-    title = run_dir.name
-    report_path = run_dir / "report.json"
-    if report_path.is_file():
-        try:
-            report = json.loads(report_path.read_text())
-            compute = dict(
-                kv.split("=", 1) for kv in str(report.get("policy", "")).split(",") if "=" in kv
-            ).get("compute", "?")
-            title = f"{run_dir.name} (compute {compute}, eps {report.get('epsilon', 0):.3g})"
-        except json.JSONDecodeError:
-            pass
+    series = plot_series(read_metrics(run_dir))
+    title = _title(run_dir)
     out = []
 
-    # loss and accuracy against epsilon
+    # test loss and accuracy against epsilon
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    rec, loss = _series(records, "loss")
-    ax.plot([r["epsilon"] for r in rec], loss, color="tab:blue", label="training loss")
+    eps, loss = series["test_loss"]
+    ax.plot(eps, loss, "o-", color="tab:blue", label="test loss", markersize=4)
     ax.set_xlabel("epsilon spent")
-    ax.set_ylabel("training loss", color="tab:blue")
+    ax.set_ylabel("test loss", color="tab:blue")
     ax2 = ax.twinx()
-    for key, style in (("test_accuracy", "o-"), ("train_accuracy", "s--")):
-        rec, acc = _series(records, key)
-        if acc:
-            ax2.plot(
-                [r["epsilon"] for r in rec],
-                acc,
-                style,
-                color="tab:green",
-                label=key.replace("_", " "),
-                markersize=4,
-            )
-    ax2.set_ylabel("accuracy", color="tab:green")
+    eps, acc = series["test_accuracy"]
+    ax2.plot(eps, acc, "s-", color="tab:green", label="test accuracy", markersize=4)
+    ax2.set_ylabel("test accuracy", color="tab:green")
     ax2.set_ylim(0, 1)
     lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     labels = ax.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
     ax.legend(lines, labels, loc="center right")
-    ax.set_title(f"privacy and utility — {title}", fontsize=10)
+    ax.set_title(f"privacy and utility (held-out test split) — {title}", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = run_dir / "privacy_utility.png"
@@ -90,25 +102,30 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     plt.close(fig)
     out.append(path)
 
-    # loss scale and overflow against steps
+    # loss scale and the released noised overflow counts against steps
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    rec, scale = _series(records, "loss_scale")
-    a1.step([r["step"] for r in rec], scale, where="post", color="tab:purple")
+    steps, scale = series["loss_scale"]
+    a1.step(steps, scale, where="post", color="tab:purple")
     a1.set_yscale("log", base=2)
     a1.set_ylabel("loss scale")
     a1.grid(alpha=0.3)
-    a1.set_title(f"loss scale and overflow — {title}", fontsize=10)
-    rec, over = _series(records, "overflow")
-    a2.bar([r["step"] for r in rec], over, color="tab:red", label="overflowed examples (exact)")
-    rec, noised = _series(records, "noised_overflow")
+    a1.set_title(f"loss scale and released overflow counts — {title}", fontsize=10)
+    steps, noised = series["noised_overflow"]
     if noised:
-        a2.plot(
-            [r["step"] for r in rec], noised, ".", color="tab:orange", label="released noised count"
+        a2.plot(steps, noised, ".", color="tab:orange", label="released noised count")
+        a2.axhline(0, color="grey", linewidth=0.8)
+        a2.legend(loc="upper right")
+    else:
+        a2.text(
+            0.5,
+            0.5,
+            "no overflow count is released by this loss scale",
+            ha="center",
+            va="center",
+            transform=a2.transAxes,
         )
     a2.set_xlabel("step")
-    a2.set_ylabel("examples")
-    a2.set_ylim(bottom=0, top=max([1.0, *over, *noised]) * 1.1)
-    a2.legend(loc="upper right")
+    a2.set_ylabel("overflowed examples (noised)")
     a2.grid(alpha=0.3)
     fig.tight_layout()
     path = run_dir / "precision.png"

@@ -1,15 +1,21 @@
-"""The run directory: ``metrics.jsonl``, ``train.log`` and ``report.json``.
+"""The run directory: public files, the ``private/`` folder, and how they are written.
+
+Public (what ``dpmp._src.release`` decides may be published):
 
 * ``metrics.jsonl``: one JSON object per logging step, appended and flushed
   (``os.fsync``) as it is written, so a killed run keeps every record up to
   its last logging step. On resume the file is cut back to the records of the
   steps the checkpoint covers (written atomically), so no step appears twice.
-* ``train.log``: human-readable lines (calibration, audit verdict, early stop).
+* ``train.log``: human-readable lines (calibration, audit verdict, early stop),
+  without timestamps (how long a run takes is not a public number).
 * ``report.json``: written once at the end, atomically.
 
-Records hold per-batch statistics of private data (loss, clipped fraction,
-exact overflow counts): they are for monitoring, not privatized, and a
-report says so.
+Private (``private/``, "non-private diagnostics: do not publish"):
+
+* ``private/metrics.jsonl``: exact per-batch statistics; its first line is a
+  record that says so; appended and cut back on resume like ``metrics.jsonl``;
+* ``private/diagnostics.json``: the run's exact totals and timings;
+* ``private/README.txt``: what the folder holds and why it stays private.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ __all__ = [
 METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.json"
 LOG_FILE = "train.log"
+PRIVATE_DIR = "private"
+DIAGNOSTICS_FILE = "diagnostics.json"
+PRIVATE_README_FILE = "README.txt"
 
 
 def to_jsonable(value: Any) -> Any:
@@ -92,7 +101,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
-    records = []
+    records: list[dict[str, Any]] = []
     if not path.exists():
         return records
     for line in path.read_text().splitlines():
@@ -106,54 +115,114 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-class RunDir:
-    """Writes the files of one run under ``path``."""
+def _append_line(path: Path, record: dict[str, Any]) -> None:
+    line = json.dumps(to_jsonable(record), allow_nan=False)
+    with open(path, "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
-    def __init__(self, path: str | Path, *, echo: bool = True):
+
+def _truncate(path: Path, last_step: int) -> None:
+    """Keeps the records of steps ``<= last_step`` (and any record without a step)."""
+    records = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def _json_text(value: dict[str, Any]) -> str:
+    return json.dumps(to_jsonable(value), indent=2, allow_nan=False) + "\n"
+
+
+class RunDir:
+    """Writes the files of one run under ``path``.
+
+    Args:
+      path: the run directory (created if needed).
+      echo: echo log lines on stderr.
+      private_note: the label every private file carries (its first line or key).
+      private_readme: the text of ``private/README.txt``.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        echo: bool = True,
+        private_note: str = "non-private diagnostics: do not publish",
+        private_readme: str = "",
+    ):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.echo = echo
         self.metrics_path = self.path / METRICS_FILE
         self.report_path = self.path / REPORT_FILE
         self.log_path = self.path / LOG_FILE
+        self.private_path = self.path / PRIVATE_DIR
+        self.private_metrics_path = self.private_path / METRICS_FILE
+        self.diagnostics_path = self.private_path / DIAGNOSTICS_FILE
+        self.private_note = private_note
+        self.private_readme = private_readme or private_note + "\n"
 
     def reset(self) -> None:
         """Starts the run's files afresh (a new run in an existing directory)."""
-        for p in (self.metrics_path, self.report_path, self.log_path):
+        for p in (
+            self.metrics_path,
+            self.report_path,
+            self.log_path,
+            self.private_metrics_path,
+            self.diagnostics_path,
+        ):
             if p.exists():
                 p.unlink()
 
     def truncate_metrics(self, last_step: int) -> None:
         """Keeps only records of steps ``<= last_step`` (resuming from that step)."""
-        records = [r for r in read_metrics(self.metrics_path) if r.get("step", 0) <= last_step]
-        text = "".join(json.dumps(r) + "\n" for r in records)
-        atomic_write_text(self.metrics_path, text)
+        _truncate(self.metrics_path, last_step)
+        if self.private_metrics_path.exists():
+            _truncate(self.private_metrics_path, last_step)
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        line = json.dumps(to_jsonable(record), allow_nan=False)
-        with open(self.metrics_path, "a") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """A record of public numbers to ``metrics.jsonl``."""
+        _append_line(self.metrics_path, record)
+
+    def _private_folder(self) -> None:
+        self.private_path.mkdir(exist_ok=True)
+        readme = self.private_path / PRIVATE_README_FILE
+        if not readme.exists() or readme.read_text() != self.private_readme:
+            atomic_write_text(readme, self.private_readme)
+
+    def append_private_metrics(self, record: dict[str, Any]) -> None:
+        """A record of exact training statistics to ``private/metrics.jsonl``; the
+        file's first line is ``{"_note": private_note}``."""
+        self._private_folder()
+        if not self.private_metrics_path.exists():
+            _append_line(self.private_metrics_path, {"_note": self.private_note})
+        _append_line(self.private_metrics_path, record)
+
+    def write_private_diagnostics(self, diagnostics: dict[str, Any]) -> None:
+        """``private/diagnostics.json`` (atomically), with ``_note`` first."""
+        self._private_folder()
+        atomic_write_text(
+            self.diagnostics_path, _json_text({"_note": self.private_note, **diagnostics})
+        )
 
     def log(self, message: str, *, echo: bool | None = None) -> None:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        """A line of ``train.log`` (public: no timestamp), echoed on stderr."""
         with open(self.log_path, "a") as f:
-            f.write(f"{stamp} {message}\n")
+            f.write(f"{message}\n")
         if self.echo if echo is None else echo:
             print(f"dpmp: {message}", file=sys.stderr, flush=True)
 
     def write_report(self, report: dict[str, Any]) -> None:
-        atomic_write_text(
-            self.report_path, json.dumps(to_jsonable(report), indent=2, allow_nan=False) + "\n"
-        )
+        atomic_write_text(self.report_path, _json_text(report))
 
 
 class ProgressBar:
     """A one-line progress bar on stderr (``\\r``-redrawn on a terminal).
 
-    Off a terminal (CI logs, pipes) it prints one line every ``line_every``
-    updates instead of redrawing, so logs stay readable.
+    Off a terminal (CI logs, pipes) it prints a line only on forced updates
+    instead of redrawing, so logs stay readable. It shows the step and the
+    fields it is given (the trainer gives public numbers only), no timings.
     """
 
     def __init__(self, total: int, *, enabled: bool = True, stream=None, width: int = 24):
@@ -162,7 +231,6 @@ class ProgressBar:
         self.stream = sys.stderr if stream is None else stream
         self.width = width
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._start = time.perf_counter()
         self._last_draw = 0.0
 
     def update(self, step: int, fields: dict[str, str], *, force: bool = False) -> None:
@@ -176,9 +244,8 @@ class ProgressBar:
         self._last_draw = now
         done = int(self.width * min(step, self.total) / self.total)
         bar = "#" * done + "." * (self.width - done)
-        elapsed = now - self._start
         extra = " ".join(f"{k} {v}" for k, v in fields.items())
-        line = f"[{bar}] {step}/{self.total} {extra} {elapsed:.0f}s"
+        line = f"[{bar}] {step}/{self.total} {extra}"
         if self.tty:
             self.stream.write("\r" + line + "\x1b[K")
         else:

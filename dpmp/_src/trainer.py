@@ -1,7 +1,9 @@
 """A private trainer that reports epsilon next to overflow statistics.
 
 ``train(config, out_dir=...)`` runs DP-SGD as the config says and writes a run
-directory (``metrics.jsonl``, ``train.log``, ``report.json``, checkpoints).
+directory: public files (``metrics.jsonl``, ``train.log``, ``report.json``;
+what may be published is decided in ``dpmp._src.release``), the ``private/``
+folder (exact training statistics: do not publish) and checkpoints (secret).
 One step, jitted (``build_private_step``)::
 
     batch    = Poisson sample of the training set, padded to a fixed size
@@ -11,21 +13,30 @@ One step, jitted (``build_private_step``)::
     params   = params + updates                          # fp32 master params
     tracker.step()                                       # accountant, host side
 
+Secret randomness (``run_keys``): the gradient-noise key, the overflow-count
+key, the Poisson sampler's seed and the standardisation noise's seed come from
+``os.urandom``; ``training.seed`` drives only the initialisation and the
+train/test split. ``privacy.reproducible_noise = true`` derives them from the
+seed instead, and the run then says it is NOT differentially private.
+
 Privacy plan: the noise multiplier is calibrated (``dpmp.accounting``) so that
 ``training.steps`` steps at ``q = expected_batch_size / num_train`` spend
 ``privacy.target_epsilon`` at ``privacy.delta`` -- including the noised
-overflow count released every step by a private dynamic loss scale -- or
-taken from ``privacy.noise_multiplier``. A ``BudgetTracker`` is advanced
-every step and a step that would exceed the target is refused: the run stops
-after the last step within budget and says so (``stopped_early`` in the
-report, a line in ``train.log``).
+overflow count released every step by a private dynamic loss scale and the
+private standardisation release, if any -- or taken from
+``privacy.noise_multiplier``. A ``BudgetTracker`` is advanced every step and a
+step that would exceed the target is refused: the run stops after the last
+step within budget and says so (``stopped_early`` in the report, a line in
+``train.log``).
 
 Resuming: with ``resume=True`` the newest checkpoint in ``out_dir`` is
-restored (params, optimizer and noise state, loss scale and its key, sampler,
-budget tracker, metric totals) if its config matches. The batch of step ``t``
-is a function of ``(seed, t)`` and every key lives in the state, so a killed
-and resumed run computes the same parameters, bit for bit on CPU, and the
-same epsilon as an uninterrupted one.
+restored (params, optimizer state with the secret noise key, loss scale and
+its key, the sampler with its secret seed, standardisation statistics, budget
+tracker, metric totals) if its config matches and the data's fingerprint
+(``dpmp._src.data.fingerprint``) is the one it was made with. The batch of
+step ``t`` is a function of ``(sampler seed, t)`` and every key lives in the
+state, so a killed and resumed run computes the same parameters, bit for bit
+on CPU, and the same epsilon as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpmp._src import accounting
+from dpmp._src import accounting, release
 from dpmp._src.audit import audit_precision
 from dpmp._src.checkpoint import (
     CheckpointError,
@@ -56,10 +67,18 @@ from dpmp._src.checkpoint import (
 )
 from dpmp._src.clipping import private_grad
 from dpmp._src.config import Config, ConfigError
-from dpmp._src.data import Dataset, load_data
+from dpmp._src.data import Dataset, fingerprint, load_data
+from dpmp._src.entropy import fresh_key, fresh_seed
 from dpmp._src.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from dpmp._src.models import Model, build_model, count_params
 from dpmp._src.noise import private_optimizer
+from dpmp._src.preprocess import (
+    FeatureStats,
+    exact_feature_stats,
+    private_feature_stats,
+    release_noise_multiplier,
+    standardize,
+)
 from dpmp._src.private_loss_scale import PrivateDynamicLossScale
 from dpmp._src.run_dir import ProgressBar, RunDir
 from dpmp._src.sampling import PoissonSampler, ShuffledSampler
@@ -67,8 +86,10 @@ from dpmp._src.sampling import PoissonSampler, ShuffledSampler
 __all__ = [
     "AUDIT_EXPECT",
     "PrivateStep",
+    "RunKeys",
     "audit_step",
     "build_private_step",
+    "run_keys",
     "train",
 ]
 
@@ -82,11 +103,35 @@ _RESUMABLE_CHANGES = {
     ("training", "checkpoint_every"),
 }
 
-_NONPRIVATE_WARNING = (
-    "loss_scale.kind = 'nonprivate_dynamic': the loss scale was adjusted from the EXACT "
-    "overflow count, a function of the private data that is neither noised nor accounted. "
-    "This run is NOT differentially private; its epsilon covers the noised gradients only."
-)
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RunKeys:
+    """The randomness of a run that protects privacy, and whether it is secret.
+
+    Attributes:
+      noise: PRNG key of the gradient noise.
+      loss_scale: PRNG key of the noise on released overflow counts.
+      sampler_seed: seed of the Poisson sampler (which examples each step uses).
+      standardize_seed: seed of the noise on private feature statistics.
+      reproducible: derived from ``training.seed`` (public: NOT private)
+        rather than drawn from the OS entropy.
+    """
+
+    noise: Any
+    loss_scale: Any
+    sampler_seed: int
+    standardize_seed: int
+    reproducible: bool
+
+
+def run_keys(config: Config) -> RunKeys:
+    """Fresh OS entropy for a run (64-bit keys, 128-bit seeds), or, with
+    ``privacy.reproducible_noise``, keys and seeds derived from ``training.seed``."""
+    seed = config.training.seed
+    if config.privacy.reproducible_noise:
+        _, noise, scale = jax.random.split(jax.random.key(seed), 3)
+        return RunKeys(noise, scale, sampler_seed=seed, standardize_seed=seed, reproducible=True)
+    return RunKeys(fresh_key(), fresh_key(), fresh_seed(), fresh_seed(), reproducible=False)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -99,6 +144,8 @@ class PrivateStep:
         ``{"x": [B, ...] float32, "y": [B] int32}``.
       example_args: real arguments for ``step_fn`` (initial state, batch 0).
       config, policy, data, model, sampler, optimizer: the parts.
+      data: the training data as the step sees it (standardised, if the
+        config says so).
       noise_multiplier: sigma of the gradient noise.
       noise_calibrated: whether sigma was calibrated to the target epsilon.
       budget: the ``PrivacyBudget`` the run is tracked against.
@@ -107,6 +154,8 @@ class PrivateStep:
       grad_fn: the ``dpmp.private_grad`` function inside ``step_fn``.
       clipping: ``grad_fn.explain(...)`` for this config's batches: the clip
         method requested, the one used, why, and the rule for each parameter.
+      feature_stats: the standardisation statistics, or None.
+      keys: the run's ``RunKeys`` (secret unless reproducible).
     """
 
     step_fn: Callable
@@ -125,6 +174,8 @@ class PrivateStep:
     init_state: dict[str, Any]
     grad_fn: Any
     clipping: dict[str, Any]
+    feature_stats: FeatureStats | None
+    keys: RunKeys
 
     def __iter__(self):  # ``step_fn, example_args = build_private_step(...)``
         return iter((self.step_fn, self.example_args))
@@ -164,11 +215,19 @@ def _make_loss_scale(config: Config, key) -> Any:
     )
 
 
+def _preprocessing_sigma(config: Config) -> float | None:
+    d = config.data
+    if d.standardize != "private":
+        return None
+    return release_noise_multiplier(d.standardize_noise_multiplier)
+
+
 def _noise_multiplier(
     config: Config, q: float, count_sigma: float | None
 ) -> tuple[float, bool, accounting.PrivacyBudget]:
     p = config.privacy
     steps = config.training.steps
+    pre_sigma = _preprocessing_sigma(config)
 
     def budget(sigma):
         return accounting.PrivacyBudget(
@@ -179,6 +238,7 @@ def _noise_multiplier(
             accountant=p.accountant,
             count_noise_stddev=count_sigma,
             count_every=1,
+            preprocessing_noise_multiplier=pre_sigma,
         )
 
     if p.noise_multiplier is not None:
@@ -196,6 +256,7 @@ def _noise_multiplier(
             count_noise_stddev=count_sigma,
             count_every=1,
             value_discretization_interval=accounting.TRACKING_DISCRETIZATION,
+            preprocessing_noise_multiplier=pre_sigma,
         )
     except ValueError as e:
         raise ConfigError(f"privacy.target_epsilon: cannot be reached: {e}") from e
@@ -206,7 +267,7 @@ def _noise_multiplier(
     return sigma, True, budget(sigma)
 
 
-def _make_sampler(config: Config, num_train: int, microbatch: int | None):
+def _make_sampler(config: Config, num_train: int, seed: int):
     t = config.training
     if t.expected_batch_size > num_train:
         raise ConfigError(
@@ -214,18 +275,29 @@ def _make_sampler(config: Config, num_train: int, microbatch: int | None):
             f"{num_train} training examples"
         )
     if config.privacy.sampling == "shuffle":
-        return ShuffledSampler(num_train, t.expected_batch_size, seed=t.seed, num_steps=t.steps)
-    sampler = PoissonSampler(num_train, t.expected_batch_size, seed=t.seed, num_steps=t.steps)
-    if microbatch and sampler.padded_batch_size % microbatch:
-        padded = -(-sampler.padded_batch_size // microbatch) * microbatch
+        return ShuffledSampler(num_train, t.expected_batch_size, seed=seed, num_steps=t.steps)
+    sampler = PoissonSampler(num_train, t.expected_batch_size, seed=seed, num_steps=t.steps)
+    micro = t.microbatch_size
+    if micro and sampler.padded_batch_size % micro:
+        padded = -(-sampler.padded_batch_size // micro) * micro
         sampler = PoissonSampler(
-            num_train,
-            t.expected_batch_size,
-            padded_batch_size=padded,
-            seed=t.seed,
-            num_steps=t.steps,
+            num_train, t.expected_batch_size, padded_batch_size=padded, seed=seed, num_steps=t.steps
         )
     return sampler
+
+
+def _feature_stats(config: Config, data: Dataset, seed: int) -> FeatureStats | None:
+    d = config.data
+    if d.standardize == "private":
+        return private_feature_stats(
+            data.x_train,
+            clip=d.standardize_clip,
+            noise_multiplier=d.standardize_noise_multiplier,
+            seed=seed,
+        )
+    if d.standardize == "nonprivate":
+        return exact_feature_stats(data.x_train)
+    return None
 
 
 def _gather(data: Dataset, batch) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -234,7 +306,13 @@ def _gather(data: Dataset, batch) -> tuple[dict[str, np.ndarray], np.ndarray]:
     return {"x": data.x_train[idx], "y": data.y_train[idx]}, pad
 
 
-def build_private_step(config: Config, data: Dataset | None = None) -> PrivateStep:
+def build_private_step(
+    config: Config,
+    data: Dataset | None = None,
+    *,
+    keys: RunKeys | None = None,
+    feature_stats: FeatureStats | None = None,
+) -> PrivateStep:
     """The jitted private step of ``config`` and real arguments for it.
 
     ``step_fn, example_args = build_private_step(config)`` unpacks it; the
@@ -244,20 +322,31 @@ def build_private_step(config: Config, data: Dataset | None = None) -> PrivateSt
 
     Args:
       config: a ``dpmp`` run ``Config``.
-      data: a loaded ``Dataset``; default ``load_data(config.data, seed)``.
+      data: a loaded ``Dataset`` (not standardised); default
+        ``load_data(config.data, seed)``.
+      keys: the run's noise keys and seeds; default ``run_keys(config)``
+        (fresh OS entropy unless ``privacy.reproducible_noise``).
+      feature_stats: standardisation statistics to reuse (a resumed run's);
+        default: computed as ``data.standardize`` says.
     """
     policy = config.precision
     t = config.training
     if data is None:
         data = load_data(config.data, t.seed)
+    keys = run_keys(config) if keys is None else keys
+    if config.data.standardize != "none":
+        if feature_stats is None:
+            feature_stats = _feature_stats(config, data, keys.standardize_seed)
+        data = standardize(data, feature_stats)
     model = build_model(config.model, data, policy)
-    init_key, noise_key, scale_key = jax.random.split(jax.random.key(t.seed), 3)
+    init_key = jax.random.split(jax.random.key(t.seed), 3)[0]
+    noise_key, scale_key = keys.noise, keys.loss_scale
     count_sigma = (
         float(config.loss_scale.count_noise_stddev)
         if config.loss_scale.kind == "private_dynamic"
         else None
     )
-    sampler = _make_sampler(config, data.num_train, t.microbatch_size)
+    sampler = _make_sampler(config, data.num_train, keys.sampler_seed)
     q = t.expected_batch_size / data.num_train
     sigma, calibrated, budget = _noise_multiplier(config, q, count_sigma)
     grad_fn = private_grad(
@@ -314,6 +403,8 @@ def build_private_step(config: Config, data: Dataset | None = None) -> PrivateSt
         init_state=init_state,
         grad_fn=grad_fn,
         clipping=_explain_clipping(grad_fn, example_args[0], example_args[1]),
+        feature_stats=feature_stats,
+        keys=keys,
     )
 
 
@@ -410,23 +501,71 @@ def _config_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return diffs
 
 
+_START_OVER = "use resume=False (or another out_dir) to start a new run"
+
+
 def _check_config(meta: dict[str, Any], config: Config, path: Path) -> None:
-    diffs = _config_diff(meta["config"], _json_config(config))
+    diffs = _config_diff(meta["config"], release.config_dict(config))
     if diffs:
         raise CheckpointError(
-            f"{path}: made by a different config; use resume=False (or another out_dir) "
-            "to start a new run. Differences: " + "; ".join(diffs)
+            f"{path}: made by a different config; {_START_OVER}. Differences: " + "; ".join(diffs)
         )
 
 
-def _json_config(config: Config) -> dict[str, Any]:
-    import json
-
-    return json.loads(json.dumps(config.to_dict()))
+def _check_data(meta: dict[str, Any], data_fingerprint: str, path: Path) -> None:
+    """Resuming on other data would replay the saved noise on it: refused."""
+    if meta.get("data_fingerprint") != data_fingerprint:
+        raise CheckpointError(
+            f"{path}: made on different training data (the sha256 fingerprint of the "
+            f"train and test arrays differs); {_START_OVER}"
+        )
 
 
 def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
+
+
+def _new_totals() -> dict[str, Any]:
+    """The run's running totals (checkpointed). ``noised_overflow`` and
+    ``loss_scale_changes`` are public; the others are exact (private/)."""
+    return {
+        "overflow": 0,
+        "noised_overflow": 0.0,
+        "steps_with_overflow": 0,
+        "clipped": 0,
+        "examples": 0,
+        "loss_scale_changes": 0,
+        "elapsed_s": 0.0,
+    }
+
+
+def _log_plan(run: RunDir, step: PrivateStep) -> None:
+    config = step.config
+    p, t = config.privacy, config.training
+    run.log(
+        f"noise multiplier {step.noise_multiplier:.6g} "
+        f"({'calibrated to' if step.noise_calibrated else 'given; target'} epsilon "
+        f"{p.target_epsilon:g} at delta {p.delta:g} over {t.steps} "
+        f"steps, q = {step.sampling_prob:.6g}, accountant {p.accountant})"
+    )
+    clip = step.clipping
+    run.log(
+        f"per-example clipping: {clip['method']} (requested {clip['requested']}"
+        + (f"; {clip['reason']}" if clip["reason"] and clip["requested"] != "vmap" else "")
+        + ")"
+    )
+    warnings_ = release.privacy_warnings(config)
+    for warning in warnings_:
+        run.log("WARNING: " + warning, echo=True)
+    if not warnings_:
+        run.log(
+            "privacy: noise keys and sampler seed drawn from OS entropy (kept only in "
+            "checkpoints); neighbours: zero-out (the number of records is public)"
+        )
+    run.log(
+        f"published files: {', '.join(release.PUBLIC_FILES)}; "
+        f"private/: {release.PRIVATE_NOTE}; checkpoints/: secret"
+    )
 
 
 def train(
@@ -444,25 +583,38 @@ def train(
       config: a ``Config`` (default: ``Config()``, the digits MLP at epsilon 2).
       out_dir: the run directory (created if needed).
       resume: continue from the newest checkpoint in ``out_dir`` (its config
-        must match, apart from the eval/log/checkpoint periods); with False an
-        existing run there is replaced.
+        must match, apart from the eval/log/checkpoint periods, and so must the
+        data); with False an existing run there is replaced.
       progress: draw a progress bar and echo log lines on stderr.
-      data: a loaded ``Dataset`` to use instead of ``load_data(config.data)``.
-      callback: ``callback(step, info)`` after every step (1-based ``step``;
-        ``info`` has ``loss``, ``epsilon``, ``loss_scale``, ``overflow``).
+      data: a loaded ``Dataset`` (not standardised) to use instead of
+        ``load_data(config.data)``.
+      callback: ``callback(step, info)`` after every step (1-based ``step``).
+        ``info`` holds public numbers only: ``epsilon``, ``delta``,
+        ``loss_scale``, ``next_loss_scale``, ``loss_scale_changes``, with a
+        private dynamic loss scale ``noised_overflow`` and
+        ``noised_overflow_total``, and on evaluation steps ``test_accuracy``
+        and ``test_loss``. Exact training statistics are written to
+        ``private/metrics.jsonl`` on logging steps, never passed here.
 
     Returns:
       The report dict (see ``report.json``).
 
     Raises:
       CheckpointError: ``resume=True`` and the checkpoint in ``out_dir`` was
-        made by a different config (the message lists the differences).
+        made by a different config (the message lists the differences) or on
+        different data.
     """
     started = time.perf_counter()
     config = Config() if config is None else config
     t = config.training
-    run = RunDir(out_dir, echo=progress)
+    run = RunDir(
+        out_dir,
+        echo=progress,
+        private_note=release.PRIVATE_NOTE,
+        private_readme=release.PRIVATE_README,
+    )
     ckpt_dir = run.path / "checkpoints"
+    found = None
     if not resume:
         run.reset()
         for _, p in list_checkpoints(ckpt_dir):
@@ -471,18 +623,25 @@ def train(
         found = latest_meta(ckpt_dir)
         if found is not None:  # fail before any work if the config changed
             _check_config(found[0], config, found[1])
+    if data is None:
+        data = load_data(config.data, t.seed)
+    data_fingerprint = fingerprint(data)
+    saved_stats = None
+    if found is not None:
+        _check_data(found[0], data_fingerprint, found[1])
+        if found[0].get("feature_stats"):
+            saved_stats = FeatureStats.from_dict(found[0]["feature_stats"])
 
-    nonprivate = config.loss_scale.kind == "nonprivate_dynamic"
     with warnings.catch_warnings():
-        if nonprivate:  # said loudly below, in the log and the report
+        if config.loss_scale.kind == "nonprivate_dynamic":  # said loudly in log and report
             warnings.simplefilter("ignore", UserWarning)
-        step = build_private_step(config, data)
+        step = build_private_step(config, data, feature_stats=saved_stats)
     data, model = step.data, step.model
     evaluate = _evaluator(model)
 
     def evaluate_all(params, at_step: int) -> dict[str, Any]:
-        train_acc, train_loss = evaluate(params, data.x_train, data.y_train)
-        test_acc, test_loss = evaluate(params, data.x_test, data.y_test)
+        train_acc, train_loss = evaluate(params, data.x_train, data.y_train)  # private/
+        test_acc, test_loss = evaluate(params, data.x_test, data.y_test)  # public
         return {
             "step": at_step,
             "train_accuracy": train_acc,
@@ -494,17 +653,8 @@ def train(
     state = dict(step.init_state)
     sampler = step.sampler
     tracker = accounting.BudgetTracker(step.budget)
-    totals = {
-        "overflow": 0,
-        "noised_overflow": 0.0,
-        "steps_with_overflow": 0,
-        "clipped": 0,
-        "examples": 0,
-        "loss_scale_changes": 0,
-        "elapsed_s": 0.0,
-    }
-    scale0 = float(state["loss_scale"].loss_scale)
-    scale_history: list[list[float]] = [[1, scale0]]
+    totals = _new_totals()
+    scale_history: list[list[float]] = [[1, float(state["loss_scale"].loss_scale)]]
     last_eval: dict[str, Any] = {}
     completed = 0
 
@@ -518,13 +668,14 @@ def train(
     if restored is not None:
         state, meta, path = restored
         _check_config(meta, config, path)
+        _check_data(meta, data_fingerprint, path)
         tracker = accounting.BudgetTracker.from_state_dict(meta["tracker"])
         if tracker.budget != step.budget:
             raise CheckpointError(
                 f"{path}: privacy plan differs from this config's: checkpoint "
                 f"{tracker.budget}, config {step.budget}"
             )
-        sampler.load_state_dict(meta["sampler"])
+        sampler = type(sampler).from_state_dict(meta["sampler"], num_steps=t.steps)
         totals.update(meta["totals"])
         scale_history = [list(x) for x in meta["loss_scale_history"]]
         last_eval = dict(meta.get("last_eval", {}))
@@ -535,34 +686,22 @@ def train(
         run.reset()
         run.log(
             f"new run: {model.name} on {data.num_train} examples, policy {config.policy}, "
-            f"loss scale {config.loss_scale.kind}"
+            f"loss scale {config.loss_scale.kind}, standardize {config.data.standardize}"
         )
-    run.log(
-        f"noise multiplier {step.noise_multiplier:.6g} "
-        f"({'calibrated to' if step.noise_calibrated else 'given; target'} epsilon "
-        f"{config.privacy.target_epsilon:g} at delta {config.privacy.delta:g} over {t.steps} "
-        f"steps, q = {step.sampling_prob:.6g}, accountant {config.privacy.accountant})"
-    )
-    clip = step.clipping
-    run.log(
-        f"per-example clipping: {clip['method']} (requested {clip['requested']}"
-        + (f"; {clip['reason']}" if clip["reason"] and clip["requested"] != "vmap" else "")
-        + ")"
-    )
-    if nonprivate:
-        run.log("WARNING: " + _NONPRIVATE_WARNING, echo=True)
-    if config.privacy.sampling == "shuffle":
-        run.log("WARNING: " + ShuffledSampler.privacy_note, echo=True)
+    _log_plan(run, step)
 
     audit = _audit_summary(step)
     verdict = {True: "ok", False: "VIOLATIONS", None: "error"}[audit["ok"]]
     run.log(f"precision audit of the step: {verdict}")
 
     def save(finished: bool, stopped: dict | None):
-        meta = {
-            "config": _json_config(config),
+        stats = step.feature_stats
+        meta = {  # secret: the sampler's seed, the data fingerprint, exact totals
+            "config": release.config_dict(config),
             "tracker": tracker.state_dict(),
             "sampler": sampler.state_dict(),
+            "data_fingerprint": data_fingerprint,
+            "feature_stats": None if stats is None else stats.to_dict(),
             "totals": totals,
             "loss_scale_history": scale_history,
             "last_eval": last_eval,
@@ -576,7 +715,6 @@ def train(
     is_private_dynamic = isinstance(state["loss_scale"], PrivateDynamicLossScale)
     session_start = time.perf_counter()
     elapsed_before = float(totals["elapsed_s"])
-    stopped: dict[str, Any] | None = None
 
     def stop_reason() -> dict[str, Any] | None:
         if completed >= t.steps or tracker.can_step():
@@ -597,8 +735,7 @@ def train(
     stopped = stop_reason()
     while completed < t.steps and stopped is None:
         tic = time.perf_counter()
-        sampled = next(sampler)
-        batch, pad = _gather(data, sampled)
+        batch, pad = _gather(data, next(sampler))
         params, opt_state, loss_scale, stats = step.step_fn(
             state["params"], batch, pad, state["opt_state"], state["loss_scale"]
         )
@@ -606,15 +743,14 @@ def train(
         eps = tracker.step()  # accounts this step's release(s); never exceeds the target
         state = {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}
         completed += 1
-        step_time = time.perf_counter() - tic
 
         overflow = int(stats.num_nonfinite)
         totals["overflow"] += overflow
         totals["steps_with_overflow"] += overflow > 0
         totals["clipped"] += int(stats.num_clipped)
         totals["examples"] += int(stats.num_examples)
-        noised = float(stats.noised_overflow_count)
-        if is_private_dynamic:
+        noised = float(stats.noised_overflow_count) if is_private_dynamic else None
+        if noised is not None:
             totals["noised_overflow"] += noised
         new_scale = float(loss_scale.loss_scale)
         if new_scale != scale_history[-1][1]:
@@ -624,63 +760,37 @@ def train(
 
         stopped = stop_reason()
         last = completed >= t.steps or stopped is not None
+        evaluation = None
         if _due(completed, t.eval_every) or last:
-            last_eval = evaluate_all(params, completed)
-        if _due(completed, t.log_every) or last:
-            n_ex = int(stats.num_examples)
-            record = {
-                "step": completed,
-                "loss": float(stats.loss_mean),
-                "epsilon": eps,
-                "delta": config.privacy.delta,
-                "loss_scale": float(stats.loss_scale),
-                "next_loss_scale": new_scale,
-                "overflow": overflow,
-                "overflow_total": totals["overflow"],
-                "loss_scale_changes": totals["loss_scale_changes"],
-                "clipped_fraction": int(stats.num_clipped) / max(n_ex, 1),
-                "batch_size": n_ex,
-                "grad_norm_mean": float(stats.norm_mean),
-                "step_time_s": step_time,
-                "elapsed_s": totals["elapsed_s"],
-            }
-            if is_private_dynamic:
-                record["noised_overflow"] = noised
-                record["noised_overflow_total"] = totals["noised_overflow"]
-            if last_eval.get("step") == completed:
-                record.update({k: v for k, v in last_eval.items() if k != "step"})
+            evaluation = last_eval = evaluate_all(params, completed)
+        record = release.public_record(
+            step=completed,
+            epsilon=eps,
+            delta=config.privacy.delta,
+            loss_scale=float(stats.loss_scale),
+            next_loss_scale=new_scale,
+            loss_scale_changes=totals["loss_scale_changes"],
+            noised_overflow=noised,
+            noised_overflow_total=totals["noised_overflow"] if noised is not None else None,
+            evaluation=evaluation,
+        )
+        logged = _due(completed, t.log_every) or last
+        if logged:
             run.append_metrics(record)
-            bar.update(
-                completed,
-                {
-                    "eps": f"{eps:.3f}",
-                    "scale": f"{new_scale:g}",
-                    "overflow": str(totals["overflow"]),
-                    "loss": f"{float(stats.loss_mean):.3f}",
-                },
-                force=True,
+            run.append_private_metrics(
+                release.private_record(
+                    step=completed,
+                    stats=stats,
+                    totals=totals,
+                    step_time_s=time.perf_counter() - tic,
+                    evaluation=evaluation,
+                )
             )
-        else:
-            bar.update(
-                completed,
-                {
-                    "eps": f"{eps:.3f}",
-                    "scale": f"{new_scale:g}",
-                    "overflow": str(totals["overflow"]),
-                },
-            )
+        bar.update(completed, release.progress_fields(record), force=logged)
         if _due(completed, t.checkpoint_every) or last:
             save(finished=last, stopped=stopped)
         if callback is not None:
-            callback(
-                completed,
-                {
-                    "loss": float(stats.loss_mean),
-                    "epsilon": eps,
-                    "loss_scale": new_scale,
-                    "overflow": overflow,
-                },
-            )
+            callback(completed, release.public_info(record))
     bar.close()
 
     if stopped is not None:
@@ -691,162 +801,37 @@ def train(
     if not saved or saved[-1][0] != completed:
         save(finished=True, stopped=stopped)
 
-    report = _report(
-        config=config,
+    params = state["params"]
+    report = release.build_report(
         step=step,
         tracker=tracker,
         completed=completed,
         totals=totals,
         scale_history=scale_history,
-        last_eval=last_eval,
+        evaluation=last_eval,
         audit=audit,
         stopped=stopped,
         sampler=sampler,
-        params=state["params"],
+        params=params,
         final_scale=float(state["loss_scale"].loss_scale),
-        session_s=time.perf_counter() - started,
-        elapsed_before=elapsed_before,
+        versions=_versions(),
+        finite_params=bool(
+            all(math.isfinite(float(jnp.abs(x).max())) for x in jax.tree.leaves(params))
+        ),
+        num_params=count_params(params),
     )
     run.write_report(report)
+    run.write_private_diagnostics(
+        release.private_diagnostics(
+            totals=totals,
+            sampler=sampler,
+            evaluation=last_eval,
+            wall_time_s=time.perf_counter() - started + elapsed_before,
+        )
+    )
     run.log(
         f"done: {completed} steps, test accuracy {last_eval['test_accuracy']:.4f}, "
         f"epsilon {report['epsilon']:.4f} at delta {config.privacy.delta:g}"
+        + ("" if report["private"] else "; NOT differentially private (see privacy_warnings)")
     )
     return report
-
-
-def _report(
-    *,
-    config: Config,
-    step: PrivateStep,
-    tracker: accounting.BudgetTracker,
-    completed: int,
-    totals: dict[str, Any],
-    scale_history: list,
-    last_eval: dict[str, Any],
-    audit: dict[str, Any],
-    stopped: dict[str, Any] | None,
-    sampler,
-    params,
-    final_scale: float,
-    session_s: float,
-    elapsed_before: float,
-) -> dict[str, Any]:
-    p = config.privacy
-    ls = config.loss_scale
-    count_sigma = step.count_noise_stddev
-    # The reported epsilon uses dp-accounting's default (finer) discretisation;
-    # the tracker's coarser one is reported as ``epsilon_tracked``.
-    if count_sigma is None:
-        eps = accounting.epsilon(
-            noise_multiplier=step.noise_multiplier,
-            sampling_prob=step.sampling_prob,
-            steps=completed,
-            delta=p.delta,
-            accountant=p.accountant,
-        )
-        breakdown = accounting.EpsilonBreakdown(total=eps, dpsgd=eps, counts=0.0)
-    else:
-        breakdown = accounting.epsilon_breakdown(
-            noise_multiplier=step.noise_multiplier,
-            sampling_prob=step.sampling_prob,
-            steps=completed,
-            delta=p.delta,
-            count_noise_stddev=count_sigma,
-            count_every=1,
-            accountant=p.accountant,
-        )
-    poisson = p.sampling == "poisson"
-    nonprivate = ls.kind == "nonprivate_dynamic"
-    warnings_: list[str] = []
-    if nonprivate:
-        warnings_.append(_NONPRIVATE_WARNING)
-    if not poisson:
-        warnings_.append(ShuffledSampler.privacy_note)
-    notes = [
-        "metrics.jsonl holds exact per-batch statistics (loss, clipped fraction, overflow "
-        "counts): monitoring output, not privatized.",
-    ]
-    if step.data.standardized:
-        notes.append(
-            "features were standardised with the training mean and std, which are not "
-            "privatized (data.standardize = false avoids this)."
-        )
-    sampling: dict[str, Any] = {"kind": "poisson" if poisson else "shuffle"}
-    sampling["sampling_prob"] = step.sampling_prob
-    sampling["expected_batch_size"] = config.training.expected_batch_size
-    sampling["padded_batch_size"] = sampler.padded_batch_size
-    sampling["privacy_note"] = sampler.privacy_note
-    if poisson:
-        sampling["truncated_steps"] = sampler.num_truncated
-        sampling["truncation_probability"] = sampler.truncation_probability
-        sampling["truncation_delta"] = sampler.truncation_delta(completed, breakdown.total)
-
-    overflow = {
-        "examples_nonfinite": totals["overflow"],
-        "steps_with_overflow": totals["steps_with_overflow"],
-        "exact_counts_note": "exact counts are monitoring output, not privatized",
-        "privatized": ls.kind == "private_dynamic",
-        "count_releases": tracker.count_releases,
-        "count_noise_stddev": count_sigma,
-        "epsilon_cost": breakdown.counts,
-        "epsilon_without_counts": breakdown.dpsgd,
-    }
-    if ls.kind == "private_dynamic":
-        overflow["noised_count_total"] = totals["noised_overflow"]
-    elif nonprivate:
-        overflow["privacy"] = "NOT PRIVATE: decisions used the exact count, unaccounted"
-    else:
-        overflow["privacy"] = f"loss scale '{ls.kind}' releases nothing; it costs no epsilon"
-
-    test_acc = last_eval.get("test_accuracy")
-    return {
-        "policy": config.policy,
-        "private": not nonprivate and poisson,
-        "privacy_warnings": warnings_,
-        "privacy_notes": notes,
-        "epsilon": breakdown.total,
-        "epsilon_tracked": tracker.spent(),
-        "target_epsilon": p.target_epsilon,
-        "delta": p.delta,
-        "accountant": p.accountant,
-        "noise_multiplier": step.noise_multiplier,
-        "noise_multiplier_calibrated": step.noise_calibrated,
-        "l2_clip_norm": p.l2_clip_norm,
-        "steps": completed,
-        "planned_steps": config.training.steps,
-        "stopped_early": stopped,
-        "test_accuracy": test_acc,
-        "test_loss": last_eval.get("test_loss"),
-        "train_accuracy": last_eval.get("train_accuracy"),
-        "train_loss": last_eval.get("train_loss"),
-        "overflow": overflow,
-        "loss_scale": {
-            "kind": ls.kind,
-            "initial": scale_history[0][1],
-            "final": final_scale,
-            "changes": totals["loss_scale_changes"],
-            "history": scale_history,
-            "history_note": "[step, value]: the scale used from that (1-based) step on",
-        },
-        "clipping": {
-            "clipped_fraction": totals["clipped"] / max(totals["examples"], 1),
-            "examples_seen": totals["examples"],
-            "method_requested": step.clipping["requested"],
-            "method": step.clipping["method"],
-            "method_reason": step.clipping["reason"],
-            "layers": step.clipping["layers"],
-        },
-        "audit": audit,
-        "sampling": sampling,
-        "model": step.model.summary(params),
-        "data": step.data.summary(),
-        "config": _json_config(config),
-        "wall_time_s": session_s + elapsed_before,
-        "train_loop_s": totals["elapsed_s"],
-        "versions": _versions(),
-        "num_params": count_params(params),
-        "finite_params": bool(
-            all(math.isfinite(float(jnp.abs(x).max())) for x in jax.tree.leaves(params))
-        ),
-    }

@@ -1,0 +1,104 @@
+"""What a run publishes: public records, private records, warnings, the file listing."""
+
+import pytest
+
+from dpmp._src import release
+from dpmp._src.clipping import PrivateGradStats
+from dpmp._src.config import load_config
+
+EVALUATION = {
+    "step": 4,
+    "train_accuracy": 0.91,
+    "train_loss": 0.3,
+    "test_accuracy": 0.88,
+    "test_loss": 0.4,
+}
+
+
+def _public(**changes):
+    fields = dict(
+        step=4,
+        epsilon=1.5,
+        delta=1e-5,
+        loss_scale=2.0,
+        next_loss_scale=4.0,
+        loss_scale_changes=1,
+        noised_overflow=-3.2,
+        noised_overflow_total=7.5,
+        evaluation=EVALUATION,
+    )
+    return release.public_record(**{**fields, **changes})
+
+
+def test_a_public_record_takes_only_test_metrics_from_an_evaluation():
+    record = _public()
+    assert record["test_accuracy"] == 0.88 and record["test_loss"] == 0.4
+    assert "train_accuracy" not in record and "train_loss" not in record
+    assert record["noised_overflow"] == -3.2  # a released value, negative or not
+    assert release.public_info(record) == {k: v for k, v in record.items() if k != "step"}
+    fields = release.progress_fields(record)
+    assert fields == {"eps": "1.500", "scale": "4", "noised overflow": "8", "test acc": "0.880"}
+    plain = _public(noised_overflow=None, noised_overflow_total=None, evaluation=None)
+    assert set(record) - set(plain) == {
+        "noised_overflow",
+        "noised_overflow_total",
+        "test_accuracy",
+        "test_loss",
+    }
+    assert release.progress_fields(plain) == {"eps": "1.500", "scale": "4"}
+
+
+def test_a_private_record_holds_the_exact_statistics():
+    stats = PrivateGradStats(
+        num_examples=60,
+        num_nonfinite=3,
+        num_clipped=30,
+        norm_mean=1.5,
+        norm_max=4.0,
+        norm_median=1.2,
+        loss_mean=2.25,
+        loss_scale=8.0,
+        noised_overflow_count=float("nan"),
+    )
+    totals = {"overflow": 10, "elapsed_s": 3.0}
+    record = release.private_record(
+        step=4, stats=stats, totals=totals, step_time_s=0.1, evaluation=EVALUATION
+    )
+    assert record["loss"] == 2.25 and record["overflow"] == 3 and record["overflow_total"] == 10
+    assert record["clipped_fraction"] == 0.5 and record["batch_size"] == 60
+    assert record["train_accuracy"] == 0.91 and "test_accuracy" not in record
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["privacy.reproducible_noise=true"], "privacy.reproducible_noise = true"),
+        (["loss_scale.kind=nonprivate_dynamic"], "loss_scale.kind = 'nonprivate_dynamic'"),
+        (["data.standardize=nonprivate"], "data.standardize = 'nonprivate'"),
+        (["privacy.sampling=shuffle"], "not Poisson sampling"),
+    ],
+)
+def test_every_way_out_of_dp_is_a_warning(overrides, needle):
+    assert release.privacy_warnings(load_config(None)) == []
+    assert release.privacy_warnings(load_config(None, ["data.standardize=private"])) == []
+    (warning,) = release.privacy_warnings(load_config(None, overrides))
+    assert needle in warning
+
+
+def test_file_inventory(tmp_path):
+    assert release.file_inventory(tmp_path) == {"public": [], "private": [], "secret": []}
+    for name in ("report.json", "metrics.jsonl", "train.log"):
+        (tmp_path / name).write_text("{}")
+    (tmp_path / "private").mkdir()
+    (tmp_path / "checkpoints").mkdir()
+    inventory = release.file_inventory(tmp_path)
+    assert inventory == {
+        "public": ["report.json", "metrics.jsonl", "train.log"],
+        "private": ["private/"],
+        "secret": ["checkpoints/"],
+    }
+    lines = release.inventory_lines(tmp_path)
+    assert lines[0] == "safe to publish: report.json, metrics.jsonl, train.log"
+    assert lines[1] == "private (non-private diagnostics: do not publish): private/"
+    assert lines[2].startswith("secret (") and lines[2].endswith("checkpoints/")
+    assert release.PRIVATE_README.startswith(release.PRIVATE_NOTE)
