@@ -121,8 +121,9 @@ _CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
 _HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 _CONV_CHUNK = 64  # examples per step when convolution norms are taken from image patches
 _CANCELLATION = 64.0  # a ghost layer's norm is at least sum_t |x_t| |g_t| / 64 (_certified)
-# A Gram norm's error bound is ~(T^2 + K + N) u relative on ordinary inputs: past
-# 5% (T above ~900 tokens in float32) the layer forms its per-example gradient.
+# The Gram bound's terms grow like (T^2 + K + N) u in the worst case (the bound of
+# gamma_K E_K, with E_K up to T times the norm): past 5% (T above ~900 tokens in
+# float32) the layer forms its per-example gradient.
 _U32 = 2.0**-24
 _MAX_GAMMA = 0.05
 
@@ -589,14 +590,18 @@ def _gram(am, gm, dtype):
 
         |S - S^| <= gamma_K  sum_ts |a_t||a_s| |Q^_ts|       (errors of P)
                   + gamma_N  sum_ts |g_t||g_s| |P^_ts|       (errors of Q)
-                  + gamma_{T^2+1} sum_ts |P^_ts Q^_ts|        (the final sum)
+                  + gamma_2T sum_ts |P^_ts Q^_ts|            (the final sum)
                   + gamma_K gamma_N m^2                       (second order)
 
-    with ``|a_t|, |g_t|`` read off the Gram diagonals. The bound is doubled, which
-    covers the rounding of the bound itself and of those norms. On ordinary
-    inputs the extra terms are the size of the diagonal, so the bound adds about
-    ``(K + N + T^2) u`` relative; on a cancelling example it grows with the
-    cancelled terms, and the example is clipped as hard as they require.
+    with ``|a_t|, |g_t|`` read off the Gram diagonals. The final sum is T row dot
+    products ``sum_s P^_ts Q^_ts`` (one ``dot_general``, length T) and then a sum of
+    T rows, so its error is within ``gamma_2T``, whatever order XLA adds in; one
+    flat reduction of the T^2 products could only be bounded by ``gamma_{T^2}``.
+    The bound is doubled, which covers the rounding of the bound itself and of
+    those norms. On ordinary inputs the extra terms are the size of the diagonal,
+    so the bound adds about ``(K + N + 2T) u`` relative; on a cancelling example it
+    grows with the cancelled terms, and the example is clipped as hard as they
+    require.
     """
     t, k = am.shape
     n = gm.shape[1]
@@ -607,18 +612,26 @@ def _gram(am, gm, dtype):
         x, x, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
     )
     p, q = gram(am), gram(gm)
-    pq = p * q
     na = jnp.sqrt(jnp.maximum(jnp.diagonal(p), 0))
     ng = jnp.sqrt(jnp.maximum(jnp.diagonal(q), 0))
     m = jnp.sum(na * ng)
-    # Elementwise products and sums, not dots: no reduced-precision (TF32) matmul here.
+    # The bound's terms are sums of non-negative numbers (rounding there is covered
+    # by the doubling), taken elementwise: no reduced-precision (TF32) matmul.
     err = (
         _gamma(k, dtype) * jnp.sum(na[:, None] * jnp.abs(q) * na[None, :])
         + _gamma(n, dtype) * jnp.sum(ng[:, None] * jnp.abs(p) * ng[None, :])
-        + _gamma(t * t + 1, dtype) * jnp.sum(jnp.abs(pq))
+        + _gamma(2 * t, dtype) * jnp.sum(jnp.abs(p * q))
         + _gamma(k, dtype) * _gamma(n, dtype) * m * m
     )
-    return jnp.sum(pq) + 2 * err, m
+    return _row_dot_sum(p, q, dtype) + 2 * err, m
+
+
+def _row_dot_sum(p, q, dtype):
+    """``sum_ts p_ts q_ts`` as T row dot products then a sum of T (error <= gamma_2T)."""
+    rows = lax.dot_general(
+        p, q, (((1,), (1,)), ((0,), (0,))), precision=_HIGHEST, preferred_element_type=dtype
+    )
+    return jnp.sum(rows)
 
 
 def _sq_norm_conv(eqn, a, g, dtype):
@@ -703,10 +716,10 @@ def _sq_norm_embed(eqn, idx, g, dtype):
         zero = jnp.zeros_like(q)
         ng = jnp.sqrt(jnp.maximum(jnp.diagonal(q), 0))
         mm = jnp.sum(jnp.where(same, ng[:, None] * ng[None, :], zero))
-        err = _gamma(dim, dtype) * mm + _gamma(t * t + 1, dtype) * jnp.sum(
+        err = _gamma(dim, dtype) * mm + _gamma(2 * t, dtype) * jnp.sum(
             jnp.where(same, jnp.abs(q), zero)
         )
-        return jnp.sum(jnp.where(same, q, zero)) + 2 * err, jnp.sqrt(mm)
+        return _row_dot_sum(same.astype(dtype), q, dtype) + 2 * err, jnp.sqrt(mm)
     slot = jnp.where(valid, ids, vocab)
     rows = jnp.zeros((vocab, dim), dtype).at[slot].add(gm, mode="drop")
     rows_abs = jnp.zeros((vocab, dim), dtype).at[slot].add(jnp.abs(gm), mode="drop")
