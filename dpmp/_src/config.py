@@ -241,12 +241,12 @@ class TrainingConfig:
     learning_rate: the optimizer's step size.
     microbatch_size: examples per vmapped microbatch; the padded batch is
       rounded up to a multiple of it (unset: the whole batch at once).
-    eval_every: train and test accuracy every this many steps (0: only at the
-      end); the default gives the run's accuracy-against-epsilon plot a curve.
-      An evaluation is recorded in ``metrics.jsonl`` on log steps only, so keep
-      it a multiple of ``log_every``.
-    log_every: a ``metrics.jsonl`` record every this many steps and at the end
-      (0: only at the end).
+    eval_every: test accuracy and loss (public; train accuracy and loss go to
+      ``private/``) every this many steps (0: only at the end); the default
+      gives the run's accuracy-against-epsilon plot a curve. An evaluation is
+      recorded on log steps only, so keep it a multiple of ``log_every``.
+    log_every: a ``metrics.jsonl`` record (and one in ``private/metrics.jsonl``)
+      every this many steps and at the end (0: only at the end).
     checkpoint_every: a checkpoint every this many steps and at the end (0: only
       at the end); a killed run resumes from the newest.
     seed: seeds the initialisation and the train/test split. The noise and the

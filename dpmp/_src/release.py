@@ -36,6 +36,7 @@ from typing import Any
 
 from dpmp._src import accounting
 from dpmp._src.accounting import NEIGHBOURING_RELATION_NOTE
+from dpmp._src.run_dir import LOG_FILE, METRICS_FILE, PRIVATE_DIR, PRIVATE_NOTE, REPORT_FILE
 from dpmp._src.sampling import ShuffledSampler
 
 __all__ = [
@@ -57,9 +58,7 @@ __all__ = [
     "public_record",
 ]
 
-PRIVATE_NOTE = "non-private diagnostics: do not publish"
-PRIVATE_DIR = "private"
-PUBLIC_FILES = ("report.json", "metrics.jsonl", "train.log", "privacy_utility.png", "precision.png")
+PUBLIC_FILES = (REPORT_FILE, METRICS_FILE, LOG_FILE, "privacy_utility.png", "precision.png")
 PRIVATE_README = f"""{PRIVATE_NOTE}
 
 The files in this folder hold exact statistics of the private training data:
@@ -208,9 +207,9 @@ def progress_fields(record: dict[str, Any]) -> dict[str, str]:
 def private_diagnostics(
     *, totals: dict[str, Any], sampler, evaluation: dict[str, Any], wall_time_s: float
 ) -> dict[str, Any]:
-    """``private/diagnostics.json``: the run's exact totals (NOT private)."""
+    """``private/diagnostics.json``: the run's exact totals (NOT private; the run
+    directory labels the file with ``PRIVATE_NOTE``)."""
     out = {
-        "_note": PRIVATE_NOTE,
         "overflow": {
             "examples_nonfinite": totals["overflow"],
             "steps_with_overflow": totals["steps_with_overflow"],

@@ -46,6 +46,7 @@ LOG_FILE = "train.log"
 PRIVATE_DIR = "private"
 DIAGNOSTICS_FILE = "diagnostics.json"
 PRIVATE_README_FILE = "README.txt"
+PRIVATE_NOTE = "non-private diagnostics: do not publish"
 
 
 def to_jsonable(value: Any) -> Any:
@@ -148,7 +149,7 @@ class RunDir:
         path: str | Path,
         *,
         echo: bool = True,
-        private_note: str = "non-private diagnostics: do not publish",
+        private_note: str = PRIVATE_NOTE,
         private_readme: str = "",
     ):
         self.path = Path(path)
