@@ -42,7 +42,6 @@ on CPU, and the same epsilon as an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
-import math
 import platform
 import time
 import warnings
@@ -815,9 +814,7 @@ def train(
         params=params,
         final_scale=float(state["loss_scale"].loss_scale),
         versions=_versions(),
-        finite_params=bool(
-            all(math.isfinite(float(jnp.abs(x).max())) for x in jax.tree.leaves(params))
-        ),
+        finite_params=all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(params)),
         num_params=count_params(params),
     )
     run.write_report(report)
