@@ -49,7 +49,11 @@ def test_mixed_precision_step_agrees_with_hand_written(capsys, monkeypatch):
     assert len(losses) == 5 and all(a > b for a, b in zip(losses, losses[1:]))
 
 
-@pytest.mark.parametrize("name", TRAINING)
+@pytest.mark.parametrize(
+    "name",
+    # one in the default suite; the nnx and plain-JAX versions are the same loop
+    [TRAINING[0], *(pytest.param(n, marks=pytest.mark.slow) for n in TRAINING[1:])],
+)
 def test_private_training_example_spends_the_budget(name, capsys, monkeypatch):
     out = run(name, *QUICK[name], capsys=capsys, monkeypatch=monkeypatch)
     last = out.strip().splitlines()[-1]

@@ -177,7 +177,7 @@ def test_build_private_step_audits_ok(digits):
     assert jax.tree.structure(out[0]) == jax.tree.structure(example_args[0])
 
 
-@pytest.mark.parametrize("kind", ["mlp", "vit"])
+@pytest.mark.parametrize("kind", ["mlp", pytest.param("vit", marks=pytest.mark.slow)])
 def test_ghost_clip_method_trains_like_vmap(kind, digits, tmp_path):
     """privacy.clip_method = "auto" runs ghost clipping, says so in the report and the log,
     and gives the parameters the per-example (vmap) run gives (f32, same noise)."""
