@@ -12,6 +12,8 @@ from dpmp._src.audit import audit_precision as audit_precision
 from dpmp._src.audit_numeric import NumericReport as NumericReport
 from dpmp._src.audit_numeric import fp_sum_sensitivity as fp_sum_sensitivity
 from dpmp._src.audit_numeric import numeric_audit as numeric_audit
+from dpmp._src.audit_privacy import PrivacyAuditReport as PrivacyAuditReport
+from dpmp._src.audit_privacy import privacy_audit as privacy_audit
 from dpmp._src.casting import cast_function as cast_function
 from dpmp._src.casting import cast_tree as cast_tree
 from dpmp._src.casting import force_full_precision as force_full_precision
@@ -53,6 +55,8 @@ __all__ = [
     "audit_precision",
     "fp_sum_sensitivity",
     "numeric_audit",
+    "privacy_audit",
+    "PrivacyAuditReport",
     "DynamicLossScale",
     "NoOpLossScale",
     "Policy",

@@ -147,9 +147,26 @@ def _summary(report: dict) -> str:
 
 
 # ---- audit -------------------------------------------------------------------------
-def _cmd_audit(args) -> int:
-    from dpmp._src.trainer import audit_step
+def _releases(text: str) -> int:
+    try:
+        n = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if n < 100:
+        raise argparse.ArgumentTypeError(f"must be >= 100, got {n}")
+    return n
 
+
+def _cmd_audit(args) -> int:
+    from dpmp._src.trainer import audit_step, privacy_audit_step
+
+    if args.privacy:
+        report = privacy_audit_step(_load(args), num_releases=args.releases)
+        if args.json:
+            print(json.dumps(report.to_dict(), indent=2))
+        else:
+            print(report)
+        return 0 if report.ok else 1
     report = audit_step(_load(args))
     if args.json:
         print(report.to_json())
@@ -278,6 +295,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--privacy",
+        action="store_true",
+        help="instead, the empirical privacy audit of the config's noise stage: one step, "
+        "a canary C e_0, threshold and exact-value lookup attacks on --releases "
+        "releases per dataset; their epsilon lower bounds beside the theoretical epsilon",
+    )
+    p.add_argument(
+        "--releases",
+        type=_releases,
+        default=1_000_000,
+        help="noisy releases per dataset for --privacy (default 1,000,000)",
+    )
     p.set_defaults(func=_cmd_audit)
 
     p = sub.add_parser(

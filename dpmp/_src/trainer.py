@@ -57,6 +57,7 @@ import optax
 
 from dpmp._src import accounting, release
 from dpmp._src.audit import audit_precision
+from dpmp._src.audit_privacy import privacy_audit
 from dpmp._src.checkpoint import (
     CheckpointError,
     latest_meta,
@@ -427,6 +428,25 @@ def audit_step(config: Config, data: Dataset | None = None, *, step: PrivateStep
         batch_argnums=1,
         expect=AUDIT_EXPECT,
         name=f"private step ({step.model.name}, {config.policy})",
+    )
+
+
+def privacy_audit_step(
+    config: Config,
+    data: Dataset | None = None,
+    *,
+    num_releases: int = 1_000_000,
+    step: PrivateStep | None = None,
+):
+    """Empirical privacy audit (``dpmp.privacy_audit``) of the config's noise stage:
+    its policy, noise multiplier (calibrated as the run would), clip norm and delta."""
+    step = build_private_step(config, data) if step is None else step
+    return privacy_audit(
+        step.noise_multiplier,
+        policy=step.policy,
+        clip_norm=config.privacy.l2_clip_norm,
+        delta=config.privacy.delta,
+        num_releases=num_releases,
     )
 
 
