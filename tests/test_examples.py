@@ -63,6 +63,7 @@ def test_private_training_example_spends_the_budget(name, capsys, monkeypatch):
     assert "noise multiplier" in out and "over 10 steps" in out
 
 
+@pytest.mark.slow  # ~7 s; test_mixed_precision_step_agrees_with_hand_written stays
 def test_private_mixed_precision_step(capsys, monkeypatch):
     name = "private_mixed_precision_step.py"
     out = run(name, *QUICK[name], capsys=capsys, monkeypatch=monkeypatch)
@@ -92,6 +93,7 @@ def test_private_training_example_as_shipped(name):
     assert float(eps) <= 2.0005 and float(acc) >= 0.90, out.stdout
 
 
+@pytest.mark.slow  # trains the README snippet (~12 s)
 def test_readme_quick_start_runs():
     """The README's quick start is code that works, not prose."""
     readme = (EXAMPLES.parent / "README.md").read_text()

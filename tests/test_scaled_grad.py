@@ -178,6 +178,7 @@ def train_linen(policy_str, steps=300):
     return final, skipped
 
 
+@pytest.mark.slow  # trains three runs (~6 s)
 def test_half_precision_training_reaches_fp32_loss():
     """bf16 and fp16 (dynamic scale) reach the fp32 loss within 15% relative
     (stated tolerance; half-precision rounding moves the optimum trajectory)."""

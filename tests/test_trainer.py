@@ -177,7 +177,8 @@ def test_build_private_step_audits_ok(digits):
     assert jax.tree.structure(out[0]) == jax.tree.structure(example_args[0])
 
 
-@pytest.mark.parametrize("kind", ["mlp", pytest.param("vit", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two short runs per kind (~15 s and ~30 s); tests/test_ghost.py checks the step
+@pytest.mark.parametrize("kind", ["mlp", "vit"])
 def test_ghost_clip_method_trains_like_vmap(kind, digits, tmp_path):
     """privacy.clip_method = "auto" runs ghost clipping, says so in the report and the log,
     and gives the parameters the per-example (vmap) run gives (f32, same noise)."""
@@ -239,6 +240,7 @@ class _Crash(Exception):
     pass
 
 
+@pytest.mark.slow  # three runs (~17 s)
 def test_crash_and_resume_is_bit_identical(digits, tmp_path, monkeypatch):
     """With secret keys: the resumed run takes its keys, its sampler seed and its
     private standardisation from the checkpoint. The entropy source is replaced by a
