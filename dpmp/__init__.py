@@ -31,6 +31,8 @@ from dpmp._src.loss_scale import all_finite as all_finite
 from dpmp._src.loss_scale import select_tree as select_tree
 from dpmp._src.noise import gaussian_privatizer as gaussian_privatizer
 from dpmp._src.noise import private_optimizer as private_optimizer
+from dpmp._src.noise import snap_grid as snap_grid
+from dpmp._src.noise import snapped_gaussian as snapped_gaussian
 from dpmp._src.policy import Policy as Policy
 from dpmp._src.policy import PrecisionError as PrecisionError
 from dpmp._src.private_loss_scale import PrivateDynamicLossScale as PrivateDynamicLossScale
@@ -78,6 +80,8 @@ __all__ = [
     "load_config",
     "private_grad",
     "private_optimizer",
+    "snap_grid",
+    "snapped_gaussian",
     "select_tree",
     "update_if_finite",
     "value_and_grad",

@@ -6,6 +6,7 @@ import math
 import time
 
 import dp_accounting
+import numpy as np
 import pytest
 
 import dpmp.accounting as acc
@@ -543,3 +544,98 @@ def test_budget_errors_name_the_field(field, value, message):
     good = dict(noise_multiplier=1.0, sampling_prob=0.1, delta=1e-5, target_epsilon=1.0)
     with pytest.raises(ValueError, match=message):
         acc.PrivacyBudget(**{**good, field: value})
+
+
+# ---- the snapped noise's floating-point residual ------------------------------------
+
+
+def test_cell_log_ratio_bounds_the_exact_mass_change_mpmath():
+    """A cell [a, b] whose edges move by the accounted z-error tau, at its widest
+    (1/32) and narrowest (1/64) and anywhere within 8 and 11 sigma: the exact
+    log-ratio of the moved to the true Gaussian mass (40-digit mpmath) is within
+    the per-cell bound noise_residual composes."""
+    import mpmath
+
+    from dpmp._src.accounting import _U_REL, SNAP_NDTRI_REL_ERROR, _cell_log_ratio
+
+    mpmath.mp.dps = 50
+    rng = np.random.default_rng(1)
+    for reach, kappa in SNAP_NDTRI_REL_ERROR:
+        bound = _cell_log_ratio(reach, kappa)
+        # tau at the reach, inflated a million times so the ratio rises far above
+        # mpmath's rounding; the bound, linear in tau, is inflated alike
+        tau = mpmath.mpf((kappa + _U_REL) * (reach + 2.0)) * 10**6
+        worst = 0.0
+        for width in (1 / 32, 1 / 64):
+            for a in np.append(rng.uniform(-reach, reach - width, 200), reach - width):
+                a, b = mpmath.mpf(a), mpmath.mpf(a) + mpmath.mpf(width)
+                exact = mpmath.ncdf(b) - mpmath.ncdf(a)
+                grown = mpmath.ncdf(b + tau) - mpmath.ncdf(a - tau)
+                shrunk = mpmath.ncdf(b - tau) - mpmath.ncdf(a + tau)
+                worst = max(
+                    worst, float(mpmath.log(grown / exact)), -float(mpmath.log(shrunk / exact))
+                )
+        assert 0.5 * bound * 10**6 < worst <= bound * 10**6 * 1.001, (reach, worst, bound)
+
+
+def test_epsilon_with_noised_coordinates_includes_the_residual():
+    plan = dict(sampling_prob=0.01, steps=500, delta=1e-5, noise_multiplier=1.1)
+    exact = acc.epsilon(**plan)
+    drawn = acc.epsilon(**plan, noised_coordinates=20_000)
+    res = acc.noise_residual(coordinates=20_000, releases=500, noise_multiplier=1.1, delta=1e-5)
+    assert 0 < res.delta_tail < 1e-12 and res.epsilon > 0
+    # the residual epsilon, plus the (tiny) cost of the delta it takes away
+    assert res.epsilon <= drawn - exact <= res.epsilon * 1.1 + 1e-5
+    breakdown = acc.epsilon_breakdown(**plan, count_noise_stddev=None, noised_coordinates=20_000)
+    assert breakdown.total == drawn and breakdown.noise_residual == pytest.approx(drawn - exact)
+    # linear in coordinates x releases (the per-cell bound composes over each)
+    double = acc.noise_residual(coordinates=40_000, releases=500, noise_multiplier=1.1, delta=1e-5)
+    assert double.log_ratio == pytest.approx(2 * res.log_ratio, rel=1e-4)
+    # it hardly depends on sigma (calibration evaluates it once, at a floor)
+    eps = [
+        acc.noise_residual(coordinates=20_000, releases=500, noise_multiplier=s, delta=1e-5).epsilon
+        for s in (0.5, 0.7, 1.0, 2.0)
+    ]
+    assert max(eps) <= 1.01 * min(eps)
+
+
+def test_calibration_and_tracker_cover_the_residual():
+    plan = dict(sampling_prob=0.05, steps=200, delta=1e-5, accountant="rdp")
+    sigma = acc.calibrate_noise_multiplier(target_epsilon=2.0, noised_coordinates=50_000, **plan)
+    assert sigma > acc.calibrate_noise_multiplier(target_epsilon=2.0, **plan)
+    assert acc.epsilon(noise_multiplier=sigma, noised_coordinates=50_000, **plan) <= 2.0
+    budget = acc.PrivacyBudget(
+        noise_multiplier=sigma,
+        sampling_prob=0.05,
+        delta=1e-5,
+        target_epsilon=3.0,
+        accountant="rdp",
+        noised_coordinates=50_000,
+    )
+    tracker = acc.BudgetTracker(budget, steps=200)
+    expected = acc.epsilon(noise_multiplier=sigma, noised_coordinates=50_000, **plan)
+    assert tracker.spent() == pytest.approx(expected, rel=1e-6)
+    parts = tracker.breakdown()
+    assert parts.noise_residual > 0 and parts.total == pytest.approx(
+        parts.dpsgd + parts.noise_residual
+    )
+
+
+def test_noise_residual_bad_arguments_name_the_field():
+    with pytest.raises(ValueError, match="coordinates"):
+        acc.noise_residual(coordinates=0, releases=1, noise_multiplier=1.0, delta=1e-5)
+    with pytest.raises(ValueError, match="delta"):
+        acc.noise_residual(coordinates=1, releases=1, noise_multiplier=1.0, delta=2.0)
+    with pytest.raises(ValueError, match="noised_coordinates"):
+        acc.epsilon(
+            noise_multiplier=1.0, sampling_prob=0.1, steps=1, delta=1e-5, noised_coordinates=-3
+        )
+    with pytest.raises(ValueError, match="does not fit in delta"):
+        acc.epsilon(
+            noise_multiplier=0.2,
+            sampling_prob=0.5,
+            steps=300,
+            delta=1e-5,
+            noised_coordinates=10**6,
+            accountant="rdp",
+        )

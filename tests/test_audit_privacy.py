@@ -45,11 +45,11 @@ def test_the_naive_bf16_pipeline_is_broken(sigma):
     "sigma", [1.0, *(pytest.param(s, marks=pytest.mark.slow) for s in (2.0, 7.2))]
 )
 def test_the_plain_float32_sampler_has_outputs_impossible_under_the_neighbour(sigma):
-    """jax.random.normal in float32 (what dpmp.gaussian_privatizer draws today):
-    most releases with the canary are values no noise draw gives without it, so the
-    exact-value lookup attack beats theory, while the threshold attack (which sees
-    only a smooth distribution) stays within it."""
-    r = dpmp.privacy_audit(sigma, mechanism="dpmp", num_releases=100_000, prng_key=1)
+    """jax.random.normal in float32 (``sampler="plain"``): most releases with the
+    canary are values no noise draw gives without it, so the exact-value lookup
+    attack beats theory, while the threshold attack (which sees only a smooth
+    distribution) stays within it."""
+    r = dpmp.privacy_audit(sigma, mechanism="plain", num_releases=100_000, prng_key=1)
     assert r.release_dtype == "float32" and r.distinct_noise_values == 2**23
     assert 0.5 < r.impossible_mass < 1 and 0.5 < r.impossible_share_reverse
     assert _agrees_with_exact(r.impossible_share, r.impossible_mass, r.num_releases)
@@ -58,11 +58,33 @@ def test_the_plain_float32_sampler_has_outputs_impossible_under_the_neighbour(si
     assert not r.ok and "cannot produce without it" in str(r)
 
 
+@pytest.mark.parametrize(
+    "sigma", [1.0, *(pytest.param(s, marks=pytest.mark.slow) for s in (2.0, 7.2))]
+)
+def test_the_default_noise_has_no_output_impossible_under_the_neighbour(sigma):
+    """dpmp's default (snapped) noise, 1e6 releases per dataset: no release is
+    impossible under the neighbour, the exact Gaussian mass of the impossible
+    outputs (beyond the sampler's 11.3 sigma reach) is below the delta the
+    accountant adds for the tails (``noise_residual``, one coordinate, one release)
+    and below 1e-5, and neither attack's lower bound passes the theoretical epsilon."""
+    r = dpmp.privacy_audit(sigma, num_releases=1_000_000, prng_key=4)
+    residual = dpmp.accounting.noise_residual(
+        coordinates=1, releases=1, noise_multiplier=sigma, delta=1e-5
+    )
+    assert r.impossible_share == 0 and r.impossible_share_reverse == 0
+    assert r.impossible_mass <= residual.delta_tail < 1e-5
+    assert r.epsilon_lookup <= r.epsilon_theory and r.epsilon_threshold <= r.epsilon_theory
+    # the support is every grid cell within the sampler's reach: 2 * 11.3 * r cells
+    grid = dpmp.snap_grid(sigma)
+    assert r.distinct_noise_values == pytest.approx(2 * 11.33 * sigma / grid, rel=0.01)
+    assert r.ok and "verdict: OK" in str(r)
+
+
 def test_the_enumerated_float32_noise_is_the_23_bit_gaussian():
     """Every value jax.random.normal can draw in float32, from the audit's
     enumeration: 2^23 of them, within [-5.42, 5.22], with mean 0 and variance 1
     (numpy, float64), and random draws all among them."""
-    priv = dpmp.gaussian_privatizer(stddev=1.0, prng_key=0, policy="f32")
+    priv = dpmp.gaussian_privatizer(stddev=1.0, prng_key=0, policy="f32", sampler="plain")
     values, probs = audit_privacy._support(priv, jnp.zeros((1,), jnp.float32))
     z = values.view(np.float32).astype(np.float64)
     assert len(z) == 2**23 and np.allclose(probs, 2.0**-23)
@@ -95,7 +117,7 @@ def test_snapping_a_23_bit_sampler_leaves_its_tails_exposed():
     grid = np.float32(2.0**-6)
     priv = _snapped_privatizer(1.0, grid)
     r = dpmp.privacy_audit(1.0, mechanism=priv, num_releases=200_000, prng_key=2)
-    base = dpmp.gaussian_privatizer(stddev=1.0, prng_key=0, policy="f32")
+    base = dpmp.gaussian_privatizer(stddev=1.0, prng_key=0, policy="f32", sampler="plain")
     z = audit_privacy._support(base, jnp.zeros((1,), jnp.float32))[0].view(np.float32)
     without = np.round(z / grid) * grid  # numpy float32, rounding half to even as XLA
     with_canary = np.round((np.float32(1) + z) / grid) * grid
@@ -124,7 +146,14 @@ def test_cli_audit_privacy_prints_both_epsilons(capsys):
     out = capsys.readouterr().out
     assert "theoretical epsilon" in out and "threshold attack, epsilon >=" in out
     assert "exact-value lookup attack, epsilon >=" in out
-    # the default noise stage still draws jax.random.normal in float32: it leaks
+    assert rc == 0 and "verdict: OK" in out and "snapped noise" in out
+
+
+def test_cli_audit_privacy_says_what_the_plain_sampler_leaks(capsys, tmp_path):
+    config = tmp_path / "plain.toml"
+    config.write_text('[privacy]\nnoise_sampler = "plain"\n')
+    rc = cli.main(["audit", "--privacy", "--releases", "20000", "--config", str(config)])
+    out = capsys.readouterr().out
     assert rc == 1 and "verdict: LEAKS" in out and "cannot produce without it" in out
     with pytest.raises(SystemExit) as e:
         cli.main(["audit", "--privacy", "--releases", "ten"])

@@ -546,8 +546,9 @@ PUBLIC_REPORT_KEYS = {
         "accountant", "noise_multiplier", "noise_multiplier_calibrated", "l2_clip_norm",
         "steps", "planned_steps", "stopped_early", "test_accuracy", "test_loss", "overflow",
         "loss_scale", "standardize", "clipping", "audit", "sampling", "model", "data",
-        "config", "versions", "num_params", "finite_params",
+        "config", "versions", "num_params", "finite_params", "noise",
     },
+    "noise": {"sampler", "noised_coordinates", "epsilon_residual"},
     "overflow": {
         "privatized", "count_releases", "count_noise_stddev", "epsilon_cost",
         "epsilon_without_counts", "noised_count_total", "privacy",
@@ -637,7 +638,10 @@ def test_public_files_hold_no_exact_training_statistic(digits, tmp_path, capsys)
     for key in PUBLIC_METRIC_KEYS:
         assert [r.get(key) for r in records] != exact_overflow, key
     noised = [r["noised_overflow"] for r in records]
-    assert all(n != round(n) for n in noised)  # noise on every released count
+    # noise on every released count: the snapped Gaussian's grid, and not the exact count
+    grid = dpmp.snap_grid(report["overflow"]["count_noise_stddev"])
+    assert all(n / grid == round(n / grid) for n in noised)
+    assert np.mean(np.array(noised) != np.array(exact_overflow)) > 0.8
     plan = set(
         _numbers(public_json["config"])
         + _numbers(public_json["model"])

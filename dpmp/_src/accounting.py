@@ -57,6 +57,10 @@ Formal Guarantees:
     count to move by 2 where a substitution moves it by at most 1).
   * Poisson-sampled batches that were truncated to a fixed size are not
     described by these events; see ``dpmp.PoissonSampler`` for the bound.
+  * The events assume exactly Gaussian noise. With ``noised_coordinates``
+    (what the trainer passes), every epsilon here covers the noise dpmp
+    actually draws, ``dpmp.snapped_gaussian``: ``noise_residual`` bounds its
+    deviation per grid cell and composes it over every coordinate and step.
 
 Reference point: De et al. 2022 ("Unlocking high-accuracy differentially
 private image classification through scale"), CIFAR-10 with q = 4096/50000,
@@ -68,15 +72,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import math
 import numbers
 from typing import Any, NamedTuple
 
 import dp_accounting
+import numpy as np
 from dp_accounting import mechanism_calibration
 from dp_accounting.pld import privacy_loss_distribution
 from dp_accounting.rdp import rdp_privacy_accountant
+from scipy import special as scipy_special
 
 __all__ = [
     "ACCOUNTANTS",
@@ -87,6 +94,7 @@ __all__ = [
     "BudgetExceededError",
     "BudgetTracker",
     "EpsilonBreakdown",
+    "NoiseResidual",
     "PrivacyBudget",
     "calibrate_noise_multiplier",
     "calibrate_steps",
@@ -95,6 +103,7 @@ __all__ = [
     "effective_noise_multiplier",
     "epsilon",
     "epsilon_breakdown",
+    "noise_residual",
 ]
 
 ACCOUNTANTS = ("rdp", "pld")
@@ -134,14 +143,17 @@ class EpsilonBreakdown(NamedTuple):
       total: epsilon of everything released (preprocessing, DP-SGD steps, counts).
       dpsgd: epsilon of the DP-SGD steps alone, as if nothing else were released.
       counts: what the count releases add to ``dpsgd``: the loss scale's cost.
-      preprocessing: what the preprocessing release adds on top:
-        ``total - dpsgd - counts``.
+      preprocessing: what the preprocessing release adds on top.
+      noise_residual: what the drawn noise adds to the exact Gaussian's epsilon
+        (``noise_residual``; 0 when the plan does not count noised coordinates):
+        ``total = dpsgd + counts + preprocessing + noise_residual``.
     """
 
     total: float
     dpsgd: float
     counts: float
     preprocessing: float = 0.0
+    noise_residual: float = 0.0
 
 
 # ---------------------------------------------------------------------------
@@ -341,6 +353,186 @@ def _make_accountant(
 
 
 # ---------------------------------------------------------------------------
+# The floating-point residual of dpmp's snapped Gaussian noise.
+# ---------------------------------------------------------------------------
+
+# The contract of ``dpmp.snapped_gaussian`` (dpmp/_src/noise.py implements it,
+# tests/test_noise.py measures it). Each coordinate's noisy value is
+# ``grid * K``, ``grid = 2**floor(log2(stddev / 32))``, so a grid cell is a
+# ``1 / r`` of the noise stddev with ``r = stddev / grid`` in [32, 64).
+SNAP_CELLS_PER_STDDEV = (32, 64)
+# Relative error of the float64 inverse normal CDF (jax.scipy.special.ndtri)
+# on |z| <= 8 and on 8 < |z| <= 11: the largest measured against a 40-digit
+# mpmath reference are 6.2e-16 and 2.1e-14; these bounds are 6x and 5x that.
+SNAP_NDTRI_REL_ERROR = ((8.0, 4e-15), (11.0, 1e-13))
+# The sampler's uniforms reach down to 2**-97: |z| up to 11.3. Its cells
+# within SNAP_TAIL of the mean are accurate; the rest of the mass is delta.
+SNAP_TAIL = 11.0
+_U_REL = 2.0**-51  # relative spacing of the sampler's uniforms and its float64 arithmetic
+
+
+class NoiseResidual(NamedTuple):
+    """What the drawn noise costs beyond the exact Gaussian the accountant assumes.
+
+    Attributes:
+      epsilon: added to the accountant's epsilon (``2 E`` in the derivation).
+      log_ratio: ``E``, the largest log-ratio of drawn to exact probability of
+        any output in the good set, summed over all coordinates of the run.
+      delta_tail: ``delta_G``, the probability that any coordinate falls outside
+        the good set (under the drawn or the exact noise).
+    """
+
+    epsilon: float
+    log_ratio: float
+    delta_tail: float
+
+    def ideal_delta(self, delta: float, epsilon_bound: float) -> float:
+        """The delta to ask the exact mechanism's accountant for, so that the drawn
+        noise is ``(epsilon + self.epsilon, delta)``-DP; ``epsilon_bound`` is an
+        upper bound of the accountant's epsilon at that delta."""
+        e = self.log_ratio
+        tail = self.delta_tail * (1.0 + math.exp(min(epsilon_bound + e, 700.0)))
+        return math.exp(-e) * (delta - tail)
+
+
+def _cell_log_ratio(reach: float, rel_error: float) -> float:
+    """Bound on |log(drawn / exact probability)| of one coordinate's grid cell
+    lying within ``reach`` stddevs of its mean."""
+    shift = (rel_error + _U_REL) * (reach + 2.0)  # the largest error of z, in stddevs
+    r_min, r_max = SNAP_CELLS_PER_STDDEV
+    x = 2.0 * shift * r_max * math.exp((1.0 / r_min + 2.0 * shift) * reach)
+    return -math.log1p(-x)
+
+
+def _outside_mass(reach: float, coordinates: int, t_max: float) -> float:
+    """Upper bound of sum_i P(|Z + t_i| > reach) per release, over all splits of
+    the shift t (the neighbour's difference, in stddevs) with |t|_2 <= t_max.
+
+    P(|Z + t| > L) <= 2 Phi(-(L - t)) <= 2 Phi(-L) exp(t lam), lam = L + 1/L
+    bounding the normal hazard on [L - t, L]; exp(t lam) <= 1 + t lam exp(t_max lam)
+    and sum_i t_i <= sqrt(n) t_max.
+    """
+    lam = reach + 1.0 / reach
+    log_tail = math.log(2.0) + float(scipy_special.log_ndtr(-reach))
+    log_shifted = (
+        math.log(lam * math.sqrt(coordinates) * t_max) + t_max * lam if t_max else -math.inf
+    )
+    log_spread = float(np.logaddexp(math.log(coordinates), log_shifted))
+    return math.exp(min(log_tail + log_spread, 700.0))
+
+
+def _tail_count(mu: float, most: int, log_target: float) -> tuple[int, float]:
+    """Fewest k <= most with log(mu^(k+1) / (k+1)!) <= log_target (the Poisson-binomial
+    bound on more than k of ``most`` events of total mean ``mu``), and that log."""
+
+    def log_term(k: int) -> float:
+        return -math.inf if mu <= 0 or k >= most else (k + 1) * math.log(mu) - math.lgamma(k + 2)
+
+    if log_term(0) <= log_target:
+        return 0, log_term(0)
+    # log_term rises until k ~ mu, then falls: search from there.
+    low = min(int(mu), most)
+    high = low + 1
+    while log_term(high) > log_target:
+        low, high = high, min(2 * high + 1, most)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if log_term(mid) > log_target else (low, mid)
+    return high, log_term(high)
+
+
+def noise_residual(
+    *, coordinates: int, releases: int, noise_multiplier: float, delta: float
+) -> NoiseResidual:
+    """The accounted cost of drawing dpmp's snapped Gaussian instead of an exact one.
+
+    Args:
+      coordinates: noised coordinates per release (parameters, plus one for a
+        released count).
+      releases: number of noisy releases (steps).
+      noise_multiplier: the effective noise multiplier of one release (the
+        neighbour moves the noise mean by at most ``1 / noise_multiplier``
+        stddevs in L2 norm).
+      delta: the run's target delta (fixes how rare the tail event must be).
+
+    Derivation (per coordinate, in units of the noise stddev ``s``). The
+    release is ``K = n + round(f + r z)`` grid steps with ``x / grid = n + f``
+    exact, ``z = ndtri(U)`` (sign-symmetric) and ``U`` a float64 uniform on
+    (0, 1/2] with 51 fraction bits and a 96-bit geometric exponent. The
+    ideal mechanism draws ``z`` exactly normal: ``K`` is then a
+    post-processing of the Gaussian mechanism and the accountant's
+    ``(epsilon, delta)`` holds for it. Drawn and exact ``z`` differ by at most
+    ``tau(z) = (kappa + 2^-51)(|z| + 2)`` (ndtri's relative error ``kappa``,
+    the float64 product and sum, and the uniform's lattice), so the drawn
+    probability of a cell ``[a, b]`` (width ``w = 1/r``) lies between the
+    exact masses of ``[a + tau, b - tau]`` and ``[a - tau, b + tau]``: a
+    log-ratio of at most ``eta = -log(1 - 2 tau r e^{(w + 2 tau) L})`` for a
+    cell within ``L`` of the mean. Let G be the outputs whose every cell lies
+    within 8 stddevs of the mean under both neighbours, except at most ``k``
+    coordinates of the whole run within ``SNAP_TAIL`` (11). On G the drawn and
+    exact likelihoods differ by at most ``E = N eta(8) + k eta(11)`` in log,
+    ``N = coordinates * releases``; off G is the probability ``delta_G``
+    (the Poisson-binomial bound ``mu^(k+1) / (k+1)!`` on more than ``k`` tail
+    coordinates, plus the mass beyond 11). For any event S,
+    ``P~(S) <= e^{eps + 2E} P~'(S) + e^E delta + (1 + e^{eps + E}) delta_G``:
+    the drawn noise is ``(eps + 2E, delta)``-DP when the accountant's epsilon
+    is taken at ``ideal_delta(delta)``. Pseudo-randomness is assumed ideal.
+
+    Returns:
+      The ``NoiseResidual`` (``epsilon`` = 2E, and the tail delta).
+    """
+    n = _check_int("coordinates", coordinates, 1)
+    releases = _check_int("releases", releases, 0)
+    sigma = _check_noise_multiplier(noise_multiplier)
+    delta = _check_delta(delta)
+    if releases == 0 or sigma == math.inf:
+        return NoiseResidual(0.0, 0.0, 0.0)
+    (core, kappa_core), (tail, kappa_tail) = SNAP_NDTRI_REL_ERROR
+    cell = 1.0 / SNAP_CELLS_PER_STDDEV[0]
+    t_max = 1.0 / sigma
+    # Reach of the good set measured from the ideal z, slack for cell and error.
+    mu_tail = releases * _outside_mass(core - cell - 1e-9, n, t_max)
+    mu_out = releases * _outside_mass(tail - cell - 1e-9, n, t_max)
+    k, log_term = _tail_count(mu_tail, releases * n, math.log(delta * 1e-4))
+    log_ratio = releases * n * _cell_log_ratio(core, kappa_core) + k * _cell_log_ratio(
+        tail, kappa_tail
+    )
+    delta_tail = mu_out + math.exp(min(log_term, 700.0))
+    return NoiseResidual(2.0 * log_ratio, log_ratio, delta_tail)
+
+
+def _check_coordinates(value: Any) -> int | None:
+    return None if value is None else _check_int("noised_coordinates", value, 1)
+
+
+def _epsilon_of_drawn_noise(
+    eps_at, *, coordinates: int | None, steps: int, sigma: float, delta: float
+) -> float:
+    """``eps_at(delta')`` is the accountant's epsilon of the exact-Gaussian plan;
+    returns the epsilon at ``delta`` of the noise dpmp draws (``noise_residual``).
+    ``coordinates is None``: the plan does not count them, the exact epsilon."""
+    if coordinates is None or steps == 0:
+        return eps_at(delta)
+    res = noise_residual(
+        coordinates=coordinates, releases=steps, noise_multiplier=sigma, delta=delta
+    )
+    floor = 0.5 * delta * math.exp(-res.log_ratio)
+    ideal = res.ideal_delta(delta, eps_at(floor))
+    if not ideal >= floor:
+        raise ValueError(
+            f"noised_coordinates={coordinates}: the noise residual's tail delta "
+            f"{res.delta_tail:.3g} does not fit in delta={delta:g}; raise the noise "
+            "multiplier or delta."
+        )
+    return eps_at(ideal) + res.epsilon
+
+
+def _residual_sigma(sigma: float, sigma_eff: float, with_count: int) -> float:
+    """Noise multiplier the residual sees: the count's noise is one more coordinate."""
+    return sigma_eff if with_count else sigma
+
+
+# ---------------------------------------------------------------------------
 # One-shot queries.
 # ---------------------------------------------------------------------------
 
@@ -357,6 +549,7 @@ def epsilon(
     count_every: int = 1,
     value_discretization_interval: float = REPORT_DISCRETIZATION,
     preprocessing_noise_multiplier: float | None = None,
+    noised_coordinates: int | None = None,
 ) -> float:
     """Epsilon at ``delta`` of a DP-SGD run (and its count and preprocessing releases).
 
@@ -380,9 +573,13 @@ def epsilon(
       value_discretization_interval: PLD discretisation (ignored by RDP).
       preprocessing_noise_multiplier: a one-off Gaussian release before
         training (see ``dpsgd_event``), or ``None``.
+      noised_coordinates: coordinates of each gradient release (the number of
+        parameters) when the noise is dpmp's snapped Gaussian: the result then
+        includes its ``noise_residual``. ``None``: exact Gaussian noise.
 
     Returns:
-      The epsilon that dp-accounting's accountant gives for ``dpsgd_event``.
+      The epsilon that dp-accounting's accountant gives for ``dpsgd_event``
+      (plus the noise residual when ``noised_coordinates`` is given).
 
     Formal Guarantees:
       See the module docstring: the run is ``(epsilon, delta)``-DP under
@@ -393,6 +590,7 @@ def epsilon(
     neighboring = _check_neighboring(neighboring, accountant)
     delta = _check_delta(delta)
     interval = _check_interval(value_discretization_interval)
+    coordinates = _check_coordinates(noised_coordinates)
     event = dpsgd_event(
         noise_multiplier=noise_multiplier,
         sampling_prob=sampling_prob,
@@ -403,8 +601,22 @@ def epsilon(
     )
     if isinstance(event, dp_accounting.NoOpDpEvent):
         return 0.0
-    acct = _make_accountant(accountant, neighboring, interval)
-    return float(acct.compose(event).get_epsilon(delta))
+    acct = _make_accountant(accountant, neighboring, interval).compose(event)
+    sigma = _check_noise_multiplier(noise_multiplier)
+    plain, with_count = _split_steps(steps, _check_count_noise(count_noise_stddev), count_every)
+    if with_count and coordinates is not None:
+        coordinates += 1
+    return float(
+        _epsilon_of_drawn_noise(
+            acct.get_epsilon,
+            coordinates=coordinates,
+            steps=steps,
+            sigma=_residual_sigma(
+                sigma, effective_noise_multiplier(sigma, count_noise_stddev), with_count
+            ),
+            delta=delta,
+        )
+    )
 
 
 def epsilon_breakdown(
@@ -419,12 +631,14 @@ def epsilon_breakdown(
     neighboring: str = "add_or_remove",
     value_discretization_interval: float = REPORT_DISCRETIZATION,
     preprocessing_noise_multiplier: float | None = None,
+    noised_coordinates: int | None = None,
 ) -> EpsilonBreakdown:
     """Epsilon with and without the count and preprocessing releases.
 
     Epsilon does not add up over mechanisms, so each part is a difference at
     the same delta: ``counts = epsilon(steps and counts) - epsilon(steps)``,
-    ``preprocessing = epsilon(everything) - epsilon(steps and counts)``.
+    ``preprocessing = epsilon(everything) - epsilon(steps and counts)``, and
+    ``noise_residual`` = the total with ``noised_coordinates`` minus without.
     """
     common = dict(
         noise_multiplier=noise_multiplier,
@@ -438,16 +652,19 @@ def epsilon_breakdown(
     dpsgd = epsilon(**common)
     common.update(count_noise_stddev=count_noise_stddev, count_every=count_every)
     with_counts = dpsgd if count_noise_stddev is None else epsilon(**common)
+    common.update(preprocessing_noise_multiplier=preprocessing_noise_multiplier)
+    exact = with_counts if preprocessing_noise_multiplier is None else epsilon(**common)
     total = (
-        with_counts
-        if preprocessing_noise_multiplier is None
-        else epsilon(**common, preprocessing_noise_multiplier=preprocessing_noise_multiplier)
+        exact
+        if noised_coordinates is None
+        else epsilon(**common, noised_coordinates=noised_coordinates)
     )
     return EpsilonBreakdown(
         total=total,
         dpsgd=dpsgd,
         counts=with_counts - dpsgd,
-        preprocessing=total - with_counts,
+        preprocessing=exact - with_counts,
+        noise_residual=total - exact,
     )
 
 
@@ -469,6 +686,7 @@ def calibrate_noise_multiplier(
     value_discretization_interval: float = REPORT_DISCRETIZATION,
     rtol: float = 1e-4,
     preprocessing_noise_multiplier: float | None = None,
+    noised_coordinates: int | None = None,
 ) -> float:
     """The smallest noise multiplier whose run stays within ``target_epsilon``.
 
@@ -481,7 +699,10 @@ def calibrate_noise_multiplier(
       target_epsilon: in (0, inf).
       sampling_prob, steps, delta, accountant, neighboring, count_noise_stddev,
         count_every, value_discretization_interval,
-        preprocessing_noise_multiplier: as in ``epsilon``; steps >= 1.
+        preprocessing_noise_multiplier, noised_coordinates: as in
+        ``epsilon``; steps >= 1. With ``noised_coordinates`` the target covers
+        the noise residual too: the exact plan is calibrated to the target
+        minus the residual, at the delta the residual leaves.
       rtol: relative tolerance on the noise multiplier.
 
     Returns:
@@ -505,6 +726,89 @@ def calibrate_noise_multiplier(
     rtol = _real("rtol", rtol)
     if not 0 < rtol < 1:
         raise ValueError(f"rtol must be in (0, 1), got {rtol}.")
+    coordinates = _check_coordinates(noised_coordinates)
+    exact = functools.partial(
+        _calibrate_exact,
+        sampling_prob=q,
+        steps=steps,
+        accountant=accountant,
+        neighboring=neighboring,
+        count_noise_stddev=sigma_c,
+        count_every=count_every,
+        interval=interval,
+        rtol=rtol,
+        preprocessing_noise_multiplier=sigma_p,
+    )
+    if coordinates is None:
+        return exact(target, delta)
+    plan = dict(
+        sampling_prob=q,
+        steps=steps,
+        delta=delta,
+        accountant=accountant,
+        neighboring=neighboring,
+        count_noise_stddev=sigma_c,
+        count_every=count_every,
+        value_discretization_interval=interval,
+        preprocessing_noise_multiplier=sigma_p,
+        noised_coordinates=coordinates,
+    )
+    with_count = _split_steps(steps, sigma_c, count_every)[1]
+    # The residual shrinks as sigma grows: evaluated at a floor, it bounds the
+    # residual of every sigma above it, so one exact calibration usually does.
+    # If the fixed floor is too low, the exact plan's own sigma is a floor too.
+    floors = [_RESIDUAL_SIGMA_FLOOR, None]
+    res = None
+    for floor in floors:
+        floor = exact(target, delta) if floor is None else floor
+        res = noise_residual(
+            coordinates=coordinates + (1 if with_count else 0),
+            releases=steps,
+            noise_multiplier=_residual_sigma(
+                floor, effective_noise_multiplier(floor, sigma_c), with_count
+            ),
+            delta=delta,
+        )
+        ideal = res.ideal_delta(delta, target)
+        if not ideal >= 0.5 * delta * math.exp(-res.log_ratio):
+            continue
+        sigma = exact(target - res.epsilon, ideal)
+        if sigma < floor:
+            continue
+        # The reported epsilon bounds the residual at sigma itself (its tail count
+        # k and tail delta may round the other way): step up until it fits.
+        for _ in range(20):
+            if epsilon(noise_multiplier=sigma, **plan) <= target:
+                return sigma
+            sigma *= 1 + 1e-4
+    raise ValueError(
+        f"target_epsilon={target}: no noise multiplier keeps the run and the noise "
+        f"residual (tail delta {res.delta_tail:.3g}, times e^epsilon) within it at "
+        f"delta={delta:g}; lower the target or raise delta."
+    )
+
+
+_RESIDUAL_SIGMA_FLOOR = 0.5
+
+
+def _calibrate_exact(
+    target: float,
+    delta: float,
+    *,
+    sampling_prob: float,
+    steps: int,
+    accountant: str,
+    neighboring: str,
+    count_noise_stddev: float | None,
+    count_every: int,
+    interval: float,
+    rtol: float,
+    preprocessing_noise_multiplier: float | None,
+) -> float:
+    """``calibrate_noise_multiplier`` for exact Gaussian noise, arguments checked."""
+    q, sigma_c, sigma_p = sampling_prob, count_noise_stddev, preprocessing_noise_multiplier
+    if not target > 0:
+        raise ValueError(f"target_epsilon: the noise residual leaves nothing of {target}.")
 
     def make_event(sigma: float) -> dp_accounting.DpEvent:
         return dpsgd_event(
@@ -569,6 +873,7 @@ def calibrate_steps(
     value_discretization_interval: float = REPORT_DISCRETIZATION,
     max_steps: int = 10**7,
     preprocessing_noise_multiplier: float | None = None,
+    noised_coordinates: int | None = None,
 ) -> int:
     """The most steps whose run stays within ``target_epsilon``.
 
@@ -591,6 +896,7 @@ def calibrate_steps(
         count_every=count_every,
         value_discretization_interval=value_discretization_interval,
         preprocessing_noise_multiplier=preprocessing_noise_multiplier,
+        noised_coordinates=noised_coordinates,
     )
     max_steps = _check_int("max_steps", max_steps, 0)
     return BudgetTracker(budget).remaining_steps(max_steps)
@@ -685,18 +991,30 @@ class _EpsilonCurve:
         if key in self._memo:
             self._memo.move_to_end(key)
             return self._memo[key]
-        delta = self._budget.delta
-        if self._budget.accountant == "rdp":
+        b = self._budget
+        if b.accountant == "rdp":
             rdp = 0
             for kind, n in ((0, plain), (1, with_count), (2, self._pre)):
                 if n > 0:
                     orders, per_step = self._single(kind)
                     rdp = rdp + n * per_step
-            eps, _ = rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)
+
+            def eps_at(delta):
+                return rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0]
         else:
             pld = self._pld(plain, with_count)
             self._cursor = (plain, with_count, pld)
-            eps = pld.get_epsilon_for_delta(delta)
+            eps_at = pld.get_epsilon_for_delta
+        coordinates = b.noised_coordinates
+        if coordinates is not None and with_count:
+            coordinates += 1
+        eps = _epsilon_of_drawn_noise(
+            eps_at,
+            coordinates=coordinates,
+            steps=plain + with_count,
+            sigma=_residual_sigma(self._sigmas[0], self._sigmas[1], with_count),
+            delta=b.delta,
+        )
         self._memo[key] = float(eps)
         if len(self._memo) > self._MEMO_SIZE:
             self._memo.popitem(last=False)
@@ -754,6 +1072,9 @@ class PrivacyBudget:
         defaults to the coarser ``TRACKING_DISCRETIZATION`` (1e-3), which is
         still an upper bound. Report the final number with ``epsilon(...)``
         at 1e-4 if you want the tighter value.
+      noised_coordinates: coordinates of each gradient release when the noise
+        is dpmp's snapped Gaussian (its ``noise_residual`` is then part of
+        every epsilon); ``None`` for exact Gaussian noise.
     """
 
     noise_multiplier: float
@@ -766,6 +1087,7 @@ class PrivacyBudget:
     count_every: int = 1
     value_discretization_interval: float = TRACKING_DISCRETIZATION
     preprocessing_noise_multiplier: float | None = None
+    noised_coordinates: int | None = None
 
     def __post_init__(self):
         accountant = _check_accountant(self.accountant)
@@ -781,6 +1103,7 @@ class PrivacyBudget:
             preprocessing_noise_multiplier=_check_preprocessing(
                 self.preprocessing_noise_multiplier
             ),
+            noised_coordinates=_check_coordinates(self.noised_coordinates),
         )
         for name, value in fields.items():
             object.__setattr__(self, name, value)
@@ -874,15 +1197,19 @@ class BudgetTracker:
         """``spent()`` split into the DP-SGD steps alone, the extra for counts and
         the extra for the preprocessing release (see ``EpsilonBreakdown``)."""
         total = self.spent()
-        no_pre = dataclasses.replace(self._budget, preprocessing_noise_multiplier=None)
-        with_counts = _curve_for(no_pre)(self._steps - self._count_releases, self._count_releases)
+        split = (self._steps - self._count_releases, self._count_releases)
+        exact_plan = dataclasses.replace(self._budget, noised_coordinates=None)
+        exact = _curve_for(exact_plan)(*split)
+        no_pre = dataclasses.replace(exact_plan, preprocessing_noise_multiplier=None)
+        with_counts = _curve_for(no_pre)(*split)
         plain = _curve_for(dataclasses.replace(no_pre, count_noise_stddev=None))
         dpsgd = plain(self._steps, 0)
         return EpsilonBreakdown(
             total=total,
             dpsgd=dpsgd,
             counts=with_counts - dpsgd,
-            preprocessing=total - with_counts,
+            preprocessing=exact - with_counts,
+            noise_residual=total - exact,
         )
 
     def peek(self, count_released: bool | None = None) -> float:

@@ -45,6 +45,9 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jax_core
 
+# The named jit of dpmp.snapped_gaussian's normal draw (dpmp/_src/noise.py).
+SNAPPED_SAMPLE = "snapped_normal_sample"
+
 # ---- flags -------------------------------------------------------------------
 BATCH = 1
 PARAM = 2
@@ -401,6 +404,21 @@ class Analyzer:
         outs = self.run(jaxpr, inner_ins, path, tr)
         if len(outs) != len(eqn.outvars):
             return self._opaque(eqn, ins, tr)
+        if eqn.params.get("name") == SNAPPED_SAMPLE and any(av.has(RNG) for av in ins):
+            # dpmp's snapped Gaussian: float64 ndtri of random bits, no erf_inv.
+            out_dtype = _dtype(eqn.outvars[0])
+            self._record(
+                ("noise_sample", loc),
+                "noise_sample",
+                SNAPPED_SAMPLE,
+                _dtype(eqn.invars[0]),
+                None,
+                out_dtype,
+                loc,
+                self.policy.noise,
+                "Gaussian sample (dpmp.snapped_gaussian: float64 ndtri of random bits)",
+            )
+            outs = [dataclasses.replace(av, flags=(av.flags | NOISE) & ~GRAD) for av in outs]
         return [
             dataclasses.replace(av, bax=_right_aligned(av.bax, _shape(w), _shape(v)))
             for av, v, w in zip(outs, eqn.outvars, jaxpr.outvars, strict=True)

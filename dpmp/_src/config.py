@@ -58,6 +58,7 @@ MODEL_KINDS = ("mlp", "nnx_mlp", "linear", "vit")
 ACCOUNTANTS = ("pld", "rdp")
 SAMPLINGS = ("poisson", "shuffle")
 CLIP_METHODS = ("vmap", "ghost", "auto")
+NOISE_SAMPLERS = ("snapped", "plain")
 OPTIMIZERS = ("adam", "sgd", "momentum")
 LOSS_SCALE_KINDS = ("none", "static", "private_dynamic", "nonprivate_dynamic")
 STANDARDIZE_MODES = ("none", "private", "nonprivate")
@@ -199,6 +200,10 @@ class PrivacyConfig:
       layer's activations and output gradients; fails on a model it cannot
       handle) or ``"auto"`` (ghost where it can, else vmap). The report says
       which ran and why.
+    noise_sampler: ``"snapped"`` (default: ``dpmp.snapped_gaussian``, safe
+      against observers of exact outputs; its floating-point residual is part
+      of the reported epsilon) or ``"plain"`` (float32 ``jax.random.normal``:
+      ``dpmp audit --privacy`` shows what leaks).
     reproducible_noise: derive the noise keys and the sampler's seed from
       ``training.seed`` instead of the OS entropy, for debugging and tests. The
       run can then be replayed by anyone who knows the seed and the other
@@ -212,6 +217,7 @@ class PrivacyConfig:
     accountant: str = "pld"
     sampling: str = "poisson"
     clip_method: str = "vmap"
+    noise_sampler: str = "snapped"
     reproducible_noise: bool = False
 
     def __post_init__(self):
@@ -224,6 +230,7 @@ class PrivacyConfig:
         _choice("privacy.accountant", self.accountant, ACCOUNTANTS)
         _choice("privacy.sampling", self.sampling, SAMPLINGS)
         _choice("privacy.clip_method", self.clip_method, CLIP_METHODS)
+        _choice("privacy.noise_sampler", self.noise_sampler, NOISE_SAMPLERS)
         if not isinstance(self.reproducible_noise, bool):
             raise ConfigError(
                 "privacy.reproducible_noise: must be true or false, "
@@ -388,6 +395,7 @@ _CHOICES = {
     "privacy.accountant": ACCOUNTANTS,
     "privacy.sampling": SAMPLINGS,
     "privacy.clip_method": CLIP_METHODS,
+    "privacy.noise_sampler": NOISE_SAMPLERS,
     "training.optimizer": OPTIMIZERS,
     "loss_scale.kind": LOSS_SCALE_KINDS,
     "data.standardize": STANDARDIZE_MODES,

@@ -10,7 +10,7 @@ the DP-SGD accounting pays for it.
 ``PrivateDynamicLossScale`` makes the decision from a Gaussian-noised count
 of the examples whose gradient was not finite:
 
-    noised = count + N(0, count_noise_stddev**2)      # drawn in float32
+    noised = count + N(0, count_noise_stddev**2)      # dpmp.snapped_gaussian
     overflow = noised > threshold
     (then the usual grow-after-``period`` / back-off-by-``factor`` rule)
 
@@ -45,6 +45,7 @@ from dpmp._src.loss_scale import (
     _validate_dynamic_fields,
     dynamic_rule,
 )
+from dpmp._src.noise import snapped_gaussian
 
 __all__ = ["PrivateDynamicLossScale"]
 
@@ -98,8 +99,9 @@ class PrivateDynamicLossScale:
     def adjust_private(self, overflow_count) -> tuple[PrivateDynamicLossScale, jax.Array]:
         """Releases a noised ``overflow_count`` and returns ``(next_scale, noised_count)``."""
         key, sub = jax.random.split(self.prng_key)
-        noise = jax.random.normal(sub, (), jnp.float32) * jnp.float32(self.count_noise_stddev)
-        noised = jnp.asarray(overflow_count).astype(jnp.float32) + noise
+        # The snapped Gaussian: a float32 normal's lattice would leak the count.
+        count = jnp.asarray(overflow_count).astype(jnp.float32)
+        noised = snapped_gaussian(sub, count, self.count_noise_stddev)
         loss_scale, counter = dynamic_rule(self, noised <= jnp.float32(self.threshold))
         new = dataclasses.replace(self, loss_scale=loss_scale, counter=counter, prng_key=key)
         return new, noised

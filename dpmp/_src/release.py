@@ -90,6 +90,14 @@ NONPRIVATE_STANDARDIZE = (
 )
 
 
+PLAIN_NOISE = (
+    "privacy.noise_sampler = 'plain': the gradient noise is float32 jax.random.normal, 2^23 "
+    "values within about 5.4 sigma on a lattice that depends on the gradient sum. The "
+    "epsilon holds for observers of rounded outputs; an observer of the exact noisy values "
+    "can tell neighbouring datasets apart (dpmp audit --privacy measures it)."
+)
+
+
 def privacy_warnings(config) -> list[str]:
     """Why a run of ``config`` is NOT differentially private (empty: it is)."""
     out = []
@@ -113,6 +121,14 @@ def privacy_notes(config, breakdown: accounting.EpsilonBreakdown) -> list[str]:
         "keys, the sampler's seed and a fingerprint of the data: keep them as secret as "
         "the data.",
     ]
+    if config.privacy.noise_sampler == "plain":
+        notes.append(PLAIN_NOISE)
+    elif breakdown.noise_residual:
+        notes.append(
+            "the gradient noise is dpmp's snapped Gaussian (float64 inverse-CDF normal, "
+            "rounded to a power-of-two grid); its accounted floating-point residual "
+            f"({breakdown.noise_residual:.3g}) is included in the run's epsilon."
+        )
     d = config.data
     if d.standardize == "private":
         notes.append(
@@ -244,6 +260,7 @@ def epsilon_breakdown(step, steps: int) -> accounting.EpsilonBreakdown:
         count_every=1,
         accountant=p.accountant,
         preprocessing_noise_multiplier=step.budget.preprocessing_noise_multiplier,
+        noised_coordinates=step.budget.noised_coordinates,
     )
 
 
@@ -322,6 +339,11 @@ def build_report(
         "accountant": p.accountant,
         "noise_multiplier": step.noise_multiplier,
         "noise_multiplier_calibrated": step.noise_calibrated,
+        "noise": {
+            "sampler": p.noise_sampler,
+            "noised_coordinates": step.budget.noised_coordinates,
+            "epsilon_residual": breakdown.noise_residual,
+        },
         "l2_clip_norm": p.l2_clip_norm,
         "steps": completed,
         "planned_steps": config.training.steps,

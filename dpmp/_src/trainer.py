@@ -42,6 +42,7 @@ on CPU, and the same epsilon as an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import platform
 import time
 import warnings
@@ -222,8 +223,16 @@ def _preprocessing_sigma(config: Config) -> float | None:
     return release_noise_multiplier(d.standardize_noise_multiplier)
 
 
+def _noised_coordinates(config: Config, policy, params_shape) -> int | None:
+    """Coordinates of each noisy release when the noise is snapped (its residual
+    is then accounted), else None."""
+    if config.privacy.noise_sampler != "snapped" or jnp.finfo(policy.noise).bits < 32:
+        return None
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params_shape))
+
+
 def _noise_multiplier(
-    config: Config, q: float, count_sigma: float | None
+    config: Config, q: float, count_sigma: float | None, coordinates: int | None
 ) -> tuple[float, bool, accounting.PrivacyBudget]:
     p = config.privacy
     steps = config.training.steps
@@ -239,6 +248,7 @@ def _noise_multiplier(
             count_noise_stddev=count_sigma,
             count_every=1,
             preprocessing_noise_multiplier=pre_sigma,
+            noised_coordinates=coordinates,
         )
 
     if p.noise_multiplier is not None:
@@ -257,6 +267,7 @@ def _noise_multiplier(
             count_every=1,
             value_discretization_interval=accounting.TRACKING_DISCRETIZATION,
             preprocessing_noise_multiplier=pre_sigma,
+            noised_coordinates=coordinates,
         )
     except ValueError as e:
         raise ConfigError(f"privacy.target_epsilon: cannot be reached: {e}") from e
@@ -348,7 +359,8 @@ def build_private_step(
     )
     sampler = _make_sampler(config, data.num_train, keys.sampler_seed)
     q = t.expected_batch_size / data.num_train
-    sigma, calibrated, budget = _noise_multiplier(config, q, count_sigma)
+    coordinates = _noised_coordinates(config, policy, jax.eval_shape(model.init, init_key))
+    sigma, calibrated, budget = _noise_multiplier(config, q, count_sigma, coordinates)
     grad_fn = private_grad(
         model.loss_fn,
         l2_clip_norm=config.privacy.l2_clip_norm,
@@ -364,6 +376,7 @@ def build_private_step(
         expected_batch_size=t.expected_batch_size,
         prng_key=noise_key,
         policy=policy,
+        sampler=config.privacy.noise_sampler,
     )
 
     def private_step(params, batch, is_padding_example, opt_state, loss_scale):
@@ -447,6 +460,7 @@ def privacy_audit_step(
         clip_norm=config.privacy.l2_clip_norm,
         delta=config.privacy.delta,
         num_releases=num_releases,
+        mechanism="dpmp" if config.privacy.noise_sampler == "snapped" else "plain",
     )
 
 

@@ -13,6 +13,7 @@ from dpmp._src.accounting import TRACKING_DISCRETIZATION as TRACKING_DISCRETIZAT
 from dpmp._src.accounting import BudgetExceededError as BudgetExceededError
 from dpmp._src.accounting import BudgetTracker as BudgetTracker
 from dpmp._src.accounting import EpsilonBreakdown as EpsilonBreakdown
+from dpmp._src.accounting import NoiseResidual as NoiseResidual
 from dpmp._src.accounting import PrivacyBudget as PrivacyBudget
 from dpmp._src.accounting import calibrate_noise_multiplier as calibrate_noise_multiplier
 from dpmp._src.accounting import calibrate_steps as calibrate_steps
@@ -21,6 +22,7 @@ from dpmp._src.accounting import dpsgd_event as dpsgd_event
 from dpmp._src.accounting import effective_noise_multiplier as effective_noise_multiplier
 from dpmp._src.accounting import epsilon as epsilon
 from dpmp._src.accounting import epsilon_breakdown as epsilon_breakdown
+from dpmp._src.accounting import noise_residual as noise_residual
 
 __all__ = [
     "ACCOUNTANTS",
@@ -30,6 +32,7 @@ __all__ = [
     "BudgetExceededError",
     "BudgetTracker",
     "EpsilonBreakdown",
+    "NoiseResidual",
     "PrivacyBudget",
     "calibrate_noise_multiplier",
     "calibrate_steps",
@@ -38,4 +41,5 @@ __all__ = [
     "effective_noise_multiplier",
     "epsilon",
     "epsilon_breakdown",
+    "noise_residual",
 ]
