@@ -6,7 +6,7 @@ blocks and a model you write yourself:
     dpmp.accounting.calibrate_noise_multiplier   sigma for epsilon 2 at delta 1e-5
     dpmp.PoissonSampler                           Poisson batches, padded to one size
     dpmp.private_grad                             bf16 per-example grads, fp32 clip + sum
-    dpmp.private_optimizer                        fp32 noise, / expected batch size, adam
+    dpmp.private_optimizer                        snapped fp-safe noise, / batch size, adam
     dpmp.accounting.epsilon                       what the steps taken have spent
 
 The MLP is a plain ``nn.Module`` with ``dtype=bfloat16`` (compute) and
@@ -88,15 +88,20 @@ def main(steps: int) -> float:
 
     # no seed: the sampler draws a secret one from the OS entropy
     sampler = dpmp.PoissonSampler(n, expected_batch_size=BATCH, num_steps=steps)
+    params = MODEL.init(jax.random.key(0), jnp.zeros((1, 64), jnp.float32))["params"]
+    coords = sum(leaf.size for leaf in jax.tree.leaves(params))  # noised per step
     sigma = dpmp.accounting.calibrate_noise_multiplier(
-        target_epsilon=EPSILON, sampling_prob=sampler.sampling_prob, steps=steps, delta=DELTA
+        target_epsilon=EPSILON,
+        sampling_prob=sampler.sampling_prob,
+        steps=steps,
+        delta=DELTA,
+        noised_coordinates=coords,  # the snapped noise's residual is accounted per coordinate
     )
     print(
         f"noise multiplier {sigma:.4g} for epsilon {EPSILON:g} at delta {DELTA:g} over "
         f"{steps} steps (q = {sampler.sampling_prob:.4g})"
     )
 
-    params = MODEL.init(jax.random.key(0), jnp.zeros((1, 64), jnp.float32))["params"]
     grad_fn = dpmp.private_grad(loss_fn, l2_clip_norm=CLIP, policy=POLICY)
     optimizer = dpmp.private_optimizer(  # no prng_key: a secret noise key from the OS
         optax.adam(LEARNING_RATE),
@@ -110,7 +115,7 @@ def main(steps: int) -> float:
     @jax.jit
     def step(params, opt_state, batch, is_padding):
         out = grad_fn(params, batch, is_padding_example=is_padding)  # fp32 sum of clipped grads
-        updates, opt_state = optimizer.update(out.grads, opt_state, params)  # + fp32 noise
+        updates, opt_state = optimizer.update(out.grads, opt_state, params)  # + snapped noise
         return optax.apply_updates(params, updates), opt_state
 
     predict = jax.jit(lambda p, x: MODEL.apply({"params": p}, x))
@@ -126,7 +131,11 @@ def main(steps: int) -> float:
         params, opt_state = step(params, opt_state, batch, is_padding)
         if t % report_every == 0 or t == steps:  # epsilon spent by the t steps taken
             eps = dpmp.accounting.epsilon(
-                noise_multiplier=sigma, sampling_prob=sampler.sampling_prob, steps=t, delta=DELTA
+                noise_multiplier=sigma,
+                sampling_prob=sampler.sampling_prob,
+                steps=t,
+                delta=DELTA,
+                noised_coordinates=coords,
             )
             print(f"step {t:>4}  test accuracy {test_accuracy(params):.2f}  epsilon {eps:.3f}")
 

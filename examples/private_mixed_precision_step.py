@@ -176,7 +176,11 @@ def main(steps: int, show_table: bool) -> bool:
         rows = np.where(is_padding, 0, indices)
         state, scale = step(state, (x[rows], y[rows]), jnp.asarray(is_padding), scale)
         eps = dpmp.accounting.epsilon(
-            noise_multiplier=SIGMA, sampling_prob=sampler.sampling_prob, steps=t, delta=1e-5
+            noise_multiplier=SIGMA,
+            sampling_prob=sampler.sampling_prob,
+            steps=t,
+            delta=1e-5,
+            noised_coordinates=sum(leaf.size for leaf in jax.tree.leaves(state.params)),
         )
         print(f"   {t:>4}  {float(full_loss(state.params)):>8.4f}  {eps:>7.3f}")
     last = float(full_loss(state.params))

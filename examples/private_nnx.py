@@ -84,8 +84,13 @@ def main(steps: int) -> float:
 
     # no seed: the sampler draws a secret one from the OS entropy
     sampler = dpmp.PoissonSampler(n, expected_batch_size=BATCH, num_steps=steps)
+    coords = sum(leaf.size for leaf in jax.tree.leaves(state))  # noised per step
     sigma = dpmp.accounting.calibrate_noise_multiplier(
-        target_epsilon=EPSILON, sampling_prob=sampler.sampling_prob, steps=steps, delta=DELTA
+        target_epsilon=EPSILON,
+        sampling_prob=sampler.sampling_prob,
+        steps=steps,
+        delta=DELTA,
+        noised_coordinates=coords,  # the snapped noise's residual is accounted per coordinate
     )
     print(
         f"noise multiplier {sigma:.4g} for epsilon {EPSILON:g} at delta {DELTA:g} over "
@@ -120,7 +125,11 @@ def main(steps: int) -> float:
         state, opt_state = step(state, opt_state, batch, is_padding)
         if t % report_every == 0 or t == steps:  # epsilon spent by the t steps taken
             eps = dpmp.accounting.epsilon(
-                noise_multiplier=sigma, sampling_prob=sampler.sampling_prob, steps=t, delta=DELTA
+                noise_multiplier=sigma,
+                sampling_prob=sampler.sampling_prob,
+                steps=t,
+                delta=DELTA,
+                noised_coordinates=coords,
             )
             print(f"step {t:>4}  test accuracy {test_accuracy(state):.2f}  epsilon {eps:.3f}")
 

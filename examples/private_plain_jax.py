@@ -82,8 +82,14 @@ def main(steps: int) -> float:
 
     # no seed: the sampler draws a secret one from the OS entropy
     sampler = dpmp.PoissonSampler(n, expected_batch_size=BATCH, num_steps=steps)
+    params = init(jax.random.key(0))
+    coords = sum(leaf.size for leaf in jax.tree.leaves(params))  # noised per step
     sigma = dpmp.accounting.calibrate_noise_multiplier(
-        target_epsilon=EPSILON, sampling_prob=sampler.sampling_prob, steps=steps, delta=DELTA
+        target_epsilon=EPSILON,
+        sampling_prob=sampler.sampling_prob,
+        steps=steps,
+        delta=DELTA,
+        noised_coordinates=coords,  # the snapped noise's residual is accounted per coordinate
     )
     print(
         f"noise multiplier {sigma:.4g} for epsilon {EPSILON:g} at delta {DELTA:g} over "
@@ -96,7 +102,6 @@ def main(steps: int) -> float:
         seen["params"] = params["layer0"]["w"].dtype
         return loss_fn(params, batch)
 
-    params = init(jax.random.key(0))
     grad_fn = dpmp.private_grad(traced_loss, l2_clip_norm=CLIP, policy=POLICY)
     optimizer = dpmp.private_optimizer(  # no prng_key: a secret noise key from the OS
         optax.adam(LEARNING_RATE),
@@ -134,7 +139,11 @@ def main(steps: int) -> float:
         params, opt_state = step(params, opt_state, batch, is_padding)
         if t % report_every == 0 or t == steps:  # epsilon spent by the t steps taken
             eps = dpmp.accounting.epsilon(
-                noise_multiplier=sigma, sampling_prob=sampler.sampling_prob, steps=t, delta=DELTA
+                noise_multiplier=sigma,
+                sampling_prob=sampler.sampling_prob,
+                steps=t,
+                delta=DELTA,
+                noised_coordinates=coords,
             )
             print(f"step {t:>4}  test accuracy {test_accuracy(params):.2f}  epsilon {eps:.3f}")
 
