@@ -14,7 +14,7 @@ batch_reduction sum of gradients over the example axis (``reduce_sum``,
 norm           per-example norm: squares and their sum, the square root, the
                clip factor and its application to the gradient
 all_reduce     cross-device sum (``psum``, ``psum_scatter``) of gradients
-noise_sample   the Gaussian draw (``erf_inv`` of random bits)
+noise_sample   the Gaussian draw (``erf_inv`` of random bits, or dpmp's snapped draw)
 noise_add      the addition of noise to the gradient, and any later cast of
                the noisy gradient below the noise dtype
 update         the parameter update (parameter +/- update), and any later cast
@@ -279,7 +279,8 @@ def audit_precision(
     Limits: sums that XLA inserts on its own (automatic sharding of a jitted
     function over devices) are not in the jaxpr; write cross-device sums with
     ``shard_map``/``pmap``. Noise is recognised as Gaussian draws from
-    ``jax.random.normal`` (``erf_inv`` of random bits).
+    ``jax.random.normal`` (``erf_inv`` of random bits) and from
+    ``dpmp.snapped_gaussian`` (its named float64 ``ndtri`` draw).
     """
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
     if not isinstance(policy, Policy):

@@ -9,7 +9,7 @@ One step, jitted (``build_private_step``)::
     batch    = Poisson sample of the training set, padded to a fixed size
     out      = dpmp.private_grad(model.loss_fn, ...)(params, batch, loss_scale,
                                                      is_padding_example)
-    updates  = dpmp.private_optimizer(optax opt, ...)   # fp32 noise, / E[B]
+    updates  = dpmp.private_optimizer(optax opt, ...)   # snapped noise, / E[B]
     params   = params + updates                          # fp32 master params
     tracker.step()                                       # accountant, host side
 
