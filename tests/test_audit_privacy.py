@@ -149,6 +149,7 @@ def test_cli_audit_privacy_prints_both_epsilons(capsys):
     assert rc == 0 and "verdict: OK" in out and "snapped noise" in out
 
 
+@pytest.mark.slow  # the same audit as the plain-sampler test, through the CLI
 def test_cli_audit_privacy_says_what_the_plain_sampler_leaks(capsys, tmp_path):
     config = tmp_path / "plain.toml"
     config.write_text('[privacy]\nnoise_sampler = "plain"\n')

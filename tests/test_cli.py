@@ -379,6 +379,7 @@ def test_data_that_is_not_an_npz_archive(capsys, tmp_path):
     assert_one_line_error(capsys, "audit", "model.kind = 'vit'", "image")
 
 
+@pytest.mark.slow  # end to end; the default suite keeps a cheaper check of the same rule
 def test_resume_on_other_data_is_refused(capsys, tmp_path):
     """The run directory's checkpoint was made on other data: one line, exit 2."""
     rng = np.random.default_rng(0)

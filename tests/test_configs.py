@@ -51,7 +51,11 @@ def digits():
     return load_data(Config().data, seed=0)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(
+    "name",
+    # the default in the default suite; the others trace the same code paths
+    [n if n == "default.toml" else pytest.param(n, marks=pytest.mark.slow) for n in NAMES],
+)
 def test_config_builds_and_traces_its_private_step(name, digits):
     """Model, sampler, noise calibration and the whole step, traced (not compiled)."""
     config = load_config(CONFIGS / name, ["training.steps=2"])

@@ -299,6 +299,7 @@ def test_resume_on_different_data_is_refused(small_run, digits, tmp_path):
 # ---- secret randomness -------------------------------------------------------------
 
 
+@pytest.mark.slow  # end to end; the default suite keeps a cheaper check of the same rule
 def test_runs_differ_and_rerunning_the_report_config_does_not_reproduce(
     small_run, digits, tmp_path
 ):
@@ -367,6 +368,7 @@ def test_resume_with_a_different_config_is_refused(small_run, digits, tmp_path):
 # ---- loss scales ---------------------------------------------------------------------
 
 
+@pytest.mark.slow  # end to end; the default suite keeps a cheaper check of the same rule
 def test_private_dynamic_loss_scale_is_accounted(digits, tmp_path):
     cfg = small(
         "policy=fp16",
