@@ -266,11 +266,22 @@ def _cmd_report(args) -> int:
 
 
 # ---- parser ------------------------------------------------------------------------
+def _version() -> str:
+    """The installed version, from the package metadata."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("dpmp")
+    except metadata.PackageNotFoundError:  # pragma: no cover - a source tree, not installed
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dpmp",
         description="Differentially private training in JAX with precision controls.",
     )
+    parser.add_argument("--version", action="version", version=f"dpmp {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -353,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dpmp {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) closed the pipe: stop quietly, as Unix tools do
+        # (status 128 + SIGPIPE); point stdout at /dev/null so the exit flush is silent.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except (_UsageError, ValueError, OSError) as e:
         # ConfigError, DataError, PrecisionError, CheckpointError and accounting errors
         # are ValueErrors whose messages name the field and the allowed values; an

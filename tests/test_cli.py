@@ -492,3 +492,43 @@ def test_debug_mode_reraises(monkeypatch):
     monkeypatch.setenv("DPMP_DEBUG", "1")
     with pytest.raises(ConfigError, match="training.steps"):
         cli.main(["audit", "--set", "training.steps=0"])
+
+
+def test_version_is_the_installed_one(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert (
+        e.value.code == 0 and capsys.readouterr().out.strip() == f"dpmp {metadata.version('dpmp')}"
+    )
+
+
+def test_a_closed_pipe_stops_quietly():
+    """``dpmp budget ... | head``: the reader goes away; dpmp stops without an error
+    line, with status 128 + SIGPIPE, as Unix tools do (it printed 'Broken pipe' and
+    exited 2)."""
+    import subprocess
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dpmp.cli",
+            "budget",
+            "--target-epsilon",
+            "2",
+            "--steps",
+            "224",
+            "--batch-size",
+            "256",
+            "--num-examples",
+            "1437",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()  # the reader closes before dpmp writes
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Broken pipe" not in err, err

@@ -257,3 +257,32 @@ def test_private_optimizer_refuses_half_precision_master_params():
             prng_key=0,
             policy="bf16",
         )
+
+
+@pytest.mark.parametrize("sampler", ["snapped", "plain"])
+def test_privatizer_is_a_drop_in_for_jax_privacys(sampler):
+    """As jax-privacy's privatizer: ``init`` takes a tree of ``jax.ShapeDtypeStruct``
+    (so does ``private_optimizer.init``) and ``update`` takes ``noise_state`` by
+    keyword; the state has jax-privacy's layout (key, inner) for both samplers."""
+    spec = {
+        "w": jax.ShapeDtypeStruct((3, 2), jnp.bfloat16),
+        "b": jax.ShapeDtypeStruct((2,), jnp.float32),
+    }
+    priv = dpmp.gaussian_privatizer(stddev=1.0, prng_key=0, policy="bf16", sampler=sampler)
+    state = priv.init(spec)
+    grads = {"w": jnp.zeros((3, 2), jnp.bfloat16), "b": jnp.zeros(2)}
+    noisy, new_state = priv.update(grads, noise_state=state)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(noisy))
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    opt = dpmp.private_optimizer(
+        optax.sgd(0.1),
+        noise_multiplier=1.0,
+        l2_clip_norm=1.0,
+        expected_batch_size=4,
+        policy="bf16",
+        prng_key=0,
+        sampler=sampler,
+    )
+    opt_state = opt.init({"w": jax.ShapeDtypeStruct((3,), jnp.float32)})
+    updates, _ = opt.update({"w": jnp.zeros(3)}, opt_state, {"w": jnp.zeros(3)})
+    assert updates["w"].shape == (3,)

@@ -116,7 +116,15 @@ def snapped_gaussian(key: jax.Array, value: jax.Array, stddev: float) -> jax.Arr
 
 
 def _lift_to(tree, dtype):
-    return jax.tree.map(lambda x: x.astype(jnp.promote_types(x.dtype, dtype)), tree)
+    """Each leaf in at least ``dtype`` (arrays, or ``jax.ShapeDtypeStruct`` specs)."""
+
+    def lift(x):
+        wide = jnp.promote_types(x.dtype, dtype)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, wide)
+        return x.astype(wide)
+
+    return jax.tree.map(lift, tree)
 
 
 def _snap_tree(key, tree, stddev: float):
@@ -186,8 +194,10 @@ def gaussian_privatizer(
     def init(params):
         return inner.init(_lift_to(params, policy.noise))
 
-    def update(sum_of_clipped_grads, state, params=None):
+    def update(sum_of_clipped_grads, noise_state, params=None):
+        # ``noise_state`` is jax-privacy's name for it: callers may pass it by keyword.
         del params
+        state = noise_state
         grads = _lift_to(sum_of_clipped_grads, policy.noise)
         if not snapped:
             return inner.update(grads, state)
