@@ -144,3 +144,24 @@ def test_npz_object_array_and_missing_file(tmp_path):
     with pytest.raises(DataError, match="not a readable .npz"):
         load_data(DataConfig(dataset="npz", path=str(tmp_path / "bad.npz")), seed=0)
     assert issubclass(DataError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "y, y_test, match",
+    [
+        (np.arange(20) % 2 + 100_000, None, "more than 65,536 classes"),  # no huge model
+        (np.zeros(20, int), None, "one class"),
+        (np.where(np.arange(20) % 2, 5, 0), None, "missing"),  # 0 and 5: 1..4 absent
+        (np.arange(20) % 2, np.array([0, 1, 2, 1]), "y_test: label 2 never appears"),
+    ],
+)
+def test_labels_that_do_not_name_k_classes_are_one_line_errors(tmp_path, y, y_test, match):
+    """Labels must be 0..K-1, every class in training, test labels among them: a
+    stray label used to build a 100,002-way model (out of memory), a single class
+    reported accuracy 1, a test-only class accuracy 0."""
+    arrays = dict(x=np.ones((20, 3)), y=y)
+    if y_test is not None:
+        arrays.update(x_test=np.ones((len(y_test), 3)), y_test=y_test)
+    with pytest.raises(DataError, match=match) as e:
+        load_data(_npz(tmp_path, **arrays), seed=0)
+    assert "\n" not in str(e.value)

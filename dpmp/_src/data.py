@@ -47,7 +47,7 @@ class Dataset:
     Attributes:
       x_train, x_test: float32 features, ``[n, *input_shape]``.
       y_train, y_test: int32 labels in ``[0, num_classes)``.
-      num_classes: ``max(label) + 1`` over both splits.
+      num_classes: K; the training labels are exactly 0..K-1 (``_check_classes``).
       input_shape: shape of one example (``(8, 8, 1)`` for digits).
       description: one line saying where the data came from.
       standardize: how the features were standardised: ``"none"``,
@@ -118,7 +118,7 @@ def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
     else:  # pragma: no cover - DataConfig validates the choice
         raise DataError(f"data.dataset: unknown {config.dataset!r}")
 
-    num_classes = int(max(y_train.max(), y_test.max())) + 1
+    num_classes = _check_classes(y_train, y_test)
     return Dataset(
         x_train=np.ascontiguousarray(x_train, np.float32),
         y_train=np.ascontiguousarray(y_train, np.int32),
@@ -241,6 +241,33 @@ def _features(name: str, x: np.ndarray) -> np.ndarray:
             f"first at index {int(rows[0])}"
         )
     return x
+
+
+# More classes than this is taken for a label column that is not class labels.
+MAX_CLASSES = 65_536
+
+
+def _check_classes(y_train: np.ndarray, y_test: np.ndarray) -> int:
+    """The number of classes K: the training labels must be exactly 0..K-1 (each
+    present), with 2 <= K <= MAX_CLASSES, and every test label among them."""
+    top = int(y_train.max())
+    if top >= MAX_CLASSES:
+        raise DataError(f"y: label {top} implies more than {MAX_CLASSES:,} classes")
+    present = np.unique(y_train)
+    if len(present) < 2:
+        raise DataError(f"y: the training labels hold one class ({top}); a classifier needs 2")
+    missing = np.setdiff1d(np.arange(top + 1), present)
+    if len(missing):
+        shown = ", ".join(str(int(m)) for m in missing[:5])
+        raise DataError(
+            f"y: labels must be 0..K-1 with every class in the training split; "
+            f"{len(missing)} missing ({shown}{', ...' if len(missing) > 5 else ''}); remap "
+            "them, e.g. y = np.unique(y, return_inverse=True)[1]"
+        )
+    unseen = np.setdiff1d(np.unique(y_test), present)
+    if len(unseen):
+        raise DataError(f"y_test: label {int(unseen[0])} never appears in the training labels")
+    return top + 1
 
 
 def _labels(name: str, y: np.ndarray) -> np.ndarray:
