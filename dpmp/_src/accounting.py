@@ -505,31 +505,42 @@ def _check_coordinates(value: Any) -> int | None:
     return None if value is None else _check_int("noised_coordinates", value, 1)
 
 
-def _epsilon_of_drawn_noise(
-    eps_at, *, coordinates: int | None, steps: int, sigma: float, delta: float
-) -> float:
-    """``eps_at(delta')`` is the accountant's epsilon of the exact-Gaussian plan;
-    returns the epsilon at ``delta`` of the noise dpmp draws (``noise_residual``).
-    ``coordinates is None``: the plan does not count them, the exact epsilon."""
+def _plan_residual(
+    coordinates: int | None,
+    *,
+    steps: int,
+    with_count: int,
+    sigma: float,
+    sigma_eff: float,
+    delta: float,
+) -> NoiseResidual | None:
+    """The noise residual of a plan of ``steps`` releases of ``coordinates`` gradient
+    coordinates; with count releases, the count's noise is one more coordinate and
+    the neighbour's shift is that of ``sigma_eff``. None: the plan does not count
+    coordinates (exact Gaussian noise) or releases nothing."""
     if coordinates is None or steps == 0:
-        return eps_at(delta)
-    res = noise_residual(
+        return None
+    if with_count:
+        coordinates, sigma = coordinates + 1, sigma_eff
+    return noise_residual(
         coordinates=coordinates, releases=steps, noise_multiplier=sigma, delta=delta
     )
+
+
+def _epsilon_of_drawn_noise(eps_at, res: NoiseResidual | None, delta: float) -> float:
+    """``eps_at(delta')`` is the accountant's epsilon of the exact-Gaussian plan;
+    returns the epsilon at ``delta`` of the noise dpmp draws, whose residual is
+    ``res`` (None: exact noise, the accountant's epsilon)."""
+    if res is None:
+        return eps_at(delta)
     floor = 0.5 * delta * math.exp(-res.log_ratio)
     ideal = res.ideal_delta(delta, eps_at(floor))
     if not ideal >= floor:
         raise ValueError(
-            f"noised_coordinates={coordinates}: the noise residual's tail delta "
-            f"{res.delta_tail:.3g} does not fit in delta={delta:g}; raise the noise "
-            "multiplier or delta."
+            f"noised_coordinates: the noise residual's tail delta {res.delta_tail:.3g} "
+            f"does not fit in delta={delta:g}; raise the noise multiplier or delta."
         )
     return eps_at(ideal) + res.epsilon
-
-
-def _residual_sigma(sigma: float, sigma_eff: float, with_count: int) -> float:
-    """Noise multiplier the residual sees: the count's noise is one more coordinate."""
-    return sigma_eff if with_count else sigma
 
 
 # ---------------------------------------------------------------------------
@@ -586,6 +597,36 @@ def epsilon(
       ``neighboring`` if every step clips each example to the clip norm, adds
       the stated noise, and uses an untruncated Poisson sample.
     """
+    return _epsilons(
+        noise_multiplier=noise_multiplier,
+        sampling_prob=sampling_prob,
+        steps=steps,
+        delta=delta,
+        accountant=accountant,
+        neighboring=neighboring,
+        count_noise_stddev=count_noise_stddev,
+        count_every=count_every,
+        value_discretization_interval=value_discretization_interval,
+        preprocessing_noise_multiplier=preprocessing_noise_multiplier,
+        noised_coordinates=noised_coordinates,
+    )[1]
+
+
+def _epsilons(
+    *,
+    noise_multiplier: float,
+    sampling_prob: float,
+    steps: int,
+    delta: float,
+    accountant: str,
+    neighboring: str,
+    count_noise_stddev: float | None,
+    count_every: int,
+    value_discretization_interval: float,
+    preprocessing_noise_multiplier: float | None,
+    noised_coordinates: int | None,
+) -> tuple[float, float]:
+    """(exact-Gaussian epsilon, ``epsilon``'s value) from one composed accountant."""
     accountant = _check_accountant(accountant)
     neighboring = _check_neighboring(neighboring, accountant)
     delta = _check_delta(delta)
@@ -600,23 +641,20 @@ def epsilon(
         preprocessing_noise_multiplier=preprocessing_noise_multiplier,
     )
     if isinstance(event, dp_accounting.NoOpDpEvent):
-        return 0.0
+        return 0.0, 0.0
     acct = _make_accountant(accountant, neighboring, interval).compose(event)
     sigma = _check_noise_multiplier(noise_multiplier)
-    plain, with_count = _split_steps(steps, _check_count_noise(count_noise_stddev), count_every)
-    if with_count and coordinates is not None:
-        coordinates += 1
-    return float(
-        _epsilon_of_drawn_noise(
-            acct.get_epsilon,
-            coordinates=coordinates,
-            steps=steps,
-            sigma=_residual_sigma(
-                sigma, effective_noise_multiplier(sigma, count_noise_stddev), with_count
-            ),
-            delta=delta,
-        )
+    with_count = _split_steps(steps, _check_count_noise(count_noise_stddev), count_every)[1]
+    res = _plan_residual(
+        coordinates,
+        steps=steps,
+        with_count=with_count,
+        sigma=sigma,
+        sigma_eff=effective_noise_multiplier(sigma, count_noise_stddev),
+        delta=delta,
     )
+    exact = float(acct.get_epsilon(delta))
+    return exact, float(_epsilon_of_drawn_noise(acct.get_epsilon, res, delta))
 
 
 def epsilon_breakdown(
@@ -652,13 +690,14 @@ def epsilon_breakdown(
     dpsgd = epsilon(**common)
     common.update(count_noise_stddev=count_noise_stddev, count_every=count_every)
     with_counts = dpsgd if count_noise_stddev is None else epsilon(**common)
-    common.update(preprocessing_noise_multiplier=preprocessing_noise_multiplier)
-    exact = with_counts if preprocessing_noise_multiplier is None else epsilon(**common)
-    total = (
-        exact
-        if noised_coordinates is None
-        else epsilon(**common, noised_coordinates=noised_coordinates)
-    )
+    if preprocessing_noise_multiplier is None and noised_coordinates is None:
+        exact = total = with_counts
+    else:  # one composition gives both
+        exact, total = _epsilons(
+            **common,
+            preprocessing_noise_multiplier=preprocessing_noise_multiplier,
+            noised_coordinates=noised_coordinates,
+        )
     return EpsilonBreakdown(
         total=total,
         dpsgd=dpsgd,
@@ -754,19 +793,20 @@ def calibrate_noise_multiplier(
         noised_coordinates=coordinates,
     )
     with_count = _split_steps(steps, sigma_c, count_every)[1]
-    # The residual shrinks as sigma grows: evaluated at a floor, it bounds the
-    # residual of every sigma above it, so one exact calibration usually does.
-    # If the fixed floor is too low, the exact plan's own sigma is a floor too.
-    floors = [_RESIDUAL_SIGMA_FLOOR, None]
+    # The residual's epsilon hardly depends on sigma; its tail delta falls as sigma
+    # grows. So it is estimated once at a floor sigma, the exact plan calibrated
+    # against it, and the result checked (and nudged up) with the residual at the
+    # calibrated sigma itself. If the fixed floor is too low, the exact plan's own
+    # sigma (which the answer cannot be below) is the floor.
     res = None
-    for floor in floors:
+    for floor in (_RESIDUAL_SIGMA_FLOOR, None):
         floor = exact(target, delta) if floor is None else floor
-        res = noise_residual(
-            coordinates=coordinates + (1 if with_count else 0),
-            releases=steps,
-            noise_multiplier=_residual_sigma(
-                floor, effective_noise_multiplier(floor, sigma_c), with_count
-            ),
+        res = _plan_residual(
+            coordinates,
+            steps=steps,
+            with_count=with_count,
+            sigma=floor,
+            sigma_eff=effective_noise_multiplier(floor, sigma_c),
             delta=delta,
         )
         ideal = res.ideal_delta(delta, target)
@@ -1005,16 +1045,15 @@ class _EpsilonCurve:
             pld = self._pld(plain, with_count)
             self._cursor = (plain, with_count, pld)
             eps_at = pld.get_epsilon_for_delta
-        coordinates = b.noised_coordinates
-        if coordinates is not None and with_count:
-            coordinates += 1
-        eps = _epsilon_of_drawn_noise(
-            eps_at,
-            coordinates=coordinates,
+        res = _plan_residual(
+            b.noised_coordinates,
             steps=plain + with_count,
-            sigma=_residual_sigma(self._sigmas[0], self._sigmas[1], with_count),
+            with_count=with_count,
+            sigma=self._sigmas[0],
+            sigma_eff=self._sigmas[1],
             delta=b.delta,
         )
+        eps = _epsilon_of_drawn_noise(eps_at, res, b.delta)
         self._memo[key] = float(eps)
         if len(self._memo) > self._MEMO_SIZE:
             self._memo.popitem(last=False)

@@ -52,7 +52,7 @@ from jax_privacy import auditing as jp_auditing
 from jax_privacy import noise_addition as jp_noise
 
 from dpmp._src.entropy import key_from
-from dpmp._src.noise import gaussian_privatizer, snap_grid
+from dpmp._src.noise import draws_snapped, gaussian_privatizer, snap_grid
 from dpmp._src.policy import Policy
 
 __all__ = ["PrivacyAuditReport", "privacy_audit", "MECHANISMS"]
@@ -314,7 +314,7 @@ def _extremes_impl():
     return _crafted_impl(random_bits, "dpmp_audit_extremes")
 
 
-def _grid_range(priv, sum_value, grid):
+def _grid_range(priv, sum_value):
     """(smallest, largest) release of ``sum_value`` by a snapped stage: every grid
     value between them is possible (the sampler's steps in z are far finer than
     a cell, ``tests/test_noise.py``), nothing outside is."""
@@ -323,12 +323,13 @@ def _grid_range(priv, sum_value, grid):
     key = jax.random.key(0, impl=_extremes_impl())
     noisy, _ = jax.jit(priv.update)(two, _with_keys(state, key))
     high, low = np.asarray(jax.tree.leaves(noisy)[0], np.float64)
-    return low, high, grid
+    return low, high
 
 
-def _outside(values: np.ndarray, support_range) -> np.ndarray:
-    """Which of ``values`` a snapped stage cannot release: off the grid or out of range."""
-    low, high, grid = support_range
+def _outside(values: np.ndarray, support_range, grid: float) -> np.ndarray:
+    """Which of ``values`` a snapped stage cannot release: off ``grid`` or outside
+    ``support_range`` (its smallest and largest release)."""
+    low, high = support_range
     v = np.asarray(values, np.float64)
     return (v < low) | (v > high) | (np.round(v / grid) * grid != v)
 
@@ -358,20 +359,20 @@ def _possible_sets(priv, mechanism, policy, stddev, with_canary, without, y_d, y
     under their own dataset, which under the other, the probability under D of
     releases impossible under D', and the number of values possible under D'. None
     when the stage's outputs cannot be determined here."""
-    if mechanism == "dpmp" and jnp.finfo(policy.noise).bits >= 32:
+    if mechanism == "dpmp" and draws_snapped("snapped", policy):
         grid = snap_grid(stddev)
-        range_d, range_d_prime = (_grid_range(priv, v, grid) for v in (with_canary, without))
+        range_d, range_d_prime = (_grid_range(priv, v) for v in (with_canary, without))
         centre = float(with_canary[0])
-        low, high, _ = range_d_prime
+        low, high = range_d_prime
         mass = float(
             scipy.special.ndtr((low - grid / 2 - centre) / stddev)
             + scipy.special.ndtr(-(high + grid / 2 - centre) / stddev)
         )
         return (
-            _outside(y_d, range_d),
-            _outside(y_d_prime, range_d_prime),
-            _outside(y_d, range_d_prime),
-            _outside(y_d_prime, range_d),
+            _outside(y_d, range_d, grid),
+            _outside(y_d_prime, range_d_prime, grid),
+            _outside(y_d, range_d_prime, grid),
+            _outside(y_d_prime, range_d, grid),
             mass,
             int(round((high - low) / grid)) + 1,
         )

@@ -127,6 +127,13 @@ def _lift_to(tree, dtype):
     return jax.tree.map(lift, tree)
 
 
+def draws_snapped(sampler: str, policy: Policy) -> bool:
+    """Whether ``gaussian_privatizer(sampler=sampler, policy=policy)`` draws
+    ``snapped_gaussian`` noise: the snapped sampler with noise of at least float32
+    (half-precision noise, an unsafe opt-in, is drawn plain in that dtype)."""
+    return sampler == "snapped" and jnp.finfo(policy.noise).bits >= 32
+
+
 def _snap_tree(key, tree, stddev: float):
     """``snapped_gaussian`` on every leaf, the leaves of one dtype drawn as one flat
     vector (one sampler in the compiled program instead of one per leaf)."""
@@ -189,7 +196,7 @@ def gaussian_privatizer(
     inner = jp_noise.gaussian_privatizer(
         stddev=stddev, prng_key=key_from(prng_key), dtype=policy.noise
     )
-    snapped = sampler == "snapped" and jnp.finfo(policy.noise).bits >= 32
+    snapped = draws_snapped(sampler, policy)
 
     def init(params):
         return inner.init(_lift_to(params, policy.noise))

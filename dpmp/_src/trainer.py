@@ -72,7 +72,7 @@ from dpmp._src.data import Dataset, fingerprint, load_data
 from dpmp._src.entropy import fresh_key, fresh_seed
 from dpmp._src.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from dpmp._src.models import Model, build_model, count_params
-from dpmp._src.noise import private_optimizer
+from dpmp._src.noise import draws_snapped, private_optimizer
 from dpmp._src.preprocess import (
     FeatureStats,
     exact_feature_stats,
@@ -226,7 +226,7 @@ def _preprocessing_sigma(config: Config) -> float | None:
 def _noised_coordinates(config: Config, policy, params_shape) -> int | None:
     """Coordinates of each noisy release when the noise is snapped (its residual
     is then accounted), else None."""
-    if config.privacy.noise_sampler != "snapped" or jnp.finfo(policy.noise).bits < 32:
+    if not draws_snapped(config.privacy.noise_sampler, policy):
         return None
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params_shape))
 
