@@ -17,6 +17,7 @@ from dpmp._src.audit_privacy import privacy_audit as privacy_audit
 from dpmp._src.casting import cast_function as cast_function
 from dpmp._src.casting import cast_tree as cast_tree
 from dpmp._src.casting import force_full_precision as force_full_precision
+from dpmp._src.checkpoint import load_params as load_params
 from dpmp._src.clipping import PrivateGrad as PrivateGrad
 from dpmp._src.clipping import PrivateGradFn as PrivateGradFn
 from dpmp._src.clipping import PrivateGradStats as PrivateGradStats
@@ -24,6 +25,8 @@ from dpmp._src.clipping import private_grad as private_grad
 from dpmp._src.config import Config as Config
 from dpmp._src.config import ConfigError as ConfigError
 from dpmp._src.config import load_config as load_config
+from dpmp._src.data import DataError as DataError
+from dpmp._src.data import Dataset as Dataset
 from dpmp._src.loss_scale import DynamicLossScale as DynamicLossScale
 from dpmp._src.loss_scale import NoOpLossScale as NoOpLossScale
 from dpmp._src.loss_scale import StaticLossScale as StaticLossScale
@@ -42,6 +45,7 @@ from dpmp._src.sampling import ShuffledSampler as ShuffledSampler
 from dpmp._src.scaled_grad import ScaledGrad as ScaledGrad
 from dpmp._src.scaled_grad import update_if_finite as update_if_finite
 from dpmp._src.scaled_grad import value_and_grad as value_and_grad
+from dpmp._src.trainer import train as train
 
 __version__ = "0.1.0"
 
@@ -49,6 +53,8 @@ __all__ = [
     "AUDIT_KINDS",
     "Config",
     "ConfigError",
+    "DataError",
+    "Dataset",
     "Finding",
     "NumericReport",
     "PrecisionAuditError",
@@ -78,10 +84,12 @@ __all__ = [
     "force_full_precision",
     "gaussian_privatizer",
     "load_config",
+    "load_params",
     "private_grad",
     "private_optimizer",
     "snap_grid",
     "snapped_gaussian",
+    "train",
     "select_tree",
     "update_if_finite",
     "value_and_grad",

@@ -38,8 +38,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--data",
-        metavar="PATH.npz",
-        help="train on your own arrays: x, y (and optionally x_test, y_test)",
+        metavar="PATH",
+        help="train on your own arrays: a .npz with x, y (and optionally x_test, y_test), or "
+        "a folder of x_train.npy, y_train.npy, x_test.npy, y_test.npy (memory-mapped)",
     )
 
 
@@ -49,11 +50,24 @@ def _load(args):
     overrides = list(args.overrides)
     if getattr(args, "data", None):
         path = Path(args.data)
-        if path.suffix != ".npz":
-            raise _UsageError(f"--data: expected a .npz file, got {args.data!r}")
-        if not path.is_file():
+        if path.is_dir():
+            if not (path / "x_train.npy").is_file():
+                raise _UsageError(
+                    f"--data: {args.data!r} is a folder without x_train.npy (a .npz file, or a "
+                    "folder of x_train.npy, y_train.npy, x_test.npy, y_test.npy)"
+                )
+            kind = "npy"
+        elif path.suffix != ".npz":
+            raise _UsageError(
+                f"--data: expected a .npz file or a folder of .npy files, got {args.data!r}"
+            )
+        elif not path.exists():
             raise _UsageError(f"--data: no such file {args.data!r}")
-        overrides += ["data.dataset=npz", f"data.path={json.dumps(str(path))}"]
+        elif not path.is_file():
+            raise _UsageError(f"--data: {args.data!r} is not a regular file")
+        else:
+            kind = "npz"
+        overrides += [f"data.dataset={kind}", f"data.path={json.dumps(str(path))}"]
     return load_config(args.config, overrides)
 
 

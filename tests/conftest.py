@@ -1,7 +1,21 @@
 """Shared test settings: dtype promotion is strict, so silent promotion fails a test."""
 
+import atexit
+import shutil
+import tempfile
+
 import jax
 import pytest
+
+# Many tests compile the same step (the default config's, the digits MLP's) in
+# fresh closures; XLA's persistent compilation cache lets the second and later
+# compilations of an identical program reuse the first. The cache lives in a
+# fresh folder for this test session only, so no result comes from elsewhere.
+_CACHE = tempfile.mkdtemp(prefix="dpmp-tests-xla-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture

@@ -141,6 +141,7 @@ def test_bad_arguments_name_the_field():
         dpmp.privacy_audit(1.0, mechanism=keyless, num_releases=1000)
 
 
+@pytest.mark.slow  # a CLI run of 1e6 releases (~6 s)
 def test_cli_audit_privacy_prints_both_epsilons(capsys):
     rc = cli.main(["audit", "--privacy", "--releases", "20000"])
     out = capsys.readouterr().out

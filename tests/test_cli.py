@@ -373,6 +373,8 @@ def test_data_that_is_not_an_npz_archive(capsys, tmp_path):
         assert cli.main(argv) == 2
         assert_one_line_error(capsys, "train", f"{name}.npz", needle)
     assert cli.main(["audit", "--data", str(tmp_path / "dir.npz")]) == 2
+    assert_one_line_error(capsys, "audit", "--data", "is a folder without x_train.npy")
+    assert cli.main(["audit", "--data", str(tmp_path / "absent.npz")]) == 2
     assert_one_line_error(capsys, "audit", "--data", "no such file")
     vit = ["--set", "model.kind=vit"]
     assert cli.main(["audit", "--data", str(tmp_path / "ok.npz"), *vit]) == 2
@@ -504,6 +506,7 @@ def test_version_is_the_installed_one(capsys):
     )
 
 
+@pytest.mark.slow  # two subprocesses (~8 s)
 def test_a_closed_pipe_stops_quietly():
     """``dpmp budget ... | head``: the reader goes away; dpmp stops without an error
     line, with status 128 + SIGPIPE, as Unix tools do (it printed 'Broken pipe' and
@@ -532,3 +535,42 @@ def test_a_closed_pipe_stops_quietly():
     with proc.stderr:
         err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Broken pipe" not in err, err
+
+
+@pytest.mark.slow  # a subprocess run (~20 s)
+def test_train_own_model_from_its_file_on_a_npy_folder(tmp_path):
+    """The acceptance run: a linen module in the user's own file, named by
+    ``model.kind``, its folder on PYTHONPATH, data a folder of .npy files."""
+    import json
+    import os
+
+    import numpy as np
+
+    from dpmp._src.data import load_data
+
+    (tmp_path / "their_module.py").write_text(
+        "import flax.linen as nn\n\n"
+        "class Net(nn.Module):\n"
+        "    k: int\n\n"
+        "    @nn.compact\n"
+        "    def __call__(self, x):\n"
+        "        return nn.Dense(self.k)(nn.relu(nn.Dense(32)(x.reshape((x.shape[0], -1)))))\n\n"
+        "def factory(input_shape, num_classes):\n"
+        "    return Net(num_classes)\n"
+    )
+    data = load_data(None, 0)
+    folder = tmp_path / "digits"
+    folder.mkdir()
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        np.save(folder / f"{name}.npy", getattr(data, name))
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "dpmp.cli", "train", "--out", str(out), "--data", str(folder)]
+    argv += ["--set", "model.kind=their_module:factory", "--set", "training.steps=20"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["model"]["kind"] == "their_module:factory"
+    assert report["epsilon"] == pytest.approx(2.0, rel=1e-3) and report["test_accuracy"] > 0.5
+    assert "memory-mapped" in report["data"]["description"]
+    assert (out / "checkpoints").is_dir()

@@ -101,6 +101,7 @@ def test_neighbour_sensitivity_with_microbatches(policy):
     assert dist.max() > 0.99 * C  # clipped examples really do move it by ~C
 
 
+@pytest.mark.slow  # ~9 s; the audit tests catch a bf16 sum in the default suite
 def test_bf16_running_sum_fails_the_neighbour_test():
     """The control: the same clipped vectors summed in bf16 across microbatches
     (what a bf16 accumulator does) violate the bound (FACTS.md: up to ~2x C)."""
@@ -289,6 +290,7 @@ def test_batch_leaves_without_a_batch_axis_are_named(method):
         g(mlp_init(), dict(batch, extra=np.ones(5, np.float32)))
 
 
+@pytest.mark.slow  # ~5 s; test_trainer checks the run says it is not private
 def test_nonprivate_dynamic_scale_is_an_explicit_diagnostic():
     with pytest.warns(UserWarning, match="not accounted|NOT"):
         g = dpmp.private_grad(

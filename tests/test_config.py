@@ -49,7 +49,29 @@ def test_table_defaults_are_the_dataclass_defaults():
     assert rows["privacy.reproducible_noise"] == "false"
     assert rows["policy"] == '"bf16"'
     choices = {r["key"]: r["allowed"] for r in config_lib.config_reference()}
-    assert choices["model.kind"] == ", ".join(f'"{k}"' for k in config_lib.MODEL_KINDS)
+    assert choices["model.kind"].startswith(", ".join(f'"{k}"' for k in config_lib.MODEL_KINDS))
+    assert "package.module:factory" in choices["model.kind"]
+    assert choices["privacy.clip_method"] == ", ".join(f'"{k}"' for k in config_lib.CLIP_METHODS)
+
+
+@pytest.mark.parametrize("kind", ["pkg.mod:factory", "mod:make_model", "a.b.c:f"])
+def test_model_kind_takes_a_factory(kind):
+    assert load_config(None, [f"model.kind={kind}"]).model.kind == kind
+
+
+@pytest.mark.parametrize("kind", ["mod:", ":f", "mod:f:g", "1mod:f", "resnet"])
+def test_model_kind_refuses_other_words_naming_the_factory_form(kind):
+    with pytest.raises(ConfigError, match="model.kind.*'package.module:factory'"):
+        load_config(None, [f"model.kind={kind}"])
+
+
+def test_physical_batch_size_must_be_a_multiple_of_the_microbatch():
+    config = load_config(None, ["training.physical_batch_size=64", "training.microbatch_size=16"])
+    assert config.training.physical_batch_size == 64
+    with pytest.raises(ConfigError, match="training.microbatch_size: 24 must divide"):
+        load_config(None, ["training.physical_batch_size=64", "training.microbatch_size=24"])
+    with pytest.raises(ConfigError, match="training.physical_batch_size: must be finite and > 0"):
+        load_config(None, ["training.physical_batch_size=0"])
 
 
 def test_defaults_evaluate_periodically():

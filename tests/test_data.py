@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+import dpmp
 from dpmp._src.config import DataConfig
 from dpmp._src.data import DataError, fingerprint, load_data
 
@@ -165,3 +166,101 @@ def test_labels_that_do_not_name_k_classes_are_one_line_errors(tmp_path, y, y_te
     with pytest.raises(DataError, match=match) as e:
         load_data(_npz(tmp_path, **arrays), seed=0)
     assert "\n" not in str(e.value)
+
+
+def _npy_folder(path, n=200, shape=(4, 4, 1), dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    path.mkdir(exist_ok=True)
+    np.save(path / "x_train.npy", rng.normal(size=(n, *shape)).astype(dtype))
+    np.save(path / "y_train.npy", np.arange(n) % 3)
+    np.save(path / "x_test.npy", rng.normal(size=(20, *shape)).astype(dtype))
+    np.save(path / "y_test.npy", np.arange(20) % 3)
+    return path
+
+
+def test_npy_folder_is_memory_mapped_and_fingerprinted_like_arrays(tmp_path):
+    folder = _npy_folder(tmp_path / "data")
+    data = load_data(DataConfig(dataset="npy", path=str(folder)))
+    assert isinstance(data.x_train, np.memmap) and isinstance(data.x_test, np.memmap)
+    assert data.num_classes == 3 and data.input_shape == (4, 4, 1) and not data.in_memory
+    arrays = dpmp.Dataset.from_arrays(
+        (np.load(folder / "x_train.npy"), np.load(folder / "y_train.npy")),
+        (np.load(folder / "x_test.npy"), np.load(folder / "y_test.npy")),
+    )
+    assert arrays.in_memory and fingerprint(arrays) == fingerprint(data)
+
+
+def test_npy_streamed_validation_finds_a_nan_past_the_first_block(tmp_path):
+    folder = _npy_folder(tmp_path / "data", n=3000, shape=(512,))
+    x = np.load(folder / "x_train.npy")
+    x[2900, 7] = np.nan  # 2,900 rows of 2 KiB: past the first 4 MiB block
+    np.save(folder / "x_train.npy", x)
+    with pytest.raises(DataError, match=r"x_train: 1 non-finite values \(NaN\).*index 2900"):
+        load_data(DataConfig(dataset="npy", path=str(folder)))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda f: (f / "y_test.npy").unlink(), "missing y_test.npy"),
+        (lambda f: np.save(f / "y_train.npy", np.zeros(7, int)), "lengths differ"),
+        (lambda f: np.save(f / "x_test.npy", np.zeros((20, 3))), "x_test: examples have shape"),
+    ],
+)
+def test_npy_folder_errors_name_the_file(tmp_path, change, match):
+    folder = _npy_folder(tmp_path / "data")
+    change(folder)
+    with pytest.raises(DataError, match=match):
+        load_data(DataConfig(dataset="npy", path=str(folder)))
+
+
+def test_npy_path_of_the_wrong_kind_says_so(tmp_path):
+    (tmp_path / "file.npy").write_bytes(b"")
+    with pytest.raises(DataError, match="is a file, not a folder"):
+        load_data(DataConfig(dataset="npy", path=str(tmp_path / "file.npy")))
+    with pytest.raises(DataError, match="no such folder"):
+        load_data(DataConfig(dataset="npy", path=str(tmp_path / "absent")))
+
+
+class Records:
+    """A random-access source (grain's protocol): len() and [i]."""
+
+    def __init__(self, x, y, as_dict=False):
+        self.x, self.y, self.as_dict, self.reads = x, y, as_dict, 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return {"x": self.x[i], "y": self.y[i]} if self.as_dict else (self.x[i], self.y[i])
+
+
+def test_random_access_sources_read_only_the_rows_asked_for():
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(50, 6)), np.arange(50) % 2
+    train = Records(x, y, as_dict=True)
+    data = dpmp.Dataset.from_sources(train, Records(x[:10], y[:10]))
+    assert data.num_train == 50 and data.num_classes == 2 and data.input_shape == (6,)
+    np.testing.assert_array_equal(data.y_train, y)
+    train.reads = 0
+    got = data.x_train[np.array([3, 3, 41])]
+    assert train.reads == 3 and got.dtype == np.float32
+    np.testing.assert_array_equal(got, x[[3, 3, 41]].astype(np.float32))
+    np.testing.assert_array_equal(data.x_train[48:], x[48:].astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    "record, match",
+    [
+        ("text", "must be \\(x, y\\)"),
+        ((np.zeros(6), 0.5), "y must be an integer label"),
+        ((np.full(6, np.inf), 1), "x must be finite numbers"),
+        ((np.zeros(5), 1), "has x of shape \\(5,\\), record 0 \\(6,\\)"),
+    ],
+)
+def test_bad_records_are_named_by_index(record, match):
+    records = [(np.zeros(6), i % 2) for i in range(12)]
+    records[7] = record
+    with pytest.raises(DataError, match="record 7 of the train source.*" + match):
+        dpmp.Dataset.from_sources(records, records[:3])

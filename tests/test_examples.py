@@ -17,6 +17,8 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 NAMES = sorted(p.name for p in EXAMPLES.glob("*.py"))
 TRAINING = ("private_linen.py", "private_nnx.py", "private_plain_jax.py")
+# Examples that run dpmp's trainer and write a run directory (--out).
+TRAINER = ("own_flax_model.py", "equinox_model.py")
 
 # Arguments for a quick smoke run; an example not listed here runs without any.
 QUICK = {
@@ -52,7 +54,8 @@ def test_mixed_precision_step_agrees_with_hand_written(capsys, monkeypatch):
 @pytest.mark.parametrize(
     "name",
     # one in the default suite; the nnx and plain-JAX versions are the same loop
-    [TRAINING[0], *(pytest.param(n, marks=pytest.mark.slow) for n in TRAINING[1:])],
+    # the trainer examples' smoke runs stay in the default suite; these are slow
+    [pytest.param(n, marks=pytest.mark.slow) for n in TRAINING],
 )
 def test_private_training_example_spends_the_budget(name, capsys, monkeypatch):
     out = run(name, *QUICK[name], capsys=capsys, monkeypatch=monkeypatch)
@@ -76,7 +79,36 @@ def test_private_mixed_precision_step(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "name", [n for n in NAMES if n not in (*TRAINING, *QUICK, "mixed_precision_step.py")]
+    "name", [TRAINER[0], pytest.param(TRAINER[1], marks=pytest.mark.slow)]
+)  # test_trainer trains an Equinox model through dpmp.train in the default suite
+def test_trainer_examples_train_and_report(name, tmp_path, capsys, monkeypatch):
+    out = run(name, "--steps", "6", "--out", str(tmp_path), capsys=capsys, monkeypatch=monkeypatch)
+    m = re.search(r"epsilon ([\d.]+) \(delta 1e-05\), test accuracy ([\d.]+)", out)
+    assert m, out
+    assert 1.99 <= float(m[1]) <= 2.0005 and 0 <= float(m[2]) <= 1
+    assert re.search(r"model: user model \w+ \((flax.linen|equinox)\)", out), out
+    assert (tmp_path / "report.json").is_file()
+    if name == "equinox_model.py":
+        assert "trained model: MLP with 3 layers, outputs of shape (10,)" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TRAINER)
+def test_trainer_example_as_shipped(name, tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    eps, acc = re.search(r"epsilon ([\d.]+) .*test accuracy ([\d.]+)", out.stdout).groups()
+    assert float(eps) <= 2.0005 and float(acc) >= 0.90, out.stdout
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n for n in NAMES if n not in (*TRAINING, *TRAINER, *QUICK, "mixed_precision_step.py")],
 )
 def test_other_examples_run(name, capsys, monkeypatch):
     run(name, capsys=capsys, monkeypatch=monkeypatch)
@@ -102,4 +134,16 @@ def test_readme_quick_start_runs():
         "\nassert out.grads['w'].dtype == jnp.float32\nassert float(abs(params['w']).max()) > 0\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.slow  # trains the README's own-model snippet (~60 s)
+def test_readme_own_model_snippet_runs(tmp_path):
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    code = next(c for c in re.findall(r"```python\n(.*?)```", readme, re.S) if "dpmp.train(" in c)
+    code += "\nassert report['epsilon'] <= 2.0005 and report['test_accuracy'] > 0.85\n"
+    code += "assert params['Dense_0']['kernel'].shape == (64, 128)\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr

@@ -207,7 +207,7 @@ def _conv_problem(n):
     ("model", "policy"),
     [
         ("mlp", "fp16"),
-        ("conv", "bf16"),
+        pytest.param("conv", "bf16", marks=pytest.mark.slow),
         # the other pairings repeat the same check: the slow suite runs them
         pytest.param("mlp", "bf16", marks=pytest.mark.slow),
         pytest.param("conv", "fp16", marks=pytest.mark.slow),

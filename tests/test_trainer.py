@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -678,3 +679,163 @@ def test_public_files_hold_no_exact_training_statistic(digits, tmp_path, capsys)
         assert all(secret not in text for text in texts)
         assert secret not in (tmp_path / "report.json").read_text()
         assert secret not in (tmp_path / "metrics.jsonl").read_text()
+
+
+# ---- your own model and data ---------------------------------------------------
+
+OWN_MODULE = """
+import flax.linen as nn
+
+
+class Net(nn.Module):
+    classes: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape((x.shape[0], -1))
+        return nn.Dense(self.classes)(nn.relu(nn.Dense(24)(x)))
+
+
+def factory(input_shape, num_classes):
+    return Net(num_classes)
+"""
+
+
+def _digits_npy(folder, data):
+    folder.mkdir()
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        np.save(folder / f"{name}.npy", getattr(data, name))
+    return folder
+
+
+@pytest.mark.slow  # three runs (~25 s); the default suite trains on .npy data and own models
+def test_own_module_on_memory_mapped_data_in_chunks_checkpoints_and_resumes(
+    digits, tmp_path, monkeypatch
+):
+    """A linen module from the user's own file (``model.kind = "module:factory"``),
+    data from a folder of ``.npy`` files, logical batches in physical chunks: the
+    run reports epsilon, and one killed after its step-4 checkpoint resumes to the
+    parameters and epsilon of the uninterrupted run, bit for bit."""
+    (tmp_path / "own_net.py").write_text(OWN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    folder = _digits_npy(tmp_path / "npy", digits)
+    cfg = small(
+        "model.kind=own_net:factory",
+        "data.dataset=npy",
+        f"data.path={folder}",
+        "training.physical_batch_size=32",
+    )
+    ref_dir, run_dir = tmp_path / "whole", tmp_path / "resumed"
+    _entropy.install(monkeypatch, seed=1)
+    ref = train(cfg, out_dir=ref_dir, progress=False)
+    assert ref["model"]["kind"] == "own_net:factory" and ref["model"]["framework"] == "flax.linen"
+    assert ref["epsilon"] == pytest.approx(cfg.privacy.target_epsilon, rel=1e-3)
+    assert ref["steps"] == 12 and ref["test_accuracy"] > 0.3
+
+    def crash(step, info):
+        if step == 6:
+            raise _Crash
+
+    _entropy.install(monkeypatch, seed=1)
+    with pytest.raises(_Crash):
+        train(cfg, out_dir=run_dir, progress=False, callback=crash)
+    _entropy.install(monkeypatch, seed=2)
+    resumed = train(cfg, out_dir=run_dir, progress=False)
+    for a, b in zip(_params(run_dir)[0], _params(ref_dir)[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert resumed["epsilon"] == ref["epsilon"]
+    assert "resumed from checkpoint_00000004.npz" in (run_dir / "train.log").read_text()
+
+
+def test_memory_mapped_data_trains_without_being_loaded_whole(tmp_path):
+    import tracemalloc
+
+    folder = tmp_path / "big"
+    folder.mkdir()
+    n, dim = 15_000, 1024  # 59 MiB of float32 features
+    x = np.lib.format.open_memmap(folder / "x_train.npy", "w+", np.float32, (n, dim))
+    rng = np.random.default_rng(0)
+    for start in range(0, n, 5000):
+        x[start : start + 5000] = rng.normal(size=(5000, dim))
+    np.save(folder / "y_train.npy", (np.asarray(x[:, 0]) > 0).astype(np.int32))
+    del x
+    np.save(folder / "x_test.npy", rng.normal(size=(100, dim)).astype(np.float32))
+    np.save(folder / "y_test.npy", np.arange(100) % 2)
+    cfg = load_config(
+        None,
+        [
+            "data.dataset=npy",
+            f"data.path={folder}",
+            "model.kind=linear",
+            "model.hidden=[]",
+            "training.steps=3",
+            "training.expected_batch_size=64",
+            "privacy.noise_multiplier=1.0",
+            "privacy.target_epsilon=100",
+        ],
+    )
+    tracemalloc.start()
+    try:
+        report = train(cfg, out_dir=tmp_path / "run", progress=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert report["steps"] == 3 and report["data"]["num_train"] == n
+    assert peak < n * dim * 4 / 4, (
+        f"peak {peak / 2**20:.1f} MiB of a {n * dim * 4 / 2**20} MiB file"
+    )
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "equinox",
+        pytest.param("nnx", marks=pytest.mark.slow),
+        pytest.param("functions", marks=pytest.mark.slow),
+    ],
+)
+def test_python_api_trains_each_model_form_on_sources(form, digits, tmp_path):
+    import equinox as eqx
+    from flax import nnx
+
+    dim = int(np.prod(digits.input_shape))
+    if form == "equinox":
+        model = eqx.nn.MLP(dim, 10, 32, 1, key=jax.random.key(0))
+        flat = lambda d: d.reshape(len(d), -1)  # noqa: E731 - Equinox takes flat vectors
+    elif form == "nnx":
+        model = nnx.Sequential(
+            nnx.Linear(dim, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 10, rngs=nnx.Rngs(1))
+        )
+        flat = lambda d: d.reshape(len(d), -1)  # noqa: E731
+    else:
+
+        def init(key):
+            return {"w": jax.random.normal(key, (dim, 10)) / 8, "b": jnp.zeros(10)}
+
+        def apply(params, x):
+            return x.reshape(x.shape[0], -1) @ params["w"] + params["b"]
+
+        model, flat = (init, apply), lambda d: d
+    train_records = list(zip(flat(digits.x_train), digits.y_train))
+    test_records = list(zip(flat(digits.x_test), digits.y_test))
+    report = dpmp.train(
+        small(), out_dir=tmp_path, progress=False, model=model, data=(train_records, test_records)
+    )
+    assert report["model"]["framework"] in ("equinox", "flax.nnx", "jax")
+    assert report["steps"] == 12 and report["test_accuracy"] > 0.2
+    # the trained parameters come back in the model's own structure and give,
+    # in float32, the test accuracy the bf16 evaluation reported
+    if form == "equinox":
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        trained = eqx.combine(dpmp.load_params(tmp_path, like=params), static)
+        logits = jax.vmap(trained)(flat(digits.x_test))
+    elif form == "nnx":
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        trained = nnx.merge(graphdef, dpmp.load_params(tmp_path, like=params), rest)
+        logits = trained(flat(digits.x_test))
+    else:
+        params = dpmp.load_params(tmp_path, like=model[0](jax.random.key(0)))
+        logits = model[1](params, digits.x_test)
+    accuracy = float((np.argmax(logits, -1) == digits.y_test).mean())
+    assert accuracy == pytest.approx(report["test_accuracy"], abs=0.03)
+    assert report["epsilon"] == pytest.approx(small().privacy.target_epsilon, rel=1e-3)

@@ -208,3 +208,41 @@ def restore_latest(
         state, meta = load_checkpoint(path, template)
         return state, meta, path
     return None
+
+
+def load_params(out_dir: str | Path, like: Any) -> Any:
+    """The trained parameters of the run in ``out_dir`` (its newest checkpoint), in
+    the structure of ``like`` (the model's parameters: a linen params dict, the
+    ``nnx.Param`` state, the arrays of ``eqx.partition``, an ``init(key)``
+    result). The parameters are the private step's output: differentially
+    private, unlike the rest of a checkpoint (keys and sampler seed).
+    """
+    directory = Path(out_dir) / "checkpoints"
+    found = latest_meta(directory)
+    if found is None:
+        raise CheckpointError(f"{directory}: no checkpoint (has the run started?)")
+    meta, path = found
+    span = meta.get("params_leaves")
+    if span is None:
+        raise CheckpointError(f"{path}: does not say where its parameters are")
+    _, stored = _read(path)
+    start, count = span
+    ref_leaves, treedef = jax.tree_util.tree_flatten(like)
+    if len(ref_leaves) != count:
+        raise CheckpointError(
+            f"{path}: holds {count} parameter arrays, `like` has {len(ref_leaves)} "
+            "(a different model?)"
+        )
+    out = []
+    for i, (arr, info, ref) in enumerate(
+        zip(stored[start : start + count], meta["leaves"][start : start + count], ref_leaves)
+    ):
+        want = np.dtype(ref.dtype)
+        if arr.dtype != want:
+            arr = arr.view(want) if info.get("dtype") == want.name else arr.astype(want)
+        if arr.shape != tuple(np.shape(ref)):
+            raise CheckpointError(
+                f"{path}: parameter {i} has shape {arr.shape}, `like` has {tuple(np.shape(ref))}"
+            )
+        out.append(jnp.asarray(arr))
+    return jax.tree_util.tree_unflatten(treedef, out)

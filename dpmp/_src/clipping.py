@@ -66,7 +66,14 @@ from dpmp._src.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScal
 from dpmp._src.policy import Policy
 from dpmp._src.private_loss_scale import PrivateDynamicLossScale
 
-__all__ = ["PrivateGrad", "PrivateGradStats", "PrivateGradFn", "private_grad"]
+__all__ = [
+    "PrivateGrad",
+    "PrivateGradFn",
+    "PrivateGradStats",
+    "adjust_loss_scale",
+    "combine_stats",
+    "private_grad",
+]
 
 _METHODS = ("auto", "vmap", "ghost")
 
@@ -98,6 +105,36 @@ class PrivateGradStats(NamedTuple):
     loss_mean: jax.Array
     loss_scale: jax.Array
     noised_overflow_count: jax.Array
+
+
+def combine_stats(parts: Sequence[PrivateGradStats]) -> PrivateGradStats:
+    """The statistics of a batch processed as ``parts`` (chunks of one logical batch).
+
+    Counts add up; the mean norm and mean loss are weighted by the examples
+    behind them; the maximum is the maximum; the median is the median of the
+    chunks' medians (an approximation: the chunks' norms are not kept).
+    """
+    if len(parts) == 1:
+        return parts[0]
+    stack = PrivateGradStats(*(jnp.stack(field) for field in zip(*parts)))
+    n = stack.num_examples.sum()
+    n_ok = n - stack.num_nonfinite.sum()
+    finite_weights = (stack.num_examples - stack.num_nonfinite).astype(jnp.float32)
+    return PrivateGradStats(
+        num_examples=n,
+        num_nonfinite=stack.num_nonfinite.sum(),
+        num_clipped=stack.num_clipped.sum(),
+        norm_mean=(stack.norm_mean * finite_weights).sum()
+        / jnp.maximum(n_ok, 1).astype(jnp.float32),
+        norm_max=stack.norm_max.max(),
+        norm_median=jnp.nan_to_num(
+            jnp.nanmedian(jnp.where(finite_weights > 0, stack.norm_median, jnp.nan))
+        ),
+        loss_mean=(stack.loss_mean * stack.num_examples.astype(jnp.float32)).sum()
+        / jnp.maximum(n, 1).astype(jnp.float32),
+        loss_scale=stack.loss_scale[0],
+        noised_overflow_count=stack.noised_overflow_count[-1],
+    )
 
 
 class PrivateGrad(NamedTuple):
@@ -209,6 +246,22 @@ def _global_sq_norm(tree):
     """Sum of squares over all leaves, in the leaves' dtype."""
     leaves = [jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)]
     return sum(leaves[1:], leaves[0])
+
+
+def adjust_loss_scale(loss_scale, num_nonfinite: jax.Array) -> tuple[Any, jax.Array]:
+    """The loss scale for the next step and the overflow count it released.
+
+    A ``PrivateDynamicLossScale`` decides from a noised count of the batch's
+    overflowed examples and releases it; a ``DynamicLossScale`` decides from the
+    exact count (not private); static scales stay. The released count is NaN
+    when none was released.
+    """
+    if isinstance(loss_scale, PrivateDynamicLossScale):
+        return loss_scale.adjust_private(num_nonfinite)
+    nothing = jnp.float32(jnp.nan)
+    if isinstance(loss_scale, DynamicLossScale):
+        return loss_scale.adjust(num_nonfinite == 0), nothing
+    return loss_scale, nothing
 
 
 def private_grad(
@@ -452,14 +505,8 @@ def private_grad(
             loss_scale=s,
             noised_overflow_count=jnp.float32(jnp.nan),
         )
-        if isinstance(loss_scale, PrivateDynamicLossScale):
-            next_scale, noised = loss_scale.adjust_private(stats.num_nonfinite)
-            stats = stats._replace(noised_overflow_count=noised)
-        elif isinstance(loss_scale, DynamicLossScale):
-            next_scale = loss_scale.adjust(stats.num_nonfinite == 0)
-        else:
-            next_scale = loss_scale
-        return PrivateGrad(sums, stats, next_scale)
+        next_scale, noised = adjust_loss_scale(loss_scale, stats.num_nonfinite)
+        return PrivateGrad(sums, stats._replace(noised_overflow_count=noised), next_scale)
 
     def explain(params, *args):
         batch_args, others = split(args)

@@ -53,7 +53,7 @@ class ConfigError(ValueError):
 
 
 # The choices of each enumerated key: validation and the README's key table use them.
-DATASETS = ("digits", "npz")
+DATASETS = ("digits", "npz", "npy")
 MODEL_KINDS = ("mlp", "nnx_mlp", "linear", "vit")
 ACCOUNTANTS = ("pld", "rdp")
 SAMPLINGS = ("poisson", "shuffle")
@@ -67,7 +67,9 @@ STANDARDIZE_MODES = ("none", "private", "nonprivate")
 # each section's ``__post_init__``). A key missing here is described by its type.
 _ALLOWED = {
     "policy": 'preset fp32, bf16 or fp16, then optional key=dtype overrides, e.g. "bf16,grad=f32"',
-    "data.path": "path to a .npz file",
+    "data.path": "path to a .npz file (npz) or a folder of .npy files (npy)",
+    "model.kind": '"mlp", "nnx_mlp", "linear", "vit", or "package.module:factory"',
+    "training.physical_batch_size": "integer > 0, or unset",
     "data.test_fraction": "number in (0, 1)",
     "model.hidden": "list of integers > 0 (may be empty)",
     "model.heads": "integer > 0 dividing model.dim",
@@ -93,14 +95,22 @@ def _positive(field: str, value: Any, *, integer: bool = False, allow_zero: bool
         raise ConfigError(f"{field}: must be finite and {bound}, got {value!r}")
 
 
+def _is_factory(kind: str) -> bool:
+    """``"package.module:factory"``: dotted identifiers, one colon."""
+    module, sep, name = kind.partition(":")
+    return bool(sep) and name.isidentifier() and all(p.isidentifier() for p in module.split("."))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Where the examples come from.
 
     dataset: ``"digits"`` (scikit-learn's handwritten digits, shipped with the
-      package) or ``"npz"`` (``path`` with arrays ``x``, ``y`` and optionally
-      ``x_test``, ``y_test``).
-    path: the ``.npz`` file when ``dataset = "npz"``.
+      package), ``"npz"`` (``path`` with arrays ``x``, ``y`` and optionally
+      ``x_test``, ``y_test``) or ``"npy"`` (``path`` a folder of
+      ``x_train.npy``, ``y_train.npy``, ``x_test.npy``, ``y_test.npy``; the
+      features are memory-mapped, so they may be larger than memory).
+    path: the ``.npz`` file or the folder of ``.npy`` files.
     test_fraction: share held out for testing when the data has no test split.
     standardize: scale features by a mean and std of the training set:
       ``"none"`` (no statistic of the training data is computed; the digits use
@@ -129,8 +139,8 @@ class DataConfig:
         _choice("data.dataset", self.dataset, DATASETS)
         if self.path is not None and not isinstance(self.path, str):
             raise ConfigError(f"data.path: must be a string (a .npz file), got {self.path!r}")
-        if self.dataset == "npz" and not self.path:
-            raise ConfigError('data.path: required when data.dataset = "npz"')
+        if self.dataset in ("npz", "npy") and not self.path:
+            raise ConfigError(f'data.path: required when data.dataset = "{self.dataset}"')
         if isinstance(self.standardize, bool):
             raise ConfigError(
                 f"data.standardize: {str(self.standardize).lower()} is no longer allowed; "
@@ -150,7 +160,11 @@ class ModelConfig:
 
     kind: ``"mlp"`` (flax linen), ``"nnx_mlp"`` (flax nnx), ``"linear"`` (a plain
       JAX function of a params dict), ``"vit"`` (a small flax linen vision
-      transformer on square images).
+      transformer on square images), or your own model as
+      ``"package.module:factory"``: ``factory(input_shape, num_classes)``
+      returns a flax linen or nnx module, an Equinox module or an ``(init,
+      apply)`` pair (the module must be importable: its folder on
+      ``PYTHONPATH``). The other keys of this section are then unused.
     hidden: hidden layer widths of the MLPs (``linear`` with none: softmax regression).
     patch: ViT patch size in pixels; must divide the image side.
     dim: ViT width.
@@ -166,7 +180,12 @@ class ModelConfig:
     heads: int = 4
 
     def __post_init__(self):
-        _choice("model.kind", self.kind, MODEL_KINDS)
+        if not (isinstance(self.kind, str) and _is_factory(self.kind)):
+            if self.kind not in MODEL_KINDS:
+                raise ConfigError(
+                    f"model.kind: {self.kind!r} is not allowed; allowed: "
+                    f"{', '.join(MODEL_KINDS)}, or your own as 'package.module:factory'"
+                )
         hidden = self.hidden
         if isinstance(hidden, int):
             hidden = (hidden,)
@@ -248,6 +267,11 @@ class TrainingConfig:
     learning_rate: the optimizer's step size.
     microbatch_size: examples per vmapped microbatch; the padded batch is
       rounded up to a multiple of it (unset: the whole batch at once).
+    physical_batch_size: examples per device call: the logical (Poisson)
+      batch is processed in chunks of this size, their clipped sums added in
+      the accumulate dtype, and noised once per step, so the compiled memory
+      is that of one chunk (unset: the whole batch in one call). The padded
+      batch is rounded up to a multiple of it.
     eval_every: test accuracy and loss (public; train accuracy and loss go to
       ``private/``) every this many steps (0: only at the end); the default
       gives the run's accuracy-against-epsilon plot a curve. An evaluation is
@@ -266,6 +290,7 @@ class TrainingConfig:
     optimizer: str = "adam"
     learning_rate: float = 7e-3
     microbatch_size: int | None = None
+    physical_batch_size: int | None = None
     eval_every: int = 20
     log_every: int = 10
     checkpoint_every: int = 50
@@ -278,6 +303,13 @@ class TrainingConfig:
         _positive("training.learning_rate", self.learning_rate)
         if self.microbatch_size is not None:
             _positive("training.microbatch_size", self.microbatch_size, integer=True)
+        if self.physical_batch_size is not None:
+            _positive("training.physical_batch_size", self.physical_batch_size, integer=True)
+            if self.microbatch_size and self.physical_batch_size % self.microbatch_size:
+                raise ConfigError(
+                    f"training.microbatch_size: {self.microbatch_size} must divide "
+                    f"training.physical_batch_size ({self.physical_batch_size})"
+                )
         for name in ("eval_every", "log_every", "checkpoint_every"):
             _positive(f"training.{name}", getattr(self, name), integer=True, allow_zero=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -391,7 +423,6 @@ class Config:
 
 _CHOICES = {
     "data.dataset": DATASETS,
-    "model.kind": MODEL_KINDS,
     "privacy.accountant": ACCOUNTANTS,
     "privacy.sampling": SAMPLINGS,
     "privacy.clip_method": CLIP_METHODS,

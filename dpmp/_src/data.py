@@ -1,4 +1,5 @@
-"""Training data for the trainer: scikit-learn's digits, or a user ``.npz`` file.
+"""Training data for the trainer: scikit-learn's digits, a user ``.npz`` file, a
+folder of memory-mapped ``.npy`` files, arrays, or random-access sources.
 
 ``load_data(config.data, seed)`` returns a :class:`Dataset` of float32 features
 and int32 labels, split into train and test. It computes no statistic of the
@@ -12,6 +13,13 @@ Features keep the shape of one example (``input_shape``): the digits are
 8 x 8 x 1 images, so the vision transformer can cut them into patches and the
 MLPs flatten them. An ``.npz`` file's ``x`` of shape ``[n, h, w, c]`` keeps its
 image shape, ``[n, h, w]`` becomes ``[n, h, w, 1]``, and ``[n, d]`` stays flat.
+
+Data larger than memory: ``data.dataset = "npy"`` opens ``x_train.npy`` and
+``x_test.npy`` in ``data.path`` memory-mapped (labels are read whole), and
+``Dataset.from_sources(train, test)`` wraps any random-access source (grain's
+``RandomAccessDataSource`` protocol: ``__len__`` and ``__getitem__(i)``
+returning ``(x, y)`` or ``{"x": x, "y": y}``). The trainer then reads only the
+rows of each batch; validation and the fingerprint stream over the rows.
 
 Every problem with a user file is a :class:`DataError` (a ``ValueError``)
 whose message names the array and what is wrong with it.
@@ -29,7 +37,24 @@ import numpy as np
 
 from dpmp._src.config import DataConfig
 
-__all__ = ["DataError", "Dataset", "MIN_TRAIN_EXAMPLES", "fingerprint", "load_data"]
+__all__ = [
+    "DataError",
+    "Dataset",
+    "MIN_TRAIN_EXAMPLES",
+    "RecordColumn",
+    "as_dataset",
+    "fingerprint",
+    "load_data",
+]
+
+# Bytes read at a time when a split is streamed (validation, fingerprint).
+_BLOCK_BYTES = 1 << 22
+
+
+def _rows_per_block(x: Any) -> int:
+    row = max(1, int(np.prod(x.shape[1:], dtype=np.int64)) * np.dtype(x.dtype).itemsize)
+    return max(1, _BLOCK_BYTES // row)
+
 
 # Fewer examples than this cannot be sampled, split and evaluated meaningfully.
 MIN_TRAIN_EXAMPLES = 10
@@ -45,8 +70,10 @@ class Dataset:
     """Train and test arrays and what a model needs to know about them.
 
     Attributes:
-      x_train, x_test: float32 features, ``[n, *input_shape]``.
-      y_train, y_test: int32 labels in ``[0, num_classes)``.
+      x_train, x_test: features, ``[n, *input_shape]``: float32 arrays in
+        memory, or anything indexed by rows (a memory-mapped ``.npy`` of any
+        numeric dtype, a ``RecordColumn``); batches are cast to float32.
+      y_train, y_test: int32 labels in ``[0, num_classes)``, in memory.
       num_classes: K; the training labels are exactly 0..K-1 (``_check_classes``).
       input_shape: shape of one example (``(8, 8, 1)`` for digits).
       description: one line saying where the data came from.
@@ -70,6 +97,39 @@ class Dataset:
     @property
     def num_test(self) -> int:
         return int(self.x_test.shape[0])
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether the features are plain arrays in memory (not mapped or streamed)."""
+        return all(
+            type(x) is np.ndarray and x.dtype == np.float32 for x in (self.x_train, self.x_test)
+        )
+
+    @classmethod
+    def from_arrays(
+        cls, train: tuple[Any, Any], test: tuple[Any, Any], *, description: str | None = None
+    ) -> Dataset:
+        """A dataset of ``train = (x, y)`` and ``test = (x, y)`` arrays.
+
+        Features are not copied: a memory-mapped array (``np.load(...,
+        mmap_mode="r")``) stays on disk. ``[n, h, w]`` features get a channel
+        axis. Raises ``DataError`` naming the array at fault.
+        """
+        x_train = _features("x_train", train[0], copy=not isinstance(train[0], np.memmap))
+        x_test = _features("x_test", test[0], copy=not isinstance(test[0], np.memmap))
+        return _assemble(x_train, train[1], x_test, test[1], description or "user arrays")
+
+    @classmethod
+    def from_sources(cls, train: Any, test: Any, *, description: str | None = None) -> Dataset:
+        """A dataset of two random-access sources of ``(x, y)`` or ``{"x", "y"}`` records.
+
+        Each source needs ``len(source)`` and ``source[i]`` (grain's
+        ``RandomAccessDataSource`` protocol). Labels are read once, here (one
+        pass over the records); features are read by the batch.
+        """
+        x_train, y_train = _columns("train", train)
+        x_test, y_test = _columns("test", test)
+        return _assemble(x_train, y_train, x_test, y_test, description or "user sources")
 
     def summary(self) -> dict[str, Any]:
         """JSON-serialisable description (for the run report)."""
@@ -115,14 +175,54 @@ def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
         x_train, y_train, x_test, y_test, description = _load_npz(
             config.path, config.test_fraction, seed
         )
+    elif config.dataset == "npy":
+        return _load_npy(config.path)
     else:  # pragma: no cover - DataConfig validates the choice
         raise DataError(f"data.dataset: unknown {config.dataset!r}")
+    return _assemble(
+        np.ascontiguousarray(x_train, np.float32),
+        y_train,
+        np.ascontiguousarray(x_test, np.float32),
+        y_test,
+        description,
+    )
 
+
+def as_dataset(data: Any) -> Dataset:
+    """``data`` as a ``Dataset``: a ``Dataset`` as it is, a ``(train, test)`` pair of
+    ``(x, y)`` array pairs or of random-access sources."""
+    if isinstance(data, Dataset):
+        return data
+    if not (isinstance(data, tuple | list) and len(data) == 2):
+        raise DataError(
+            f"data: expected a dpmp.Dataset or a (train, test) pair, got {type(data).__name__}"
+        )
+    train, test = data
+    if isinstance(train, tuple | list) and len(train) == 2:
+        return Dataset.from_arrays(tuple(train), tuple(test))
+    return Dataset.from_sources(train, test)
+
+
+def _assemble(x_train, y_train, x_test, y_test, description: str) -> Dataset:
+    y_train = _labels("y_train", np.asarray(y_train))
+    y_test = _labels("y_test", np.asarray(y_test))
+    _same_length("x_train", x_train, "y_train", y_train)
+    _same_length("x_test", x_test, "y_test", y_test)
+    if tuple(x_test.shape[1:]) != tuple(x_train.shape[1:]):
+        raise DataError(
+            f"x_test: examples have shape {tuple(x_test.shape[1:])}, but x_train has "
+            f"{tuple(x_train.shape[1:])}"
+        )
+    if len(y_train) < MIN_TRAIN_EXAMPLES:
+        raise DataError(
+            f"x_train: too few training examples ({len(y_train)}); need at least "
+            f"{MIN_TRAIN_EXAMPLES}"
+        )
     num_classes = _check_classes(y_train, y_test)
     return Dataset(
-        x_train=np.ascontiguousarray(x_train, np.float32),
+        x_train=x_train,
         y_train=np.ascontiguousarray(y_train, np.int32),
-        x_test=np.ascontiguousarray(x_test, np.float32),
+        x_test=x_test,
         y_test=np.ascontiguousarray(y_test, np.int32),
         num_classes=num_classes,
         input_shape=tuple(int(d) for d in x_train.shape[1:]),
@@ -138,9 +238,11 @@ def fingerprint(data: Dataset) -> str:
     """
     h = hashlib.sha256()
     for name in ("x_train", "y_train", "x_test", "y_test"):
-        arr = np.ascontiguousarray(getattr(data, name))
-        h.update(f"{name}:{arr.dtype.str}:{arr.shape};".encode())
-        h.update(arr.tobytes())
+        arr = getattr(data, name)
+        h.update(f"{name}:{np.dtype(arr.dtype).str}:{tuple(arr.shape)};".encode())
+        rows = _rows_per_block(arr)
+        for start in range(0, len(arr), rows):  # streamed: never the whole split
+            h.update(np.ascontiguousarray(arr[start : start + rows]).tobytes())
     return h.hexdigest()
 
 
@@ -217,30 +319,148 @@ def _load_npz(path: str | None, test_fraction: float, seed: int):
     return x_train, y_train, x_test, y_test, description
 
 
-def _features(name: str, x: np.ndarray) -> np.ndarray:
-    if x.dtype.kind not in "biuf":
+def _features(name: str, x: Any, *, copy: bool = True) -> Any:
+    """Validated features; float32 in memory, or (``copy=False``) the array as it is
+    (a memory-mapped file stays mapped). Finiteness is checked row block by block."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    if np.dtype(x.dtype).kind not in "biuf":
         raise DataError(f"{name}: must be numeric, got dtype {x.dtype}")
-    if x.ndim < 2:
+    if len(x.shape) < 2:
         raise DataError(
-            f"{name}: must have shape [examples, features...], got shape {x.shape} "
+            f"{name}: must have shape [examples, features...], got shape {tuple(x.shape)} "
             "(one feature per example? reshape to [n, 1])"
         )
-    if x.ndim == 3:  # [n, h, w] grey images
+    if len(x.shape) == 3 and isinstance(x, np.ndarray):  # [n, h, w] grey images: a view
         x = x[..., None]
-    if x.ndim > 4:
+    if len(x.shape) > 4:
         raise DataError(f"{name}: at most 4 dimensions [n, h, w, c], got shape {x.shape}")
     if x.shape[0] == 0:
         raise DataError(f"{name}: has no examples")
-    x = x.astype(np.float32)
-    bad = ~np.isfinite(x)
-    if bad.any():
-        rows = np.unique(np.nonzero(bad)[0])
-        kind = "NaN" if np.isnan(x).any() else "inf"
-        raise DataError(
-            f"{name}: {int(bad.sum())} non-finite values ({kind}) in {len(rows)} example(s), "
-            f"first at index {int(rows[0])}"
-        )
+    if copy:
+        x = np.asarray(x, np.float32)
+    if np.dtype(x.dtype).kind == "f":
+        _check_finite(name, x)
     return x
+
+
+def _check_finite(name: str, x: Any) -> None:
+    bad_values, bad_rows, first, kind = 0, 0, None, "inf"
+    rows = _rows_per_block(x)
+    for start in range(0, len(x), rows):
+        block = np.asarray(x[start : start + rows])
+        bad = ~np.isfinite(block)
+        if bad.any():
+            rows = np.unique(np.nonzero(bad)[0])
+            bad_values += int(bad.sum())
+            bad_rows += len(rows)
+            first = start + int(rows[0]) if first is None else first
+            kind = "NaN" if kind == "NaN" or np.isnan(block).any() else "inf"
+    if bad_values:
+        raise DataError(
+            f"{name}: {bad_values} non-finite values ({kind}) in {bad_rows} example(s), "
+            f"first at index {first}"
+        )
+
+
+def _load_npy(path: str | None) -> Dataset:
+    """``x_train.npy``, ``y_train.npy``, ``x_test.npy`` and ``y_test.npy`` in the folder
+    ``path``; the features are memory-mapped, never read whole."""
+    if not path:
+        raise DataError('data.path: required when data.dataset = "npy"')
+    folder = Path(path)
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "no such folder"
+        raise DataError(f"data.path: {what} {str(folder)!r} (npy data is a folder of .npy files)")
+    arrays = {}
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        file = folder / f"{name}.npy"
+        if not file.is_file():
+            raise DataError(
+                f"{folder}: missing {file.name} (expected x_train, y_train, x_test, y_test .npy)"
+            )
+        try:
+            mode = "r" if name.startswith("x") else None
+            arrays[name] = np.load(file, mmap_mode=mode, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise DataError(f"{file}: not a readable .npy array of numbers: {e}") from e
+    x_train = _features("x_train", arrays["x_train"], copy=False)
+    x_test = _features("x_test", arrays["x_test"], copy=False)
+    description = (
+        f"{folder.name}/*.npy (memory-mapped): {len(x_train)} train / {len(x_test)} test "
+        f"examples of shape {tuple(x_train.shape[1:])}, {x_train.dtype}"
+    )
+    return _assemble(x_train, arrays["y_train"], x_test, arrays["y_test"], description)
+
+
+class RecordColumn:
+    """One field of a random-access source, indexed by rows like an array.
+
+    ``column[i:j]`` and ``column[indices]`` read only those records and stack
+    their ``field`` (``0``/``"x"`` for features) into a float32 array.
+    """
+
+    def __init__(self, source: Any, field: int | str, shape: tuple[int, ...]):
+        self._source = source
+        self._field = field
+        self.shape = (len(source), *shape)
+        self.dtype = np.dtype(np.float32)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index) -> np.ndarray:
+        rows = range(*index.indices(len(self))) if isinstance(index, slice) else index
+        values = [np.asarray(_field(self._source[int(i)], self._field), np.float32) for i in rows]
+        if not values:
+            return np.zeros((0, *self.shape[1:]), np.float32)
+        return np.stack(values)
+
+
+def _field(record: Any, field: int | str) -> Any:
+    if isinstance(record, dict):
+        return record["x" if field == 0 else "y"]
+    return record[field]
+
+
+def _columns(name: str, source: Any) -> tuple[Any, np.ndarray]:
+    """(features column, labels) of a source; every record is read once."""
+    if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+        raise DataError(
+            f"data: the {name} source must support len() and [i] (grain's "
+            f"RandomAccessDataSource protocol), got {type(source).__name__}"
+        )
+    n = len(source)
+    if n == 0:
+        raise DataError(f"data: the {name} source has no records")
+    labels, shape = np.empty(n, np.int64), None
+    for i in range(n):
+        record = source[i]
+        if not (isinstance(record, dict) and {"x", "y"} <= set(record)) and not (
+            isinstance(record, tuple | list) and len(record) == 2
+        ):
+            raise DataError(
+                f"data: record {i} of the {name} source must be (x, y) or {{'x': x, 'y': y}}, "
+                f"got {type(record).__name__}"
+            )
+        x = np.asarray(_field(record, 0))
+        if shape is None:
+            shape = x.shape
+        elif x.shape != shape:
+            raise DataError(
+                f"data: record {i} of the {name} source has x of shape {x.shape}, record 0 {shape}"
+            )
+        if x.dtype.kind not in "biuf" or (x.dtype.kind == "f" and not np.isfinite(x).all()):
+            raise DataError(f"data: record {i} of the {name} source: x must be finite numbers")
+        label = np.asarray(_field(record, 1))
+        if label.shape != () or label.dtype.kind not in "iu":
+            raise DataError(f"data: record {i} of the {name} source: y must be an integer label")
+        labels[i] = int(label)
+    if len(shape) not in (1, 3):
+        raise DataError(
+            f"data: {name} records: x must be a vector [d] or an image [h, w, c], got {shape}"
+        )
+    return RecordColumn(source, 0, shape), labels
 
 
 # More classes than this is taken for a label column that is not class labels.

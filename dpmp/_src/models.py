@@ -7,8 +7,13 @@
 * ``loss_fn(params, batch)``: mean softmax cross-entropy of ``batch = {"x",
   "y"}``; the forward pass runs in ``policy.compute``, the logits are cast to
   ``policy.output`` and the cross-entropy is computed in float32;
-* ``predict(params, x) -> logits`` (``policy.output``), for evaluation;
+* ``predict(params, x) -> logits`` (``policy.output``);
+* ``metrics(params, batch) -> (losses, correct)``: per-example float32 loss
+  and whether the top class is the label, for evaluation;
 * ``framework`` and ``kind``: what was built.
+
+Your own models (flax linen or nnx, Equinox, plain functions) become a
+``Model`` through ``dpmp._src.adapters``.
 
 ``dpmp.private_grad`` hands ``loss_fn`` batches of ONE example, so no model
 here uses batch statistics (no BatchNorm): each example's gradient must
@@ -41,7 +46,7 @@ import optax
 from dpmp._src.config import ModelConfig
 from dpmp._src.policy import Policy
 
-__all__ = ["Model", "build_model", "count_params"]
+__all__ = ["Model", "build_model", "count_params", "cross_entropy", "wrap_forward"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -54,6 +59,7 @@ class Model:
     init: Callable[[Any], Any]
     loss_fn: Callable[[Any, dict], jax.Array]
     predict: Callable[[Any, jax.Array], jax.Array]
+    metrics: Callable[[Any, dict], tuple[jax.Array, jax.Array]]
     description: str
 
     def summary(self, params=None) -> dict[str, Any]:
@@ -68,10 +74,10 @@ def count_params(params) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
-def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean softmax cross-entropy, computed in float32 whatever the logits' dtype."""
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-example softmax cross-entropy, in float32 whatever the logits' dtype."""
     logits = logits.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
 def build_model(config: ModelConfig | None, data_info: Any, policy: Policy | str) -> Model:
@@ -91,17 +97,35 @@ def build_model(config: ModelConfig | None, data_info: Any, policy: Policy | str
     return model
 
 
-def _wrap(forward: Callable, policy: Policy):
-    """loss_fn and predict around ``forward(params, x) -> logits``."""
+def wrap_forward(forward: Callable, policy: Policy, loss: Callable | None = None):
+    """``(loss_fn, predict, metrics)`` around ``forward(params, x) -> outputs``.
+
+    ``x`` is cast to ``policy.compute`` and the outputs to ``policy.output``;
+    ``loss(outputs, labels)`` gives per-example losses (default
+    ``cross_entropy``), averaged in float32 by ``loss_fn``.
+    """
+    loss = cross_entropy if loss is None else loss
 
     def predict(params, x):
-        logits = forward(params, jnp.asarray(x).astype(policy.compute))
-        return logits.astype(policy.output)
+        outputs = forward(params, jnp.asarray(x).astype(policy.compute))
+        return outputs.astype(policy.output)
+
+    def example_losses(outputs, labels):
+        losses = jnp.asarray(loss(outputs, labels))
+        if losses.shape != labels.shape:
+            raise ValueError(
+                f"loss: must return one loss per example, shape {labels.shape}, got {losses.shape}"
+            )
+        return losses.astype(jnp.float32)
 
     def loss_fn(params, batch):
-        return _cross_entropy(predict(params, batch["x"]), batch["y"])
+        return example_losses(predict(params, batch["x"]), batch["y"]).mean()
 
-    return loss_fn, predict
+    def metrics(params, batch):
+        outputs = predict(params, batch["x"])
+        return example_losses(outputs, batch["y"]), jnp.argmax(outputs, -1) == batch["y"]
+
+    return loss_fn, predict, metrics
 
 
 def _widths(config: ModelConfig, input_shape, num_classes) -> list[int]:
@@ -130,7 +154,7 @@ def _linen_mlp(config, input_shape, num_classes, policy) -> Model:
     def init(key):
         return module.init(key, jnp.zeros((1, *input_shape), jnp.float32))["params"]
 
-    loss_fn, predict = _wrap(lambda p, x: module.apply({"params": p}, x), policy)
+    loss_fn, predict, metrics = wrap_forward(lambda p, x: module.apply({"params": p}, x), policy)
     widths = "-".join(map(str, _widths(config, input_shape, num_classes)))
     return Model(
         kind="mlp",
@@ -139,6 +163,7 @@ def _linen_mlp(config, input_shape, num_classes, policy) -> Model:
         init=init,
         loss_fn=loss_fn,
         predict=predict,
+        metrics=metrics,
         description=f"flax linen MLP {widths}, ReLU",
     )
 
@@ -176,7 +201,7 @@ def _nnx_mlp(config, input_shape, num_classes, policy) -> Model:
     def forward(state, x):
         return nnx.merge(graphdef, state)(x)
 
-    loss_fn, predict = _wrap(forward, policy)
+    loss_fn, predict, metrics = wrap_forward(forward, policy)
     text = "-".join(map(str, widths))
     return Model(
         kind="nnx_mlp",
@@ -185,6 +210,7 @@ def _nnx_mlp(config, input_shape, num_classes, policy) -> Model:
         init=init,
         loss_fn=loss_fn,
         predict=predict,
+        metrics=metrics,
         description=f"flax nnx MLP {text} (nnx.split/merge; params are an nnx.State), ReLU",
     )
 
@@ -214,7 +240,7 @@ def _plain(config, input_shape, num_classes, policy) -> Model:
                 h = jax.nn.relu(h)
         return h
 
-    loss_fn, predict = _wrap(forward, policy)
+    loss_fn, predict, metrics = wrap_forward(forward, policy)
     text = "-".join(map(str, widths))
     if config.hidden:
         name, description = f"plain-JAX MLP {text}", f"plain JAX MLP {text}, ReLU (params dict)"
@@ -227,6 +253,7 @@ def _plain(config, input_shape, num_classes, policy) -> Model:
         init=init,
         loss_fn=loss_fn,
         predict=predict,
+        metrics=metrics,
         description=description,
     )
 
@@ -283,7 +310,9 @@ def _vit(config, input_shape, num_classes, policy) -> Model:
     def init(key):
         return module.init(key, jnp.zeros((1, *input_shape), jnp.float32))["params"]
 
-    loss_fn, predict = _wrap(lambda prm, x: module.apply({"params": prm}, x), policy)
+    loss_fn, predict, metrics = wrap_forward(
+        lambda prm, x: module.apply({"params": prm}, x), policy
+    )
     return Model(
         kind="vit",
         framework="flax.linen",
@@ -291,6 +320,7 @@ def _vit(config, input_shape, num_classes, policy) -> Model:
         init=init,
         loss_fn=loss_fn,
         predict=predict,
+        metrics=metrics,
         description=(
             f"flax linen ViT: {p}x{p} patches ({num_tokens} tokens), dim {dim}, {depth} "
             f"pre-LN blocks with {heads}-head attention and MLP {2 * dim}, mean pooling"

@@ -1,0 +1,97 @@
+"""Data and sampling: which examples each step uses, and how they reach the step.
+
+``make_sampler`` builds the run's sampler: Poisson sampling (what the
+accountant assumes; every example joins each step's logical batch with
+probability ``q``), padded to a fixed size so that one compiled step serves
+every batch, or fixed shuffled batches (``privacy.sampling = "shuffle"``, not
+covered by the Poisson epsilon). The padded size is a multiple of
+``training.physical_batch_size`` (and of ``training.microbatch_size``).
+
+``gather`` reads a batch's examples from the training split -- an in-memory
+array, a memory-mapped ``.npy`` file or any random-access source -- so only
+the batch is ever in memory; ``physical_chunks`` cuts it into the chunks the
+device sees one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from dpmp._src.config import Config, ConfigError
+from dpmp._src.data import Dataset
+from dpmp._src.preprocess import FeatureStats, exact_feature_stats, private_feature_stats
+from dpmp._src.sampling import PoissonSampler, ShuffledSampler
+
+__all__ = ["chunk_size", "feature_stats", "gather", "make_sampler", "physical_chunks"]
+
+
+def chunk_size(config: Config) -> int | None:
+    """The size every padded batch must be a multiple of, or None."""
+    t = config.training
+    sizes = [s for s in (t.physical_batch_size, t.microbatch_size) if s]
+    return max(sizes) if sizes else None  # validated: microbatch divides physical
+
+
+def make_sampler(config: Config, num_train: int, seed: int):
+    """The run's sampler over ``num_train`` examples with the secret ``seed``."""
+    t = config.training
+    if t.expected_batch_size > num_train:
+        raise ConfigError(
+            f"training.expected_batch_size: {t.expected_batch_size} exceeds the "
+            f"{num_train} training examples"
+        )
+    if config.privacy.sampling == "shuffle":
+        return ShuffledSampler(num_train, t.expected_batch_size, seed=seed, num_steps=t.steps)
+    sampler = PoissonSampler(num_train, t.expected_batch_size, seed=seed, num_steps=t.steps)
+    unit = chunk_size(config)
+    if unit and sampler.padded_batch_size % unit:
+        padded = -(-sampler.padded_batch_size // unit) * unit
+        sampler = PoissonSampler(
+            num_train, t.expected_batch_size, padded_batch_size=padded, seed=seed, num_steps=t.steps
+        )
+    return sampler
+
+
+def feature_stats(config: Config, data: Dataset, seed: int) -> FeatureStats | None:
+    """The standardisation statistics ``data.standardize`` asks for, or None."""
+    d = config.data
+    if d.standardize == "private":
+        return private_feature_stats(
+            data.x_train,
+            clip=d.standardize_clip,
+            noise_multiplier=d.standardize_noise_multiplier,
+            seed=seed,
+        )
+    if d.standardize == "nonprivate":
+        return exact_feature_stats(data.x_train)
+    return None
+
+
+def gather(data: Dataset, batch) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The batch's training examples ``{"x": float32, "y": int32}`` and its padding mask.
+
+    Padding rows repeat example 0 (masked out of every sum). Only the batch's
+    rows are read, so a memory-mapped split is never loaded whole.
+    """
+    pad = np.asarray(batch.is_padding_example, bool)
+    idx = np.where(pad, 0, np.asarray(batch.indices))
+    x = np.asarray(data.x_train[idx], np.float32)
+    y = np.asarray(data.y_train[idx], np.int32)
+    return {"x": x, "y": y}, pad
+
+
+def physical_chunks(
+    batch: dict[str, np.ndarray], pad: np.ndarray, size: int
+) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+    """Consecutive chunks of ``size`` rows of a padded batch (its length is a multiple).
+
+    Every chunk is processed, padding-only ones included, so that a step's
+    time does not depend on how many examples were sampled.
+    """
+    n = len(pad)
+    if n % size:
+        raise ValueError(f"physical_batch_size: {size} does not divide the padded batch {n}")
+    for start in range(0, n, size):
+        yield {k: v[start : start + size] for k, v in batch.items()}, pad[start : start + size]

@@ -1,0 +1,363 @@
+"""The jitted private step of a run, and its audits.
+
+One step (``build_private_step``)::
+
+    batch    = Poisson sample of the training set, padded to a fixed size
+    out      = dpmp.private_grad(model.loss_fn, ...)(params, batch, loss_scale,
+                                                     is_padding_example)
+    updates  = dpmp.private_optimizer(optax opt, ...)   # snapped noise, / E[B]
+    params   = params + updates                          # fp32 master params
+
+With ``training.physical_batch_size`` the logical batch is processed in
+chunks of that many examples, one device call each::
+
+    acc      = 0                                     # accumulate dtype (>= fp32)
+    for chunk in physical_chunks(batch):             # every chunk, padding too
+        acc += private_grad(...)(params, chunk, static scale, its padding).grads
+    updates  = private_optimizer.update(acc, ...)    # ONE noise draw per step
+    scale    = adjust_loss_scale(scale, overflow count of the whole batch)
+
+so the compiled memory is set by the chunk, not by the logical batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dpmp._src.adapters import model_from_config
+from dpmp._src.audit import audit_precision
+from dpmp._src.audit_privacy import privacy_audit
+from dpmp._src.clipping import adjust_loss_scale, combine_stats, private_grad
+from dpmp._src.config import Config, ConfigError
+from dpmp._src.data import Dataset, load_data
+from dpmp._src.loss_scale import (
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+)
+from dpmp._src.models import Model
+from dpmp._src.noise import private_optimizer
+from dpmp._src.preprocess import FeatureStats, standardize
+from dpmp._src.private_loss_scale import PrivateDynamicLossScale
+from dpmp._src.trainer.batches import feature_stats as compute_feature_stats
+from dpmp._src.trainer.batches import gather, make_sampler, physical_chunks
+from dpmp._src.trainer.plan import NoisePlan, RunKeys, noise_plan, run_keys
+
+__all__ = [
+    "AUDIT_EXPECT",
+    "PrivateStep",
+    "audit_step",
+    "audit_summary",
+    "build_private_step",
+    "privacy_audit_step",
+]
+
+# Sites every private step must show; all_reduce only exists on several devices.
+AUDIT_EXPECT = ("batch_reduction", "norm", "noise_sample", "noise_add", "update")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrivateStep:
+    """Everything one private step of a run is made of (see ``build_private_step``).
+
+    Attributes:
+      step_fn: ``step_fn(params, batch, is_padding_example, opt_state,
+        loss_scale) -> (params, opt_state, loss_scale, stats)``; ``batch`` is
+        ``{"x": [B, ...] float32, "y": [B] int32}``. Jitted as a whole, or,
+        with physical chunks, a Python loop over ``chunk_fn`` then ``apply_fn``
+        (it can be traced, so the audit reads it as one function).
+      example_args: real arguments for ``step_fn`` (initial state, batch 0).
+      chunk_fn: jitted ``chunk_fn(params, chunk, is_padding, loss_scale, acc)
+        -> (acc, stats)`` adding one chunk's clipped sum to ``acc``; None
+        without physical chunks.
+      apply_fn: jitted ``apply_fn(params, acc, opt_state, loss_scale,
+        num_nonfinite) -> (params, opt_state, loss_scale, noised_count)``: the
+        noise and the update of a chunked step; None without physical chunks.
+      config, policy, data, model, sampler, optimizer: the parts.
+      data: the training data as the step sees it (standardised, if the
+        config says so).
+      plan: the ``NoisePlan`` (sigma, calibrated or given, the budget, q).
+      init_state: the initial ``params``, ``opt_state`` and ``loss_scale``.
+      grad_fn: the ``dpmp.private_grad`` function inside ``step_fn``.
+      clipping: ``grad_fn.explain(...)`` for this run's batches: the clip
+        method requested, the one used, why, and the rule for each parameter.
+      feature_stats: the standardisation statistics, or None.
+      keys: the run's ``RunKeys`` (secret unless reproducible).
+    """
+
+    step_fn: Callable
+    example_args: tuple
+    chunk_fn: Callable | None
+    apply_fn: Callable | None
+    config: Config
+    policy: Any
+    data: Dataset
+    model: Model
+    sampler: Any
+    optimizer: optax.GradientTransformation
+    plan: NoisePlan
+    init_state: dict[str, Any]
+    grad_fn: Any
+    clipping: dict[str, Any]
+    feature_stats: FeatureStats | None
+    keys: RunKeys
+
+    def __iter__(self):  # ``step_fn, example_args = build_private_step(...)``
+        return iter((self.step_fn, self.example_args))
+
+    # The plan's numbers, as the report and the log read them.
+    noise_multiplier = property(lambda self: self.plan.noise_multiplier)
+    noise_calibrated = property(lambda self: self.plan.calibrated)
+    budget = property(lambda self: self.plan.budget)
+    sampling_prob = property(lambda self: self.plan.sampling_prob)
+    count_noise_stddev = property(lambda self: self.plan.count_noise_stddev)
+
+
+def _make_optimizer(config: Config) -> optax.GradientTransformation:
+    t = config.training
+    if t.optimizer == "adam":
+        return optax.adam(t.learning_rate)
+    if t.optimizer == "momentum":
+        return optax.sgd(t.learning_rate, momentum=0.9)
+    return optax.sgd(t.learning_rate)
+
+
+def _make_loss_scale(config: Config, key) -> Any:
+    ls = config.loss_scale
+    if ls.kind == "none":
+        return NoOpLossScale()
+    if ls.kind == "static":
+        return StaticLossScale(ls.initial)
+    if ls.kind == "private_dynamic":
+        return PrivateDynamicLossScale(
+            ls.initial,
+            key,
+            count_noise_stddev=ls.count_noise_stddev,
+            period=ls.period,
+            factor=ls.factor,
+            min_scale=ls.min_scale,
+            max_scale=ls.max_scale,
+        )
+    return DynamicLossScale(
+        ls.initial,
+        period=ls.period,
+        factor=ls.factor,
+        min_scale=ls.min_scale,
+        max_scale=ls.max_scale,
+    )
+
+
+def _one_shot_step(grad_fn, optimizer) -> Callable:
+    def private_step(params, batch, is_padding_example, opt_state, loss_scale):
+        out = grad_fn(params, batch, loss_scale=loss_scale, is_padding_example=is_padding_example)
+        updates, opt_state = optimizer.update(out.grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, out.loss_scale, out.stats
+
+    return jax.jit(private_step)
+
+
+def _chunked_step(grad_fn, optimizer, size: int, acc_shapes) -> tuple[Callable, ...]:
+    """``(step_fn, chunk_fn, apply_fn)`` of a step over physical chunks of ``size``."""
+
+    @jax.jit
+    def chunk_fn(params, chunk, is_padding, loss_scale, acc):
+        # Every chunk of a step uses the step's scale; it is adjusted once, from
+        # the whole batch's overflow count, in apply_fn.
+        out = grad_fn(params, chunk, loss_scale=loss_scale, is_padding_example=is_padding)
+        return jax.tree.map(jnp.add, acc, out.grads), out.stats
+
+    @jax.jit
+    def apply_fn(params, acc, opt_state, loss_scale, num_nonfinite):
+        updates, opt_state = optimizer.update(acc, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        next_scale, noised = adjust_loss_scale(loss_scale, num_nonfinite)
+        return params, opt_state, next_scale, noised
+
+    def step_fn(params, batch, is_padding_example, opt_state, loss_scale):
+        chunk_scale = loss_scale
+        if not isinstance(loss_scale, NoOpLossScale | StaticLossScale):
+            chunk_scale = StaticLossScale(loss_scale.loss_scale)
+        acc = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), acc_shapes)
+        parts = []
+        for chunk, pad in physical_chunks(batch, is_padding_example, size):
+            acc, stats = chunk_fn(params, chunk, pad, chunk_scale, acc)
+            parts.append(stats)
+        stats = combine_stats(parts)
+        params, opt_state, next_scale, noised = apply_fn(
+            params, acc, opt_state, loss_scale, stats.num_nonfinite
+        )
+        return params, opt_state, next_scale, stats._replace(noised_overflow_count=noised)
+
+    return step_fn, chunk_fn, apply_fn
+
+
+def build_private_step(
+    config: Config,
+    data: Dataset | None = None,
+    *,
+    model: Model | None = None,
+    keys: RunKeys | None = None,
+    feature_stats: FeatureStats | None = None,
+) -> PrivateStep:
+    """The private step of ``config`` and real arguments for it.
+
+    ``step_fn, example_args = build_private_step(config)`` unpacks it; the
+    precision audit of a config is
+    ``dpmp.audit_precision(step_fn, *example_args, policy=config.precision,
+    params_argnums=0, batch_argnums=1)`` (``audit_step`` does exactly this).
+
+    Args:
+      config: a ``dpmp`` run ``Config``.
+      data: a ``Dataset`` (not standardised); default
+        ``load_data(config.data, seed)``.
+      model: a ``Model`` (``dpmp._src.adapters.as_model`` makes one of a flax,
+        Equinox or plain-JAX model); default ``build_model(config.model, ...)``.
+      keys: the run's noise keys and seeds; default ``run_keys(config)``
+        (fresh OS entropy unless ``privacy.reproducible_noise``).
+      feature_stats: standardisation statistics to reuse (a resumed run's);
+        default: computed as ``data.standardize`` says.
+    """
+    policy = config.precision
+    t = config.training
+    if data is None:
+        data = load_data(config.data, t.seed)
+    keys = run_keys(config) if keys is None else keys
+    if config.data.standardize != "none":
+        if not data.in_memory:
+            raise ConfigError(
+                f"data.standardize: {config.data.standardize!r} needs the features in memory "
+                "as float32 arrays; memory-mapped or streamed data must come standardised"
+            )
+        if feature_stats is None:
+            feature_stats = compute_feature_stats(config, data, keys.standardize_seed)
+        data = standardize(data, feature_stats)
+    if model is None:
+        model = model_from_config(config.model, data, policy)
+    init_key = jax.random.split(jax.random.key(t.seed), 3)[0]
+    sampler = make_sampler(config, data.num_train, keys.sampler_seed)
+    plan = noise_plan(
+        config, num_train=data.num_train, params_shape=jax.eval_shape(model.init, init_key)
+    )
+    grad_fn = private_grad(
+        model.loss_fn,
+        l2_clip_norm=config.privacy.l2_clip_norm,
+        policy=policy,
+        microbatch_size=t.microbatch_size,
+        allow_nonprivate_loss_scale=config.loss_scale.kind == "nonprivate_dynamic",
+        method=config.privacy.clip_method,
+    )
+    optimizer = private_optimizer(
+        _make_optimizer(config),
+        noise_multiplier=plan.noise_multiplier,
+        l2_clip_norm=config.privacy.l2_clip_norm,
+        expected_batch_size=t.expected_batch_size,
+        prng_key=keys.noise,
+        policy=policy,
+        sampler=config.privacy.noise_sampler,
+    )
+    params = jax.jit(model.init)(init_key)
+    init_state = {
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "loss_scale": _make_loss_scale(config, keys.loss_scale),
+    }
+    batch, pad = gather(data, sampler.batch(0))
+    example_args = (
+        init_state["params"],
+        jax.tree.map(jnp.asarray, batch),
+        jnp.asarray(pad),
+        init_state["opt_state"],
+        init_state["loss_scale"],
+    )
+    chunk_fn = apply_fn = None
+    size = t.physical_batch_size
+    if size is None:
+        step_fn = _one_shot_step(grad_fn, optimizer)
+        explained_batch = example_args[1]
+    else:
+        explained_batch = next(physical_chunks(example_args[1], example_args[2], size))[0]
+        acc_shapes = jax.eval_shape(lambda p, b: grad_fn(p, b).grads, params, explained_batch)
+        step_fn, chunk_fn, apply_fn = _chunked_step(grad_fn, optimizer, size, acc_shapes)
+    return PrivateStep(
+        step_fn=step_fn,
+        example_args=example_args,
+        chunk_fn=chunk_fn,
+        apply_fn=apply_fn,
+        config=config,
+        policy=policy,
+        data=data,
+        model=model,
+        sampler=sampler,
+        optimizer=optimizer,
+        plan=plan,
+        init_state=init_state,
+        grad_fn=grad_fn,
+        clipping=_explain_clipping(grad_fn, params, explained_batch),
+        feature_stats=feature_stats,
+        keys=keys,
+    )
+
+
+def _explain_clipping(grad_fn, params, batch) -> dict[str, Any]:
+    """Which clip method the step uses; ``method="ghost"`` on an unsupported model is a
+    ``ConfigError`` naming the parameter (before any work)."""
+    try:
+        return grad_fn.explain(params, batch)
+    except ValueError as e:
+        raise ConfigError(f"privacy.clip_method: {e}") from None
+
+
+def audit_step(config: Config, data: Dataset | None = None, *, step: PrivateStep | None = None):
+    """Precision audit (``dpmp.audit_precision``) of the config's private step."""
+    step = build_private_step(config, data) if step is None else step
+    return audit_precision(
+        step.step_fn,
+        *step.example_args,
+        policy=step.policy,
+        params_argnums=0,
+        batch_argnums=1,
+        expect=AUDIT_EXPECT,
+        name=f"private step ({step.model.name}, {config.policy})",
+    )
+
+
+def privacy_audit_step(
+    config: Config,
+    data: Dataset | None = None,
+    *,
+    num_releases: int = 1_000_000,
+    step: PrivateStep | None = None,
+):
+    """Empirical privacy audit (``dpmp.privacy_audit``) of the config's noise stage:
+    its policy, noise multiplier (calibrated as the run would), clip norm and delta."""
+    step = build_private_step(config, data) if step is None else step
+    return privacy_audit(
+        step.noise_multiplier,
+        policy=step.policy,
+        clip_norm=config.privacy.l2_clip_norm,
+        delta=config.privacy.delta,
+        num_releases=num_releases,
+        mechanism="dpmp" if config.privacy.noise_sampler == "snapped" else "plain",
+    )
+
+
+def audit_summary(step: PrivateStep) -> dict[str, Any]:
+    """The precision audit as the report gives it; an audit error never stops a run."""
+    try:
+        report = audit_step(step.config, step=step)
+    except Exception as e:  # the audit must never take the run down
+        return {"ok": None, "error": f"{type(e).__name__}: {e}"}
+    return {
+        "ok": report.ok,
+        "violations": [f.to_dict() for f in report.violations],
+        "missing": list(report.missing),
+        "counts": report.counts(),
+        "expect": list(AUDIT_EXPECT),
+    }

@@ -1,0 +1,170 @@
+"""Your own model: flax linen, flax nnx, Equinox and (init, apply) become a trainer Model.
+
+Each form of the same softmax regression gives the loss a float64 numpy
+computation gives from its own weights; the compute dtype reaches the matmul;
+batch statistics are refused; ``package.module:factory`` loads with errors
+that say what to fix.
+"""
+
+import sys
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dpmp._src.adapters import as_model, load_factory, model_from_config, model_signature
+from dpmp._src.config import ConfigError, ModelConfig
+from dpmp._src.policy import Policy
+
+IN, K = 6, 3
+
+
+class LinenLinear(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(K)(x.reshape((x.shape[0], -1)))
+
+
+class NnxLinear(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(IN, K, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense(x.reshape((x.shape[0], -1)))
+
+
+def plain_init(key):
+    return {"w": jax.random.normal(key, (IN, K)) * 0.3, "b": jnp.full((K,), 0.1)}
+
+
+def plain_apply(params, x):
+    return x.reshape((x.shape[0], -1)) @ params["w"] + params["b"]
+
+
+FORMS = {
+    "linen": lambda: LinenLinear(),
+    "nnx": lambda: NnxLinear(nnx.Rngs(1)),
+    "equinox": lambda: eqx.nn.Linear(IN, K, key=jax.random.key(2)),
+    "functions": lambda: (plain_init, plain_apply),
+}
+
+
+def _weights(params):
+    """(W [IN, K], b [K]) of a softmax regression's params, whatever their layout."""
+    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(params)]
+    (w,) = [x for x in leaves if x.ndim == 2]
+    (b,) = [x for x in leaves if x.ndim == 1]
+    return (w if w.shape == (IN, K) else w.T), b
+
+
+def _reference_loss(params, x, y):
+    w, b = _weights(params)
+    logits = x.reshape(len(x), -1).astype(np.float64) @ w + b
+    logits -= logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return -logp[np.arange(len(y)), y].mean()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = np.random.default_rng(0)
+    return {"x": rng.normal(size=(5, IN)).astype(np.float32), "y": np.array([0, 1, 2, 1, 0])}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_each_form_gives_the_float64_loss_of_its_own_weights(form, batch):
+    model = as_model(FORMS[form](), (IN,), K, "fp32")
+    params = jax.jit(model.init)(jax.random.key(0))
+    got = float(model.loss_fn(params, batch))
+    assert got == pytest.approx(_reference_loss(params, batch["x"], batch["y"]), rel=1e-5)
+    losses, correct = model.metrics(params, batch)
+    assert losses.shape == (5,) and correct.dtype == jnp.bool_
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_each_form_computes_in_the_policy_compute_dtype(form, batch):
+    model = as_model(FORMS[form](), (IN,), K, "bf16")
+    params = jax.jit(model.init)(jax.random.key(0))
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
+    jaxpr = jax.make_jaxpr(model.loss_fn)(params, batch)
+    dots = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    assert model.predict(params, batch["x"]).dtype == Policy.parse("bf16").output
+
+
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            yield from _equations(sub)
+
+
+def test_a_user_loss_is_used_per_example(batch):
+    def squared_margin(outputs, labels):
+        return jnp.sum(outputs.astype(jnp.float32) ** 2, -1) + labels
+
+    model = as_model(FORMS["functions"](), (IN,), K, "fp32", loss=squared_margin)
+    params = model.init(jax.random.key(0))
+    w, b = _weights(params)
+    expected = (((batch["x"] @ w + b) ** 2).sum(-1) + batch["y"]).mean()
+    assert float(model.loss_fn(params, batch)) == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(ValueError, match="one loss per example"):
+        bad = as_model(FORMS["functions"](), (IN,), K, "fp32", loss=lambda o, y: o.sum())
+        bad.loss_fn(params, batch)
+
+
+def test_batch_statistics_are_refused():
+    class WithBatchNorm(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.BatchNorm(use_running_average=False)(nn.Dense(K)(x))
+
+    with pytest.raises(ValueError, match="batch_stats.*LayerNorm"):
+        as_model(WithBatchNorm(), (IN,), K, "fp32")
+
+    class NnxBatchNorm(nnx.Module):
+        def __init__(self):
+            self.norm = nnx.BatchNorm(IN, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.norm(x)
+
+    with pytest.raises(ValueError, match="BatchStat"):
+        as_model(NnxBatchNorm(), (IN,), K, "fp32")
+
+
+def test_other_objects_are_refused_with_the_forms_named():
+    with pytest.raises(TypeError, match="linen or nnx module, an Equinox module"):
+        as_model(object(), (IN,), K, "fp32")
+
+
+def test_factory_errors_say_what_to_fix(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="cannot import 'no_such_mod'.*PYTHONPATH"):
+        load_factory("no_such_mod:make")
+    (tmp_path / "user_models_ok.py").write_text(
+        "import flax.linen as nn\n"
+        "def make(input_shape, num_classes):\n"
+        "    return nn.Dense(num_classes)\n"
+        "def broken(input_shape, num_classes):\n"
+        "    return 'not a model'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="has no function 'missing'"):
+        load_factory("user_models_ok:missing")
+    info = type("Info", (), {"input_shape": (IN,), "num_classes": K})()
+    model = model_from_config(ModelConfig(kind="user_models_ok:make"), info, "fp32")
+    assert model.kind == "user_models_ok:make" and model.framework == "flax.linen"
+    with pytest.raises(ConfigError, match="user_models_ok:broken returned an unusable model"):
+        model_from_config(ModelConfig(kind="user_models_ok:broken"), info, "fp32")
+    sys.modules.pop("user_models_ok", None)
+
+
+def test_model_signature_sees_names_and_shapes_not_values():
+    a = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)}
+    assert model_signature(a) == model_signature(jax.tree.map(jnp.ones_like, a))
+    assert model_signature(a) != model_signature({"w": jnp.zeros((3, 3)), "b": jnp.zeros(3)})
+    assert model_signature(a) != model_signature({"v": jnp.zeros((2, 3)), "b": jnp.zeros(3)})

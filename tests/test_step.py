@@ -1,0 +1,145 @@
+"""The trainer's step over physical chunks of a logical batch.
+
+A Poisson batch of expected size 1024 processed in chunks of 128 gives the
+clipped sum of the one-shot step on the same sample (fp32, 1e-5), draws the
+noise once (the chunked step's update equals the one-shot step's under the
+same key), adjusts a private loss scale once, and compiles to at most a
+quarter of the one-shot step's temporary memory.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpmp._src.clipping import PrivateGradStats, combine_stats
+from dpmp._src.config import Config, load_config
+from dpmp._src.data import load_data
+from dpmp._src.trainer import audit_step, build_private_step, run_keys
+from dpmp._src.trainer.batches import physical_chunks
+
+LOGICAL = [
+    "policy=fp32",
+    "training.expected_batch_size=1024",
+    "privacy.reproducible_noise=true",
+    "privacy.noise_multiplier=1.0",
+]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_data(Config().data, seed=0)
+
+
+@pytest.fixture(scope="module")
+def steps(digits):
+    chunked = load_config(None, [*LOGICAL, "training.physical_batch_size=128"])
+    one_shot = load_config(None, LOGICAL)
+    keys = run_keys(chunked)
+    return (
+        build_private_step(chunked, digits, keys=keys),
+        build_private_step(one_shot, digits, keys=keys),
+    )
+
+
+def _rel(a, b):
+    a = np.concatenate([np.ravel(x) for x in jax.tree.leaves(a)]).astype(np.float64)
+    b = np.concatenate([np.ravel(x) for x in jax.tree.leaves(b)]).astype(np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_chunks_sum_to_the_one_shot_clipped_sum(steps):
+    chunked, one_shot = steps
+    params, batch, pad = chunked.example_args[:3]
+    assert chunked.sampler.padded_batch_size % 128 == 0
+    # the one-shot step on the very same (padded) sample
+    whole = one_shot.grad_fn(params, batch, is_padding_example=pad)
+    acc = jax.tree.map(jnp.zeros_like, whole.grads)
+    parts = []
+    for chunk, chunk_pad in physical_chunks(batch, pad, 128):
+        acc, stats = chunked.chunk_fn(
+            params, chunk, chunk_pad, chunked.init_state["loss_scale"], acc
+        )
+        parts.append(stats)
+    assert len(parts) == chunked.sampler.padded_batch_size // 128
+    assert _rel(acc, whole.grads) < 1e-5
+    total = combine_stats(parts)
+    assert int(total.num_examples) == int(whole.stats.num_examples) == int((~pad).sum())
+    assert int(total.num_clipped) == int(whole.stats.num_clipped)
+    assert float(total.norm_max) == pytest.approx(float(whole.stats.norm_max), rel=1e-6)
+    assert float(total.norm_mean) == pytest.approx(float(whole.stats.norm_mean), rel=1e-5)
+
+
+def test_chunked_step_draws_the_noise_once(steps):
+    chunked, one_shot = steps
+    a = chunked.step_fn(*chunked.example_args)
+    b = one_shot.step_fn(*one_shot.example_args)
+    # Same key, one draw each: the same noisy update. A second draw (or a draw
+    # per chunk) would move the parameters by ~sigma C / E[B] per coordinate.
+    assert _rel(a[0], b[0]) < 1e-5
+    report = audit_step(chunked.config, step=chunked)
+    assert report.ok and report.counts()["noise_sample"] == 1, report.counts()
+
+
+def test_chunked_step_compiles_to_a_quarter_of_the_memory(steps):
+    chunked, one_shot = steps
+    params, batch, pad, opt_state, scale = chunked.example_args
+    chunk, chunk_pad = next(physical_chunks(batch, pad, 128))
+    acc = jax.tree.map(jnp.zeros_like, params)
+    small = chunked.chunk_fn.lower(params, chunk, chunk_pad, scale, acc).compile()
+    apply = chunked.apply_fn.lower(params, acc, opt_state, scale, jnp.int32(0)).compile()
+    big = one_shot.step_fn.lower(*one_shot.example_args).compile()
+    chunk_temp = max(
+        small.memory_analysis().temp_size_in_bytes, apply.memory_analysis().temp_size_in_bytes
+    )
+    one_shot_temp = big.memory_analysis().temp_size_in_bytes
+    assert chunk_temp <= one_shot_temp / 4, (chunk_temp, one_shot_temp)
+
+
+def test_private_loss_scale_is_adjusted_once_from_the_whole_batch(digits):
+    config = load_config(
+        None,
+        [
+            "policy=fp16",
+            "loss_scale.kind=private_dynamic",
+            "loss_scale.initial=16777216.0",  # 2^24: every example overflows in fp16
+            "training.expected_batch_size=256",
+            "training.physical_batch_size=64",
+            "privacy.reproducible_noise=true",
+        ],
+    )
+    step = build_private_step(config, digits)
+    _, _, scale, stats = step.step_fn(*step.example_args)
+    assert int(stats.num_nonfinite) == int(stats.num_examples) > 0
+    assert np.isfinite(float(stats.noised_overflow_count))
+    # backed off once (one factor of 2), not once per chunk
+    assert float(scale.loss_scale) == float(step.init_state["loss_scale"].loss_scale) / 2
+
+
+def test_combined_statistics_weigh_chunks_by_their_examples():
+    def stats(n, bad, mean, mx, med, loss):
+        f = jnp.float32
+        return PrivateGradStats(
+            jnp.int32(n),
+            jnp.int32(bad),
+            jnp.int32(0),
+            f(mean),
+            f(mx),
+            f(med),
+            f(loss),
+            f(1),
+            f(jnp.nan),
+        )
+
+    total = combine_stats(
+        [
+            stats(3, 1, 2.0, 5.0, 2.0, 1.0),
+            stats(1, 0, 6.0, 6.0, 6.0, 5.0),
+            stats(0, 0, 0.0, 0.0, 0.0, 0.0),
+        ]
+    )
+    assert int(total.num_examples) == 4 and int(total.num_nonfinite) == 1
+    assert float(total.norm_mean) == pytest.approx((2 * 2.0 + 1 * 6.0) / 3)
+    assert float(total.loss_mean) == pytest.approx((3 * 1.0 + 5.0) / 4)
+    assert float(total.norm_max) == 6.0
+    assert float(total.norm_median) == 4.0  # the empty chunk's 0 is not a median
