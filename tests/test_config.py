@@ -74,6 +74,13 @@ def test_physical_batch_size_must_be_a_multiple_of_the_microbatch():
         load_config(None, ["training.physical_batch_size=0"])
 
 
+def test_a_dynamic_initial_scale_must_lie_within_its_bounds():
+    with pytest.raises(ConfigError, match=r"loss_scale.initial: 1e\+30 is outside"):
+        load_config(None, ["loss_scale.kind=private_dynamic", "loss_scale.initial=1e30"])
+    # a static scale has no bounds to respect
+    assert load_config(None, ["loss_scale.kind=static", "loss_scale.initial=1e30"])
+
+
 def test_defaults_evaluate_periodically():
     # the accuracy-against-epsilon plot of the default run has a curve, not a point
     t = Config().training

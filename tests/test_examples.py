@@ -142,7 +142,7 @@ def test_readme_own_model_snippet_runs(tmp_path):
     readme = (EXAMPLES.parent / "README.md").read_text()
     code = next(c for c in re.findall(r"```python\n(.*?)```", readme, re.S) if "dpmp.train(" in c)
     code += "\nassert report['epsilon'] <= 2.0005 and report['test_accuracy'] > 0.85\n"
-    code += "assert params['Dense_0']['kernel'].shape == (64, 128)\n"
+    code += "assert params['Dense_1']['kernel'].shape == (64, 128)\n"  # Dense(10) is made first
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path
     )

@@ -351,6 +351,13 @@ class LossScaleConfig:
             raise ConfigError(f"loss_scale.factor: must be > 1, got {self.factor}")
         if self.min_scale > self.max_scale:
             raise ConfigError("loss_scale.min_scale: must not exceed loss_scale.max_scale")
+        dynamic = self.kind in ("private_dynamic", "nonprivate_dynamic")
+        if dynamic and not self.min_scale <= self.initial <= self.max_scale:
+            # a dynamic scale would silently clamp it at its first adjustment
+            raise ConfigError(
+                f"loss_scale.initial: {self.initial!r} is outside [loss_scale.min_scale, "
+                f"loss_scale.max_scale] = [{self.min_scale!r}, {self.max_scale!r}]"
+            )
 
 
 _SECTIONS = {
