@@ -41,7 +41,7 @@ from dpmp._src.checkpoint import (
     save_checkpoint,
 )
 from dpmp._src.config import Config
-from dpmp._src.data import as_dataset, fingerprint, load_data
+from dpmp._src.data import Dataset, as_dataset, fingerprint, load_data
 from dpmp._src.models import count_params
 from dpmp._src.preprocess import FeatureStats
 from dpmp._src.private_loss_scale import PrivateDynamicLossScale
@@ -166,241 +166,297 @@ def train(
     """
     started = time.perf_counter()
     config = Config() if config is None else config
-    t = config.training
-    run = RunDir(
-        out_dir,
-        echo=progress,
-        private_note=release.PRIVATE_NOTE,
-        private_readme=release.PRIVATE_README,
-    )
-    ckpt_dir = run.path / "checkpoints"
-    found = None
-    if not resume:
-        run.reset()
-        for _, p in list_checkpoints(ckpt_dir):
-            p.unlink()
-    else:
-        found = latest_meta(ckpt_dir)
-        if found is not None:  # fail before any work if the config changed
-            check_config(found[0], config, found[1])
-    if data is None:
-        data = load_data(config.data, t.seed)
-    data = as_dataset(data)
+    run_dir, found = _open_run_dir(config, out_dir, resume=resume, progress=progress)
+    data = as_dataset(load_data(config.data, config.training.seed) if data is None else data)
     data_fingerprint = fingerprint(data)
     saved_stats = None
     if found is not None:
         check_data(found[0], data_fingerprint, found[1])
         if found[0].get("feature_stats"):
             saved_stats = FeatureStats.from_dict(found[0]["feature_stats"])
+    step = _build_step(config, data, model=model, loss=loss, feature_stats=saved_stats)
+    run = _Run(step, run_dir, data_fingerprint)
+    if found is not None:
+        check_model(found[0], run.signature, found[1])
+    if not (resume and run.restore()):
+        run.start()
+    _log_plan(run_dir, step)
+    audit = audit_summary(step)
+    verdict = {True: "ok", False: "VIOLATIONS", None: "error"}[audit["ok"]]
+    run_dir.log(f"precision audit of the step: {verdict}")
+    run.loop(callback, progress=progress)
+    return run.finish(audit, started)
 
+
+def _open_run_dir(
+    config: Config, out_dir: str | Path, *, resume: bool, progress: bool
+) -> tuple[RunDir, tuple[dict[str, Any], Path] | None]:
+    """The run directory, and the newest checkpoint's metadata if the run resumes
+    (checked against the config before any work)."""
+    run_dir = RunDir(
+        out_dir,
+        echo=progress,
+        private_note=release.PRIVATE_NOTE,
+        private_readme=release.PRIVATE_README,
+    )
+    ckpt_dir = run_dir.path / "checkpoints"
+    if not resume:
+        run_dir.reset()
+        for _, p in list_checkpoints(ckpt_dir):
+            p.unlink()
+        return run_dir, None
+    found = latest_meta(ckpt_dir)
+    if found is not None:
+        check_config(found[0], config, found[1])
+    return run_dir, found
+
+
+def _build_step(config: Config, data: Dataset, *, model, loss, feature_stats) -> PrivateStep:
     with warnings.catch_warnings():
         if config.loss_scale.kind == "nonprivate_dynamic":  # said loudly in log and report
             warnings.simplefilter("ignore", UserWarning)
         built = None
         if model is not None:
             built = as_model(model, data.input_shape, data.num_classes, config.precision, loss=loss)
-        step = build_private_step(config, data, model=built, feature_stats=saved_stats)
-    data, model = step.data, step.model
-    signature = model_signature(step.init_state["params"])
-    params_span = _params_span(step.init_state)
-    if found is not None:
-        check_model(found[0], signature, found[1])
-    evaluate = evaluator(model)
+        return build_private_step(config, data, model=built, feature_stats=feature_stats)
 
-    def evaluate_all(params, at_step: int) -> dict[str, Any]:
-        train_acc, train_loss = evaluate(params, data.x_train, data.y_train)  # private/
-        test_acc, test_loss = evaluate(params, data.x_test, data.y_test)  # public
+
+class _Run:
+    """A run in progress: the state, and what a checkpoint keeps beside it (the
+    sampler, the budget tracker, running totals, the loss-scale history, the last
+    evaluation, the number of completed steps)."""
+
+    def __init__(self, step: PrivateStep, run_dir: RunDir, data_fingerprint: str):
+        self.step, self.config, self.run_dir = step, step.config, run_dir
+        self.ckpt_dir = run_dir.path / "checkpoints"
+        self.data_fingerprint = data_fingerprint
+        self.signature = model_signature(step.init_state["params"])
+        self.evaluate_split = evaluator(step.model)
+        self.state = dict(step.init_state)
+        self.sampler = step.sampler
+        self.tracker = accounting.BudgetTracker(step.budget)
+        self.totals = _new_totals()
+        self.scale_history: list[list[float]] = [[1, float(self.state["loss_scale"].loss_scale)]]
+        self.last_eval: dict[str, Any] = {}
+        self.completed = 0
+        self.stopped: dict[str, Any] | None = None
+        self.elapsed_before = 0.0  # seconds trained before this session (a resumed run)
+
+    # ---- start ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self.run_dir.reset()
+        step, data = self.step, self.step.data
+        self.run_dir.log(
+            f"new run: {step.model.name} on {data.num_train} examples, policy "
+            f"{self.config.policy}, loss scale {self.config.loss_scale.kind}, standardize "
+            f"{self.config.data.standardize}"
+        )
+
+    def restore(self) -> bool:
+        """Continues from the newest readable checkpoint, if there is one."""
+        restored = restore_latest(
+            self.ckpt_dir,
+            self.state,
+            on_skip=lambda p, e: self.run_dir.log(f"skipping unreadable checkpoint {p.name}: {e}"),
+        )
+        if restored is None:
+            return False
+        self.state, meta, path = restored
+        check_config(meta, self.config, path)
+        check_data(meta, self.data_fingerprint, path)
+        check_model(meta, self.signature, path)
+        self.tracker = accounting.BudgetTracker.from_state_dict(meta["tracker"])
+        if self.tracker.budget != self.step.budget:
+            raise CheckpointError(
+                f"{path}: privacy plan differs from this config's: checkpoint "
+                f"{self.tracker.budget}, config {self.step.budget}"
+            )
+        self.sampler = type(self.sampler).from_state_dict(
+            meta["sampler"], num_steps=self.config.training.steps
+        )
+        self.totals.update(meta["totals"])
+        self.scale_history = [list(x) for x in meta["loss_scale_history"]]
+        self.last_eval = dict(meta.get("last_eval", {}))
+        self.completed = int(meta["step"])
+        self.run_dir.truncate_metrics(self.completed)
+        self.run_dir.log(
+            f"resumed from {path.name} (step {self.completed}, epsilon {self.tracker.spent():.4f})"
+        )
+        return True
+
+    # ---- the loop -------------------------------------------------------------
+
+    def loop(self, callback, *, progress: bool) -> None:
+        t = self.config.training
+        bar = ProgressBar(t.steps, enabled=progress)
+        session_start = time.perf_counter()
+        self.elapsed_before = float(self.totals["elapsed_s"])
+        self.stopped = self._stop_reason()
+        while self.completed < t.steps and self.stopped is None:
+            tic = time.perf_counter()
+            stats, eps = self._advance()
+            self.totals["elapsed_s"] = self.elapsed_before + (time.perf_counter() - session_start)
+            self.stopped = self._stop_reason()
+            last = self.completed >= t.steps or self.stopped is not None
+            evaluation = None
+            if _due(self.completed, t.eval_every) or last:
+                evaluation = self.last_eval = self._evaluate()
+            record = self._public_record(stats, eps, evaluation)
+            logged = _due(self.completed, t.log_every) or last
+            if logged:
+                self.run_dir.append_metrics(record)
+                self.run_dir.append_private_metrics(
+                    release.private_record(
+                        step=self.completed,
+                        stats=stats,
+                        totals=self.totals,
+                        step_time_s=time.perf_counter() - tic,
+                        evaluation=evaluation,
+                    )
+                )
+            bar.update(self.completed, release.progress_fields(record), force=logged)
+            if _due(self.completed, t.checkpoint_every) or last:
+                self._save(finished=last)
+            if callback is not None:
+                callback(self.completed, release.public_info(record))
+        bar.close()
+
+    def _advance(self):
+        """One private step, accounted; returns its (exact) stats and the epsilon spent."""
+        batch, pad = gather(self.step.data, next(self.sampler))
+        s = self.state
+        params, opt_state, loss_scale, stats = self.step.step_fn(
+            s["params"], batch, pad, s["opt_state"], s["loss_scale"]
+        )
+        stats = jax.device_get(stats)
+        eps = self.tracker.step()  # accounts this step's release(s); never exceeds the target
+        self.state = {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}
+        self.completed += 1
+        totals = self.totals
+        overflow = int(stats.num_nonfinite)
+        totals["overflow"] += overflow
+        totals["steps_with_overflow"] += overflow > 0
+        totals["clipped"] += int(stats.num_clipped)
+        totals["examples"] += int(stats.num_examples)
+        if self._private_dynamic:
+            totals["noised_overflow"] += float(stats.noised_overflow_count)
+        new_scale = float(loss_scale.loss_scale)
+        if new_scale != self.scale_history[-1][1]:
+            self.scale_history.append([self.completed + 1, new_scale])
+            totals["loss_scale_changes"] += 1
+        return stats, eps
+
+    @property
+    def _private_dynamic(self) -> bool:
+        return isinstance(self.state["loss_scale"], PrivateDynamicLossScale)
+
+    def _public_record(self, stats, eps: float, evaluation) -> dict[str, Any]:
+        noised = float(stats.noised_overflow_count) if self._private_dynamic else None
+        return release.public_record(
+            step=self.completed,
+            epsilon=eps,
+            delta=self.config.privacy.delta,
+            loss_scale=float(stats.loss_scale),
+            next_loss_scale=float(self.state["loss_scale"].loss_scale),
+            loss_scale_changes=self.totals["loss_scale_changes"],
+            noised_overflow=noised,
+            noised_overflow_total=self.totals["noised_overflow"] if noised is not None else None,
+            evaluation=evaluation,
+        )
+
+    def _evaluate(self) -> dict[str, Any]:
+        data, params = self.step.data, self.state["params"]
+        train_acc, train_loss = self.evaluate_split(params, data.x_train, data.y_train)  # private
+        test_acc, test_loss = self.evaluate_split(params, data.x_test, data.y_test)  # public
         return {
-            "step": at_step,
+            "step": self.completed,
             "train_accuracy": train_acc,
             "train_loss": train_loss,
             "test_accuracy": test_acc,
             "test_loss": test_loss,
         }
 
-    state = dict(step.init_state)
-    sampler = step.sampler
-    tracker = accounting.BudgetTracker(step.budget)
-    totals = _new_totals()
-    scale_history: list[list[float]] = [[1, float(state["loss_scale"].loss_scale)]]
-    last_eval: dict[str, Any] = {}
-    completed = 0
-
-    restored = None
-    if resume:
-        restored = restore_latest(
-            ckpt_dir,
-            state,
-            on_skip=lambda p, e: run.log(f"skipping unreadable checkpoint {p.name}: {e}"),
-        )
-    if restored is not None:
-        state, meta, path = restored
-        check_config(meta, config, path)
-        check_data(meta, data_fingerprint, path)
-        check_model(meta, signature, path)
-        tracker = accounting.BudgetTracker.from_state_dict(meta["tracker"])
-        if tracker.budget != step.budget:
-            raise CheckpointError(
-                f"{path}: privacy plan differs from this config's: checkpoint "
-                f"{tracker.budget}, config {step.budget}"
-            )
-        sampler = type(sampler).from_state_dict(meta["sampler"], num_steps=t.steps)
-        totals.update(meta["totals"])
-        scale_history = [list(x) for x in meta["loss_scale_history"]]
-        last_eval = dict(meta.get("last_eval", {}))
-        completed = int(meta["step"])
-        run.truncate_metrics(completed)
-        run.log(f"resumed from {path.name} (step {completed}, epsilon {tracker.spent():.4f})")
-    else:
-        run.reset()
-        run.log(
-            f"new run: {model.name} on {data.num_train} examples, policy {config.policy}, "
-            f"loss scale {config.loss_scale.kind}, standardize {config.data.standardize}"
-        )
-    _log_plan(run, step)
-
-    audit = audit_summary(step)
-    verdict = {True: "ok", False: "VIOLATIONS", None: "error"}[audit["ok"]]
-    run.log(f"precision audit of the step: {verdict}")
-
-    def save(finished: bool, stopped: dict | None):
-        stats = step.feature_stats
-        meta = {  # secret: the sampler's seed, the data fingerprint, exact totals
-            "config": release.config_dict(config),
-            "tracker": tracker.state_dict(),
-            "sampler": sampler.state_dict(),
-            "data_fingerprint": data_fingerprint,
-            "model_signature": signature,
-            "params_leaves": params_span,
-            "feature_stats": None if stats is None else stats.to_dict(),
-            "totals": totals,
-            "loss_scale_history": scale_history,
-            "last_eval": last_eval,
-            "noise_multiplier": step.noise_multiplier,
-            "finished": finished,
-            "stopped_early": stopped,
-        }
-        save_checkpoint(ckpt_dir, step=completed, state=state, meta=meta)
-
-    bar = ProgressBar(t.steps, enabled=progress)
-    is_private_dynamic = isinstance(state["loss_scale"], PrivateDynamicLossScale)
-    session_start = time.perf_counter()
-    elapsed_before = float(totals["elapsed_s"])
-
-    def stop_reason() -> dict[str, Any] | None:
-        if completed >= t.steps or tracker.can_step():
+    def _stop_reason(self) -> dict[str, Any] | None:
+        steps, p = self.config.training.steps, self.config.privacy
+        if self.completed >= steps or self.tracker.can_step():
             return None
+        peek = self.tracker.peek()
         return {
-            "step": completed,
-            "planned_steps": t.steps,
-            "epsilon": tracker.spent(),
-            "next_epsilon": tracker.peek(),
-            "target_epsilon": config.privacy.target_epsilon,
+            "step": self.completed,
+            "planned_steps": steps,
+            "epsilon": self.tracker.spent(),
+            "next_epsilon": peek,
+            "target_epsilon": p.target_epsilon,
             "reason": (
-                f"step {completed + 1} would spend epsilon {tracker.peek():.6g} > target "
-                f"{config.privacy.target_epsilon:g} (delta {config.privacy.delta:g}); "
-                f"stopped after {completed} of {t.steps} steps"
+                f"step {self.completed + 1} would spend epsilon {peek:.6g} > target "
+                f"{p.target_epsilon:g} (delta {p.delta:g}); stopped after {self.completed} of "
+                f"{steps} steps"
             ),
         }
 
-    stopped = stop_reason()
-    while completed < t.steps and stopped is None:
-        tic = time.perf_counter()
-        batch, pad = gather(data, next(sampler))
-        params, opt_state, loss_scale, stats = step.step_fn(
-            state["params"], batch, pad, state["opt_state"], state["loss_scale"]
-        )
-        stats = jax.device_get(stats)
-        eps = tracker.step()  # accounts this step's release(s); never exceeds the target
-        state = {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}
-        completed += 1
+    def _save(self, *, finished: bool) -> None:
+        stats = self.step.feature_stats
+        meta = {  # secret: the sampler's seed, the data fingerprint, exact totals
+            "config": release.config_dict(self.config),
+            "tracker": self.tracker.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "data_fingerprint": self.data_fingerprint,
+            "model_signature": self.signature,
+            "params_leaves": _params_span(self.state),
+            "feature_stats": None if stats is None else stats.to_dict(),
+            "totals": self.totals,
+            "loss_scale_history": self.scale_history,
+            "last_eval": self.last_eval,
+            "noise_multiplier": self.step.noise_multiplier,
+            "finished": finished,
+            "stopped_early": self.stopped,
+        }
+        save_checkpoint(self.ckpt_dir, step=self.completed, state=self.state, meta=meta)
 
-        overflow = int(stats.num_nonfinite)
-        totals["overflow"] += overflow
-        totals["steps_with_overflow"] += overflow > 0
-        totals["clipped"] += int(stats.num_clipped)
-        totals["examples"] += int(stats.num_examples)
-        noised = float(stats.noised_overflow_count) if is_private_dynamic else None
-        if noised is not None:
-            totals["noised_overflow"] += noised
-        new_scale = float(loss_scale.loss_scale)
-        if new_scale != scale_history[-1][1]:
-            scale_history.append([completed + 1, new_scale])
-            totals["loss_scale_changes"] += 1
-        totals["elapsed_s"] = elapsed_before + (time.perf_counter() - session_start)
+    # ---- the end --------------------------------------------------------------
 
-        stopped = stop_reason()
-        last = completed >= t.steps or stopped is not None
-        evaluation = None
-        if _due(completed, t.eval_every) or last:
-            evaluation = last_eval = evaluate_all(params, completed)
-        record = release.public_record(
-            step=completed,
-            epsilon=eps,
-            delta=config.privacy.delta,
-            loss_scale=float(stats.loss_scale),
-            next_loss_scale=new_scale,
-            loss_scale_changes=totals["loss_scale_changes"],
-            noised_overflow=noised,
-            noised_overflow_total=totals["noised_overflow"] if noised is not None else None,
-            evaluation=evaluation,
+    def finish(self, audit: dict[str, Any], started: float) -> dict[str, Any]:
+        """Final evaluation and checkpoint, ``report.json`` and the private diagnostics."""
+        if self.stopped is not None:
+            self.run_dir.log("STOPPED EARLY: " + self.stopped["reason"], echo=True)
+        if self.last_eval.get("step") != self.completed:  # zero steps, or a finished run
+            self.last_eval = self._evaluate()
+        saved = list_checkpoints(self.ckpt_dir)
+        if not saved or saved[-1][0] != self.completed:
+            self._save(finished=True)
+        params = self.state["params"]
+        report = release.build_report(
+            step=self.step,
+            tracker=self.tracker,
+            completed=self.completed,
+            totals=self.totals,
+            scale_history=self.scale_history,
+            evaluation=self.last_eval,
+            audit=audit,
+            stopped=self.stopped,
+            sampler=self.sampler,
+            params=params,
+            final_scale=float(self.state["loss_scale"].loss_scale),
+            versions=_versions(),
+            finite_params=all(
+                bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(params)
+            ),
+            num_params=count_params(params),
         )
-        logged = _due(completed, t.log_every) or last
-        if logged:
-            run.append_metrics(record)
-            run.append_private_metrics(
-                release.private_record(
-                    step=completed,
-                    stats=stats,
-                    totals=totals,
-                    step_time_s=time.perf_counter() - tic,
-                    evaluation=evaluation,
-                )
+        self.run_dir.write_report(report)
+        self.run_dir.write_private_diagnostics(
+            release.private_diagnostics(
+                totals=self.totals,
+                sampler=self.sampler,
+                evaluation=self.last_eval,
+                wall_time_s=time.perf_counter() - started + self.elapsed_before,
             )
-        bar.update(completed, release.progress_fields(record), force=logged)
-        if _due(completed, t.checkpoint_every) or last:
-            save(finished=last, stopped=stopped)
-        if callback is not None:
-            callback(completed, release.public_info(record))
-    bar.close()
-
-    if stopped is not None:
-        run.log("STOPPED EARLY: " + stopped["reason"], echo=True)
-    if last_eval.get("step") != completed:  # zero steps, or resumed a finished run
-        last_eval = evaluate_all(state["params"], completed)
-    saved = list_checkpoints(ckpt_dir)
-    if not saved or saved[-1][0] != completed:
-        save(finished=True, stopped=stopped)
-
-    params = state["params"]
-    report = release.build_report(
-        step=step,
-        tracker=tracker,
-        completed=completed,
-        totals=totals,
-        scale_history=scale_history,
-        evaluation=last_eval,
-        audit=audit,
-        stopped=stopped,
-        sampler=sampler,
-        params=params,
-        final_scale=float(state["loss_scale"].loss_scale),
-        versions=_versions(),
-        finite_params=all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(params)),
-        num_params=count_params(params),
-    )
-    run.write_report(report)
-    run.write_private_diagnostics(
-        release.private_diagnostics(
-            totals=totals,
-            sampler=sampler,
-            evaluation=last_eval,
-            wall_time_s=time.perf_counter() - started + elapsed_before,
         )
-    )
-    run.log(
-        f"done: {completed} steps, test accuracy {last_eval['test_accuracy']:.4f}, "
-        f"epsilon {report['epsilon']:.4f} at delta {config.privacy.delta:g}"
-        + ("" if report["private"] else "; NOT differentially private (see privacy_warnings)")
-    )
-    return report
+        self.run_dir.log(
+            f"done: {self.completed} steps, test accuracy "
+            f"{self.last_eval['test_accuracy']:.4f}, epsilon {report['epsilon']:.4f} at delta "
+            f"{self.config.privacy.delta:g}"
+            + ("" if report["private"] else "; NOT differentially private (see privacy_warnings)")
+        )
+        return report
