@@ -134,6 +134,7 @@ def _summary(report: dict) -> str:
         ),
         ("steps", report.get("steps")),
         ("test accuracy", _fmt(report.get("test_accuracy"))),
+        ("test perplexity", _fmt(report.get("test_perplexity"))),
         ("epsilon", f"{_fmt(report.get('epsilon'))} (delta {_fmt(report.get('delta'))})"),
         ("noise multiplier", _fmt(report.get("noise_multiplier"))),
         ("noised overflow total", _fmt(overflow.get("noised_count_total"))),

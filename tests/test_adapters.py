@@ -81,8 +81,8 @@ def test_each_form_gives_the_float64_loss_of_its_own_weights(form, batch):
     params = jax.jit(model.init)(jax.random.key(0))
     got = float(model.loss_fn(params, batch))
     assert got == pytest.approx(_reference_loss(params, batch["x"], batch["y"]), rel=1e-5)
-    losses, correct = model.metrics(params, batch)
-    assert losses.shape == (5,) and correct.dtype == jnp.bool_
+    losses, correct, counts = model.metrics(params, batch)
+    assert losses.shape == correct.shape == (5,) and (np.asarray(counts) == 1).all()
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))

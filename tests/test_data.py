@@ -2,6 +2,7 @@
 validation of user .npz files."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -264,3 +265,44 @@ def test_bad_records_are_named_by_index(record, match):
     records[7] = record
     with pytest.raises(DataError, match="record 7 of the train source.*" + match):
         dpmp.Dataset.from_sources(records, records[:3])
+
+
+def test_the_default_text_ships_with_python_and_splits_distinct_records():
+    data = load_data(DataConfig(dataset="python_docs", seq_len=32), seed=0)
+    assert data.task == "next_token" and data.num_classes == 258
+    assert data.x_train.dtype == np.int32 and data.x_train.shape[1] == 33
+    assert (data.x_train[:, 0] == 256).all()  # BOS
+    rows = {bytes(r[1 : 1 + n].astype(np.uint8)) for r, n in zip(data.x_train, data.y_train)}
+    test_rows = {bytes(r[1 : 1 + n].astype(np.uint8)) for r, n in zip(data.x_test, data.y_test)}
+    assert len(data.x_test) == pytest.approx(0.2 * (len(data.x_train) + len(data.x_test)), abs=1)
+    # distinct lines: a test record is a training record only if their first 32 bytes agree
+    assert len(rows & test_rows) < 0.05 * len(test_rows)
+
+
+def test_text_files_one_record_per_line_or_json_object(tmp_path):
+    from dpmp._src.data import PAD, encode_records
+
+    lines = [f"record number {i} é" for i in range(30)]
+    (tmp_path / "a.txt").write_text("\n".join(lines[:15]) + "\n\n" + "\n".join(lines[15:]))
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in lines))
+    for name in ("a.txt", "a.jsonl"):
+        data = load_data(DataConfig(dataset="text", path=str(tmp_path / name), seq_len=16))
+        assert data.num_train + data.num_test == 30  # the blank line is no record
+    tokens, counts = encode_records(["é!", "x" * 40], 8)
+    assert tokens.tolist()[0] == [256, 0xC3, 0xA9, ord("!"), PAD, PAD, PAD, PAD, PAD]
+    assert counts.tolist() == [3, 8] and tokens[1, 1:].tolist() == [ord("x")] * 8
+
+
+@pytest.mark.parametrize(
+    "name, text, match",
+    [
+        ("b.jsonl", '{"text": "ok"}\n[1, 2]\n', r"b.jsonl:2: expected an object"),
+        ("c.jsonl", '{"text": "ok"}\n{oops\n', r"c.jsonl:2: not a JSON object"),
+        ("d.csv", "a,b\n", "expected a .txt or .jsonl file"),
+        ("e.txt", "\n".join(["line"] * 5), "5 records of text; need at least 11"),
+    ],
+)
+def test_bad_text_files_are_one_line_errors(tmp_path, name, text, match):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DataError, match=match):
+        load_data(DataConfig(dataset="text", path=str(tmp_path / name)))

@@ -78,9 +78,8 @@ def test_private_mixed_precision_step(capsys, monkeypatch):
     assert float(right) < float(wrong) / 100  # clipped at C / 256, not C
 
 
-@pytest.mark.parametrize(
-    "name", [TRAINER[0], pytest.param(TRAINER[1], marks=pytest.mark.slow)]
-)  # test_trainer trains an Equinox model through dpmp.train in the default suite
+@pytest.mark.slow  # ~10 s each; test_trainer trains own models through dpmp.train by default
+@pytest.mark.parametrize("name", TRAINER)
 def test_trainer_examples_train_and_report(name, tmp_path, capsys, monkeypatch):
     out = run(name, "--steps", "6", "--out", str(tmp_path), capsys=capsys, monkeypatch=monkeypatch)
     m = re.search(r"epsilon ([\d.]+) \(delta 1e-05\), test accuracy ([\d.]+)", out)

@@ -108,3 +108,79 @@ def test_vit_example_does_not_see_the_batch():
     assert together.shape == (3, 10)
     together = together[:1]
     np.testing.assert_allclose(alone, together, rtol=1e-5, atol=1e-6)
+
+
+# ---- the causal language model -----------------------------------------------------
+
+
+def _lm_model(policy="fp32", seq_len=12):
+    from dpmp._src.config import ModelConfig
+    from dpmp._src.data import VOCAB
+
+    info = type("Text", (), {"input_shape": (seq_len + 1,), "num_classes": VOCAB})()
+    info.task = "next_token"
+    return build_model(ModelConfig(kind="lm", dim=16, depth=1, heads=2), info, policy)
+
+
+def _records(seq_len=12):
+    from dpmp._src.data import encode_records
+
+    return encode_records(["hello world, hello", "abc", "private record"], seq_len)
+
+
+def test_lm_loss_is_the_masked_next_token_cross_entropy_float64():
+    from dpmp._src.data import PAD
+
+    model = _lm_model()
+    params = jax.jit(model.init)(jax.random.key(0))
+    tokens, counts = _records()
+    logits = np.asarray(jax.jit(model.predict)(params, tokens), np.float64)
+    per_record = []
+    for row, logit, n in zip(tokens, logits, counts):
+        z = logit[:-1] - logit[:-1].max(-1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        ce = -logp[np.arange(len(row) - 1), row[1:]]
+        real = row[1:] != PAD
+        assert real.sum() == n
+        per_record.append(ce[real].mean())
+    batch = {"x": tokens, "y": counts}
+    loss = float(jax.jit(model.loss_fn)(params, batch))
+    assert loss == pytest.approx(np.mean(per_record), rel=1e-5)
+    loss_sum, correct, count = jax.jit(model.metrics)(params, batch)
+    assert np.asarray(count).tolist() == counts.tolist()
+    np.testing.assert_allclose(np.asarray(loss_sum) / counts, per_record, rtol=1e-5)
+
+
+def test_lm_padding_contributes_nothing_and_attention_is_causal():
+    from dpmp._src.data import PAD, encode_records
+
+    model = _lm_model(seq_len=12)
+    params = jax.jit(model.init)(jax.random.key(1))
+    grad = jax.jit(jax.value_and_grad(model.loss_fn))
+    # the same record with 9 and with 3 padding positions: same loss, same gradient
+    long, _ = encode_records(["abc"], 12)
+    short, _ = encode_records(["abc"], 6)
+    (a, ga), (b, gb) = grad(params, {"x": long}), grad(params, {"x": short})
+    assert float(a) == pytest.approx(float(b), rel=1e-6)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    # causality: a later token never changes an earlier position's logits
+    tokens, counts = _records()
+    later = tokens.copy()
+    later[0, 8] = (later[0, 8] + 1) % 256
+    predict = jax.jit(model.predict)
+    a, b = predict(params, tokens[:1]), predict(params, later[:1])
+    np.testing.assert_array_equal(np.asarray(a)[0, :8], np.asarray(b)[0, :8])
+    assert not np.array_equal(np.asarray(a)[0, 8:], np.asarray(b)[0, 8:])
+    assert PAD not in tokens[0, 1 : 1 + counts[0]]
+
+
+def test_lm_needs_text_and_text_needs_the_lm():
+    from dpmp._src.config import ModelConfig
+
+    digits = type("Digits", (), {"input_shape": (8, 8, 1), "num_classes": 10})()
+    with pytest.raises(ValueError, match="needs a text dataset"):
+        build_model(ModelConfig(kind="lm"), digits, "fp32")
+    text = type("Text", (), {"input_shape": (13,), "num_classes": 258, "task": "next_token"})()
+    with pytest.raises(ValueError, match="text data needs model.kind = 'lm'"):
+        build_model(ModelConfig(kind="mlp"), text, "fp32")

@@ -547,7 +547,8 @@ PUBLIC_REPORT_KEYS = {
         "policy", "private", "privacy_warnings", "privacy_notes", "neighbouring_relation",
         "accounting_relation", "epsilon", "epsilon_tracked", "target_epsilon", "delta",
         "accountant", "noise_multiplier", "noise_multiplier_calibrated", "l2_clip_norm",
-        "steps", "planned_steps", "stopped_early", "test_accuracy", "test_loss", "overflow",
+        "steps", "planned_steps", "stopped_early", "test_accuracy", "test_loss",
+        "test_perplexity", "overflow",
         "loss_scale", "standardize", "clipping", "audit", "sampling", "model", "data",
         "config", "versions", "num_params", "finite_params", "noise",
     },
@@ -563,7 +564,9 @@ PUBLIC_REPORT_KEYS = {
         "kind", "sampling_prob", "expected_batch_size", "padded_batch_size", "privacy_note",
         "truncation_probability", "truncation_delta",
     },
-    "data": {"description", "num_train", "num_test", "num_classes", "input_shape", "standardize"},
+    "data": {
+        "description", "num_train", "num_test", "num_classes", "input_shape", "standardize", "task",
+    },
 }  # fmt: skip
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")

@@ -53,8 +53,8 @@ class ConfigError(ValueError):
 
 
 # The choices of each enumerated key: validation and the README's key table use them.
-DATASETS = ("digits", "npz", "npy")
-MODEL_KINDS = ("mlp", "nnx_mlp", "linear", "vit")
+DATASETS = ("digits", "npz", "npy", "python_docs", "text")
+MODEL_KINDS = ("mlp", "nnx_mlp", "linear", "vit", "lm")
 ACCOUNTANTS = ("pld", "rdp")
 SAMPLINGS = ("poisson", "shuffle")
 CLIP_METHODS = ("vmap", "ghost", "auto")
@@ -67,8 +67,10 @@ STANDARDIZE_MODES = ("none", "private", "nonprivate")
 # each section's ``__post_init__``). A key missing here is described by its type.
 _ALLOWED = {
     "policy": 'preset fp32, bf16 or fp16, then optional key=dtype overrides, e.g. "bf16,grad=f32"',
-    "data.path": "path to a .npz file (npz) or a folder of .npy files (npy)",
-    "model.kind": '"mlp", "nnx_mlp", "linear", "vit", or "package.module:factory"',
+    "data.path": (
+        "path to a .npz file (npz), a folder of .npy files (npy), or a .txt or .jsonl file (text)"
+    ),
+    "model.kind": '"mlp", "nnx_mlp", "linear", "vit", "lm", or "package.module:factory"',
     "training.physical_batch_size": "integer > 0, or unset",
     "data.test_fraction": "number in (0, 1)",
     "model.hidden": "list of integers > 0 (may be empty)",
@@ -109,8 +111,16 @@ class DataConfig:
       package), ``"npz"`` (``path`` with arrays ``x``, ``y`` and optionally
       ``x_test``, ``y_test``) or ``"npy"`` (``path`` a folder of
       ``x_train.npy``, ``y_train.npy``, ``x_test.npy``, ``y_test.npy``; the
-      features are memory-mapped, so they may be larger than memory).
-    path: the ``.npz`` file or the folder of ``.npy`` files.
+      features are memory-mapped, so they may be larger than memory);
+      text for next-token prediction (``model.kind = "lm"``):
+      ``"python_docs"`` (the help topics of Python's own documentation,
+      ``pydoc_data.topics``, shipped with Python: each distinct line of at
+      least 16 characters is a record) or ``"text"`` (``path`` a ``.txt``
+      file, one record per line, or a ``.jsonl`` file of ``{"text": ...}``
+      objects, one record each). A record is the privacy unit.
+    path: the ``.npz`` file, the folder of ``.npy`` files, or the text file.
+    seq_len: text: bytes per record (UTF-8; longer records are cut, shorter
+      ones padded; padding contributes nothing to the loss).
     test_fraction: share held out for testing when the data has no test split.
     standardize: scale features by a mean and std of the training set:
       ``"none"`` (no statistic of the training data is computed; the digits use
@@ -131,6 +141,7 @@ class DataConfig:
     dataset: str = "digits"
     path: str | None = None
     test_fraction: float = 0.2
+    seq_len: int = 64
     standardize: str = "none"
     standardize_clip: float = 8.0
     standardize_noise_multiplier: float = 50.0
@@ -139,7 +150,10 @@ class DataConfig:
         _choice("data.dataset", self.dataset, DATASETS)
         if self.path is not None and not isinstance(self.path, str):
             raise ConfigError(f"data.path: must be a string (a .npz file), got {self.path!r}")
-        if self.dataset in ("npz", "npy") and not self.path:
+        _positive("data.seq_len", self.seq_len, integer=True)
+        if self.seq_len > 4096:
+            raise ConfigError(f"data.seq_len: at most 4096, got {self.seq_len}")
+        if self.dataset in ("npz", "npy", "text") and not self.path:
             raise ConfigError(f'data.path: required when data.dataset = "{self.dataset}"')
         if isinstance(self.standardize, bool):
             raise ConfigError(
@@ -160,16 +174,18 @@ class ModelConfig:
 
     kind: ``"mlp"`` (flax linen), ``"nnx_mlp"`` (flax nnx), ``"linear"`` (a plain
       JAX function of a params dict), ``"vit"`` (a small flax linen vision
-      transformer on square images), or your own model as
+      transformer on square images), ``"lm"`` (a small flax linen causal
+      transformer over bytes, for the text datasets; uses ``dim``, ``depth``
+      and ``heads``), or your own model as
       ``"package.module:factory"``: ``factory(input_shape, num_classes)``
       returns a flax linen or nnx module, an Equinox module or an ``(init,
       apply)`` pair (the module must be importable: its folder on
       ``PYTHONPATH``). The other keys of this section are then unused.
     hidden: hidden layer widths of the MLPs (``linear`` with none: softmax regression).
     patch: ViT patch size in pixels; must divide the image side.
-    dim: ViT width.
-    depth: number of ViT blocks.
-    heads: ViT attention heads.
+    dim: ViT and LM width.
+    depth: number of ViT or LM blocks.
+    heads: ViT and LM attention heads.
     """
 
     kind: str = "mlp"

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -41,11 +43,19 @@ __all__ = [
     "DataError",
     "Dataset",
     "MIN_TRAIN_EXAMPLES",
+    "PAD",
+    "VOCAB",
     "RecordColumn",
     "as_dataset",
     "fingerprint",
     "load_data",
 ]
+
+# Text: one token per UTF-8 byte, then a begin-of-record and a padding token.
+BOS, PAD = 256, 257
+VOCAB = 258
+# The default corpus keeps lines of at least this many characters.
+MIN_LINE = 16
 
 # Bytes read at a time when a split is streamed (validation, fingerprint).
 _BLOCK_BYTES = 1 << 22
@@ -79,6 +89,10 @@ class Dataset:
       description: one line saying where the data came from.
       standardize: how the features were standardised: ``"none"``,
         ``"private"`` or ``"nonprivate"`` (see ``dpmp._src.preprocess``).
+      task: ``"classify"`` (``y`` are class labels) or ``"next_token"``
+        (``x`` are int32 byte tokens ``[n, seq_len + 1]``: BOS, the record's
+        UTF-8 bytes, PAD after its end; ``y`` is the record's token count;
+        ``num_classes`` is the vocabulary, ``VOCAB``).
     """
 
     x_train: np.ndarray
@@ -89,6 +103,7 @@ class Dataset:
     input_shape: tuple[int, ...]
     description: str
     standardize: str = "none"
+    task: str = "classify"
 
     @property
     def num_train(self) -> int:
@@ -100,7 +115,8 @@ class Dataset:
 
     @property
     def in_memory(self) -> bool:
-        """Whether the features are plain arrays in memory (not mapped or streamed)."""
+        """Whether the features are plain float32 arrays in memory (not mapped,
+        streamed or tokens)."""
         return all(
             type(x) is np.ndarray and x.dtype == np.float32 for x in (self.x_train, self.x_test)
         )
@@ -140,6 +156,7 @@ class Dataset:
             "num_classes": self.num_classes,
             "input_shape": list(self.input_shape),
             "standardize": self.standardize,
+            "task": self.task,
         }
 
 
@@ -177,6 +194,8 @@ def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
         )
     elif config.dataset == "npy":
         return _load_npy(config.path)
+    elif config.dataset in ("python_docs", "text"):
+        return _load_text(config, seed)
     else:  # pragma: no cover - DataConfig validates the choice
         raise DataError(f"data.dataset: unknown {config.dataset!r}")
     return _assemble(
@@ -391,6 +410,86 @@ def _load_npy(path: str | None) -> Dataset:
         f"examples of shape {tuple(x_train.shape[1:])}, {x_train.dtype}"
     )
     return _assemble(x_train, arrays["y_train"], x_test, arrays["y_test"], description)
+
+
+def _load_text(config: DataConfig, seed: int) -> Dataset:
+    """Records of text as byte tokens, split at random into train and test."""
+    if config.dataset == "python_docs":
+        from pydoc_data.topics import topics
+
+        lines = "\n".join(topics[k] for k in sorted(topics)).splitlines()
+        # Distinct lines only, so that no test record is also a training record.
+        records = sorted({line.strip() for line in lines if len(line.strip()) >= MIN_LINE})
+        source = (
+            f"Python {sys.version.split()[0]} documentation help topics (pydoc_data.topics): "
+            f"distinct lines of at least {MIN_LINE} characters"
+        )
+    else:
+        records, source = _read_text_file(config.path)
+    if len(records) < MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES:
+        raise DataError(
+            f"data: {len(records)} records of text; need at least "
+            f"{MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES}"
+        )
+    tokens, counts = encode_records(records, config.seq_len)
+    order = np.random.default_rng(seed).permutation(len(records))
+    n_test = max(MIN_TEST_EXAMPLES, int(np.ceil(config.test_fraction * len(records))))
+    test, train = order[:n_test], order[n_test:]
+    return Dataset(
+        x_train=tokens[train],
+        y_train=counts[train],
+        x_test=tokens[test],
+        y_test=counts[test],
+        num_classes=VOCAB,
+        input_shape=(config.seq_len + 1,),
+        description=(
+            f"{source}: {len(train)} train / {len(test)} test records, UTF-8 bytes, "
+            f"{config.seq_len} per record (longer ones cut; split test_fraction="
+            f"{config.test_fraction}, seed={seed})"
+        ),
+        task="next_token",
+    )
+
+
+def encode_records(records: list[str], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens [n, seq_len + 1] int32, counts [n] int32)``: BOS, then each record's
+    first ``seq_len`` UTF-8 bytes, then PAD; ``counts`` are the predicted tokens."""
+    tokens = np.full((len(records), seq_len + 1), PAD, np.int32)
+    tokens[:, 0] = BOS
+    counts = np.zeros(len(records), np.int32)
+    for i, record in enumerate(records):
+        data = np.frombuffer(record.encode("utf-8")[:seq_len], np.uint8)
+        tokens[i, 1 : 1 + len(data)] = data
+        counts[i] = len(data)
+    return tokens, counts
+
+
+def _read_text_file(path: str | None) -> tuple[list[str], str]:
+    """Records of a ``.txt`` (one per non-empty line) or ``.jsonl`` (``{"text": ...}``)."""
+    file = Path(str(path))
+    if not file.is_file():
+        what = "is not a regular file" if file.exists() else "no such file"
+        raise DataError(f"data.path: {what} {str(file)!r}")
+    if file.suffix not in (".txt", ".jsonl"):
+        raise DataError(f"data.path: {file.name}: expected a .txt or .jsonl file")
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{file}: not UTF-8 text: {e}") from None
+    if file.suffix == ".txt":
+        return [line for line in lines if line.strip()], f"{file.name} (one record per line)"
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{file}:{number}: not a JSON object: {e.msg}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise DataError(f'{file}:{number}: expected an object with a string "text"')
+        records.append(obj["text"])
+    return records, f"{file.name} (one record per JSON line)"
 
 
 class RecordColumn:

@@ -8,8 +8,10 @@
   "y"}``; the forward pass runs in ``policy.compute``, the logits are cast to
   ``policy.output`` and the cross-entropy is computed in float32;
 * ``predict(params, x) -> logits`` (``policy.output``);
-* ``metrics(params, batch) -> (losses, correct)``: per-example float32 loss
-  and whether the top class is the label, for evaluation;
+* ``metrics(params, batch) -> (losses, correct, counts)``: per example, the
+  summed float32 loss, the number of correct predictions and the number of
+  predictions (1 for a classifier, the real tokens of a record for a language
+  model), for evaluation;
 * ``framework`` and ``kind``: what was built.
 
 Your own models (flax linen or nnx, Equinox, plain functions) become a
@@ -30,6 +32,13 @@ Kinds:
                Conv), learned position embedding, ``depth`` pre-LayerNorm
                blocks of multi-head self-attention and an MLP, mean pooling,
                a linear head.
+  ``lm``       a small linen causal transformer over byte tokens (text data):
+               token and learned position embeddings, ``depth`` pre-LayerNorm
+               blocks of causal multi-head self-attention and an MLP, a
+               linear head over the vocabulary. Its loss is the mean
+               next-token cross-entropy over a record's real tokens (padding
+               contributes nothing); one record is one example, the privacy
+               unit.
 """
 
 from __future__ import annotations
@@ -46,7 +55,14 @@ import optax
 from dpmp._src.config import ModelConfig
 from dpmp._src.policy import Policy
 
-__all__ = ["Model", "build_model", "count_params", "cross_entropy", "wrap_forward"]
+__all__ = [
+    "Model",
+    "build_model",
+    "count_params",
+    "cross_entropy",
+    "next_token_losses",
+    "wrap_forward",
+]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -59,7 +75,7 @@ class Model:
     init: Callable[[Any], Any]
     loss_fn: Callable[[Any, dict], jax.Array]
     predict: Callable[[Any, jax.Array], jax.Array]
-    metrics: Callable[[Any, dict], tuple[jax.Array, jax.Array]]
+    metrics: Callable[[Any, dict], tuple[jax.Array, jax.Array, jax.Array]]
     description: str
 
     def summary(self, params=None) -> dict[str, Any]:
@@ -92,9 +108,21 @@ def build_model(config: ModelConfig | None, data_info: Any, policy: Policy | str
     policy = Policy.parse(policy)
     input_shape = tuple(int(d) for d in data_info.input_shape)
     num_classes = int(data_info.num_classes)
-    builders = {"mlp": _linen_mlp, "nnx_mlp": _nnx_mlp, "linear": _plain, "vit": _vit}
-    model = builders[config.kind](config, input_shape, num_classes, policy)
-    return model
+    text = getattr(data_info, "task", "classify") == "next_token"
+    if (config.kind == "lm") != text:
+        raise ValueError(
+            "model.kind = 'lm' needs a text dataset (data.dataset = 'python_docs' or 'text')"
+            if not text
+            else f"model.kind = {config.kind!r} classifies; text data needs model.kind = 'lm'"
+        )
+    builders = {
+        "mlp": _linen_mlp,
+        "nnx_mlp": _nnx_mlp,
+        "linear": _plain,
+        "vit": _vit,
+        "lm": _lm,
+    }
+    return builders[config.kind](config, input_shape, num_classes, policy)
 
 
 def wrap_forward(forward: Callable, policy: Policy, loss: Callable | None = None):
@@ -107,8 +135,10 @@ def wrap_forward(forward: Callable, policy: Policy, loss: Callable | None = None
     loss = cross_entropy if loss is None else loss
 
     def predict(params, x):
-        outputs = forward(params, jnp.asarray(x).astype(policy.compute))
-        return outputs.astype(policy.output)
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.floating):  # token ids stay integers
+            x = x.astype(policy.compute)
+        return forward(params, x).astype(policy.output)
 
     def example_losses(outputs, labels):
         losses = jnp.asarray(loss(outputs, labels))
@@ -123,7 +153,8 @@ def wrap_forward(forward: Callable, policy: Policy, loss: Callable | None = None
 
     def metrics(params, batch):
         outputs = predict(params, batch["x"])
-        return example_losses(outputs, batch["y"]), jnp.argmax(outputs, -1) == batch["y"]
+        correct = (jnp.argmax(outputs, -1) == batch["y"]).astype(jnp.int32)
+        return example_losses(outputs, batch["y"]), correct, jnp.ones_like(correct)
 
     return loss_fn, predict, metrics
 
@@ -324,5 +355,90 @@ def _vit(config, input_shape, num_classes, policy) -> Model:
         description=(
             f"flax linen ViT: {p}x{p} patches ({num_tokens} tokens), dim {dim}, {depth} "
             f"pre-LN blocks with {heads}-head attention and MLP {2 * dim}, mean pooling"
+        ),
+    )
+
+
+# ---- flax linen causal language model -------------------------------------------------
+
+
+def next_token_losses(logits: jax.Array, tokens: jax.Array, pad: int):
+    """Per record: the summed float32 cross-entropy of predicting ``tokens[:, 1:]``
+    from ``logits[:, :-1]``, the correct predictions and the number of real
+    (non-``pad``) targets."""
+    targets = tokens[:, 1:]
+    real = targets != pad
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+        logits[:, :-1].astype(jnp.float32), targets
+    )
+    correct = (jnp.argmax(logits[:, :-1], -1) == targets) & real
+    return (
+        jnp.where(real, ce, 0.0).sum(-1),
+        correct.sum(-1, dtype=jnp.int32),
+        real.sum(-1, dtype=jnp.int32),
+    )
+
+
+def _lm(config, input_shape, num_classes, policy) -> Model:
+    import flax.linen as nn
+
+    from dpmp._src.data import PAD
+
+    (length,) = input_shape
+    vocab, dim, depth, heads = num_classes, config.dim, config.depth, config.heads
+    compute, f32 = policy.compute, jnp.float32
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            y = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
+            y = nn.MultiHeadDotProductAttention(
+                num_heads=heads, dtype=compute, param_dtype=f32, deterministic=True
+            )(y, y, mask=mask)
+            x = x + y
+            y = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
+            y = nn.Dense(4 * dim, dtype=compute, param_dtype=f32)(y)
+            y = nn.Dense(dim, dtype=compute, param_dtype=f32)(nn.gelu(y))
+            return x + y
+
+    class CausalLM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(vocab, dim, dtype=compute, param_dtype=f32)(tokens)
+            pos = self.param("pos_embedding", nn.initializers.normal(0.02), (1, length, dim))
+            x = x + pos[:, : tokens.shape[1]].astype(x.dtype)
+            mask = nn.make_causal_mask(tokens)
+            for _ in range(depth):
+                x = Block()(x, mask)
+            x = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
+            return nn.Dense(vocab, dtype=compute, param_dtype=f32)(x)
+
+    module = CausalLM()
+
+    def init(key):
+        return module.init(key, jnp.zeros((1, length), jnp.int32))["params"]
+
+    def predict(params, tokens):
+        return module.apply({"params": params}, jnp.asarray(tokens)).astype(policy.output)
+
+    def loss_fn(params, batch):
+        loss, _, count = next_token_losses(predict(params, batch["x"]), batch["x"], PAD)
+        return (loss / jnp.maximum(count, 1).astype(jnp.float32)).mean()
+
+    def metrics(params, batch):
+        return next_token_losses(predict(params, batch["x"]), batch["x"], PAD)
+
+    return Model(
+        kind="lm",
+        framework="flax.linen",
+        name=f"causal LM dim {dim} depth {depth} heads {heads}",
+        init=init,
+        loss_fn=loss_fn,
+        predict=predict,
+        metrics=metrics,
+        description=(
+            f"flax linen causal transformer over {vocab} byte tokens, context {length - 1}: "
+            f"dim {dim}, {depth} pre-LN blocks with {heads}-head causal attention and MLP "
+            f"{4 * dim}, learned positions"
         ),
     )

@@ -31,6 +31,7 @@ and ``dpmp report`` repeat it.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -350,6 +351,12 @@ def build_report(
         "stopped_early": stopped,
         "test_accuracy": evaluation.get("test_accuracy"),
         "test_loss": evaluation.get("test_loss"),
+        # next-token data: accuracy and loss are per predicted token (held out)
+        "test_perplexity": (
+            math.exp(evaluation["test_loss"])
+            if step.data.task == "next_token" and evaluation.get("test_loss") is not None
+            else None
+        ),
         "overflow": overflow,
         "loss_scale": {
             "kind": ls.kind,

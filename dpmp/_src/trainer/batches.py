@@ -24,7 +24,14 @@ from dpmp._src.data import Dataset
 from dpmp._src.preprocess import FeatureStats, exact_feature_stats, private_feature_stats
 from dpmp._src.sampling import PoissonSampler, ShuffledSampler
 
-__all__ = ["chunk_size", "feature_stats", "gather", "make_sampler", "physical_chunks"]
+__all__ = [
+    "chunk_size",
+    "feature_stats",
+    "gather",
+    "input_dtype",
+    "make_sampler",
+    "physical_chunks",
+]
 
 
 def chunk_size(config: Config) -> int | None:
@@ -70,16 +77,21 @@ def feature_stats(config: Config, data: Dataset, seed: int) -> FeatureStats | No
 
 
 def gather(data: Dataset, batch) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The batch's training examples ``{"x": float32, "y": int32}`` and its padding mask.
+    """The batch's training examples ``{"x": float32 (int32 tokens), "y": int32}`` and
+    its padding mask.
 
     Padding rows repeat example 0 (masked out of every sum). Only the batch's
     rows are read, so a memory-mapped split is never loaded whole.
     """
     pad = np.asarray(batch.is_padding_example, bool)
     idx = np.where(pad, 0, np.asarray(batch.indices))
-    x = np.asarray(data.x_train[idx], np.float32)
-    y = np.asarray(data.y_train[idx], np.int32)
-    return {"x": x, "y": y}, pad
+    x = np.asarray(data.x_train[idx], input_dtype(data))
+    return {"x": x, "y": np.asarray(data.y_train[idx], np.int32)}, pad
+
+
+def input_dtype(data: Dataset) -> type:
+    """What the model takes: int32 tokens for next-token data, else float32 features."""
+    return np.int32 if data.task == "next_token" else np.float32
 
 
 def physical_chunks(

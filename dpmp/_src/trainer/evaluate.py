@@ -19,20 +19,29 @@ from dpmp._src.models import Model
 __all__ = ["evaluator"]
 
 
-def evaluator(model: Model, chunk: int = 512) -> Callable:
-    """``evaluate(params, x, y) -> (accuracy, mean loss)`` over all rows of ``x, y``."""
+def evaluator(model: Model, chunk: int = 512, input_dtype=np.float32) -> Callable:
+    """``evaluate(params, x, y) -> (accuracy, mean loss)`` over all rows of ``x, y``.
+
+    ``model.metrics`` gives per example a summed loss, a number of correct
+    predictions and a number of predictions (1, 0/1, 1 for a classifier; sums
+    over the real tokens of a record for next-token prediction), so the mean
+    loss and the accuracy are per prediction.
+    """
 
     @jax.jit
     def sums(params, x, y, valid):
-        losses, correct = model.metrics(params, {"x": x, "y": y})
+        losses, correct, counts = model.metrics(params, {"x": x, "y": y})
         loss = jnp.where(valid, losses.astype(jnp.float32), 0.0).sum()
-        return loss, (correct & valid).sum(dtype=jnp.int32)
+        return (
+            loss,
+            jnp.where(valid, correct, 0).sum(dtype=jnp.int32),
+            jnp.where(valid, counts, 0).sum(dtype=jnp.int32),
+        )
 
     def evaluate(params, x, y) -> tuple[float, float]:
-        n = len(x)
-        loss, correct = 0.0, 0
-        for start in range(0, n, chunk):  # one compiled shape for every chunk
-            xb = np.asarray(x[start : start + chunk], np.float32)
+        loss, correct, total = 0.0, 0, 0
+        for start in range(0, len(x), chunk):  # one compiled shape for every chunk
+            xb = np.asarray(x[start : start + chunk], input_dtype)
             yb = np.asarray(y[start : start + chunk], np.int32)
             valid = np.ones(chunk, bool)
             if len(xb) < chunk:  # pad the last chunk
@@ -40,9 +49,10 @@ def evaluator(model: Model, chunk: int = 512) -> Callable:
                 fill = chunk - len(xb)
                 xb = np.concatenate([xb, np.repeat(xb[:1], fill, 0)])
                 yb = np.concatenate([yb, np.repeat(yb[:1], fill, 0)])
-            s_loss, s_correct = sums(params, xb, yb, valid)
+            s_loss, s_correct, s_total = sums(params, xb, yb, valid)
             loss += float(s_loss)
             correct += int(s_correct)
-        return correct / n, loss / n
+            total += int(s_total)
+        return correct / max(total, 1), loss / max(total, 1)
 
     return evaluate

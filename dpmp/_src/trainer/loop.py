@@ -46,7 +46,7 @@ from dpmp._src.models import count_params
 from dpmp._src.preprocess import FeatureStats
 from dpmp._src.private_loss_scale import PrivateDynamicLossScale
 from dpmp._src.run_dir import ProgressBar, RunDir
-from dpmp._src.trainer.batches import gather
+from dpmp._src.trainer.batches import gather, input_dtype
 from dpmp._src.trainer.evaluate import evaluator
 from dpmp._src.trainer.resume import check_config, check_data, check_model
 from dpmp._src.trainer.step import PrivateStep, audit_summary, build_private_step
@@ -231,7 +231,7 @@ class _Run:
         self.ckpt_dir = run_dir.path / "checkpoints"
         self.data_fingerprint = data_fingerprint
         self.signature = model_signature(step.init_state["params"])
-        self.evaluate_split = evaluator(step.model)
+        self.evaluate_split = evaluator(step.model, input_dtype=input_dtype(step.data))
         self.state = dict(step.init_state)
         self.sampler = step.sampler
         self.tracker = accounting.BudgetTracker(step.budget)

@@ -1,0 +1,32 @@
+"""Evaluation over a whole split: per-prediction means, chunked and padded exactly."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpmp._src.models import Model
+from dpmp._src.trainer.evaluate import evaluator
+
+
+def _model_reading_its_metrics_from_the_input():
+    """metrics = (x[:, 0], x[:, 1], x[:, 2]): any chunking or padding error shows."""
+
+    def metrics(params, batch):
+        x = batch["x"]
+        return x[:, 0].astype(jnp.float32), x[:, 1].astype(jnp.int32), x[:, 2].astype(jnp.int32)
+
+    unused = lambda *a: None  # noqa: E731
+    return Model("fake", "jax", "fake", unused, unused, unused, metrics, "")
+
+
+@pytest.mark.parametrize("n", [1, 511, 512, 1100])
+def test_means_are_per_prediction_over_every_row_once(n):
+    rng = np.random.default_rng(n)
+    counts = rng.integers(0, 9, size=n)
+    correct = rng.integers(0, counts + 1)
+    losses = rng.uniform(0, 5, size=n)
+    x = np.stack([losses, correct, counts], axis=1)
+    accuracy, loss = evaluator(_model_reading_its_metrics_from_the_input())(None, x, np.zeros(n))
+    total = max(counts.sum(), 1)
+    assert accuracy == pytest.approx(correct.sum() / total)
+    assert loss == pytest.approx(losses.sum() / total, rel=1e-5)
