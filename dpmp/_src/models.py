@@ -289,6 +289,29 @@ def _plain(config, input_shape, num_classes, policy) -> Model:
     )
 
 
+def _block(compute, heads: int, mlp: int):
+    """A pre-LayerNorm transformer block (linen): self-attention with an optional
+    mask, then an MLP of width ``mlp``, each with a residual connection."""
+    import flax.linen as nn
+
+    f32 = jnp.float32
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            y = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
+            y = nn.MultiHeadDotProductAttention(
+                num_heads=heads, dtype=compute, param_dtype=f32, deterministic=True
+            )(y, y, mask=mask)
+            x = x + y
+            y = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
+            y = nn.Dense(mlp, dtype=compute, param_dtype=f32)(y)
+            y = nn.Dense(x.shape[-1], dtype=compute, param_dtype=f32)(nn.gelu(y))
+            return x + y
+
+    return Block
+
+
 # ---- flax linen ViT ----------------------------------------------------------------
 
 
@@ -308,18 +331,7 @@ def _vit(config, input_shape, num_classes, policy) -> Model:
     dim, depth, heads = config.dim, config.depth, config.heads
     compute, f32 = policy.compute, jnp.float32
 
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            y = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
-            y = nn.MultiHeadDotProductAttention(
-                num_heads=heads, dtype=compute, param_dtype=f32, deterministic=True
-            )(y, y)
-            x = x + y
-            y = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
-            y = nn.Dense(2 * dim, dtype=compute, param_dtype=f32)(y)
-            y = nn.Dense(dim, dtype=compute, param_dtype=f32)(nn.gelu(y))
-            return x + y
+    Block = _block(compute, heads, mlp=2 * dim)
 
     class ViT(nn.Module):
         @nn.compact
@@ -331,7 +343,7 @@ def _vit(config, input_shape, num_classes, policy) -> Model:
             pos = self.param("pos_embedding", nn.initializers.normal(0.02), (1, num_tokens, dim))
             x = x + pos.astype(x.dtype)
             for _ in range(depth):
-                x = Block()(x)
+                x = Block()(x, None)
             x = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
             x = x.mean(axis=1)  # over tokens, within one example
             return nn.Dense(num_classes, dtype=compute, param_dtype=f32)(x)
@@ -388,18 +400,7 @@ def _lm(config, input_shape, num_classes, policy) -> Model:
     vocab, dim, depth, heads = num_classes, config.dim, config.depth, config.heads
     compute, f32 = policy.compute, jnp.float32
 
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x, mask):
-            y = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
-            y = nn.MultiHeadDotProductAttention(
-                num_heads=heads, dtype=compute, param_dtype=f32, deterministic=True
-            )(y, y, mask=mask)
-            x = x + y
-            y = nn.LayerNorm(dtype=compute, param_dtype=f32)(x)
-            y = nn.Dense(4 * dim, dtype=compute, param_dtype=f32)(y)
-            y = nn.Dense(dim, dtype=compute, param_dtype=f32)(nn.gelu(y))
-            return x + y
+    Block = _block(compute, heads, mlp=4 * dim)
 
     class CausalLM(nn.Module):
         @nn.compact
