@@ -97,7 +97,14 @@ def _both(loss, params, batch, *, clip, policy="f32", **kw):
     return out["vmap"], out["ghost"]
 
 
-@pytest.mark.parametrize("kind", sorted(LINEN))
+@pytest.mark.parametrize(
+    "kind",
+    # convolutions and attention (~8-10 s each) are in the slow suite
+    [
+        k if k in ("dense_seq", "embedding") else pytest.param(k, marks=pytest.mark.slow)
+        for k in sorted(LINEN)
+    ],
+)
 def test_ghost_equals_vmap_on_linen_layers(kind):
     loss, params, batch = _linen_problem(kind)
     v, g = _both(loss, params, batch, clip=0.05)

@@ -750,6 +750,7 @@ def test_own_module_on_memory_mapped_data_in_chunks_checkpoints_and_resumes(
     assert "resumed from checkpoint_00000004.npz" in (run_dir / "train.log").read_text()
 
 
+@pytest.mark.slow  # ~12 s; test_data checks that .npy folders are mapped, not read
 def test_memory_mapped_data_trains_without_being_loaded_whole(tmp_path):
     import tracemalloc
 
