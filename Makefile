@@ -18,13 +18,14 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/dpmp train --out runs/default
 
-# The default test suite (a few minutes on 2 CPU cores); slow end-to-end tests are separate.
+# The default test suite (about 5 minutes on 2 CPU cores, one pytest worker per core);
+# slow end-to-end tests are separate.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n auto
 
 # Everything, slow end-to-end runs included (what CI runs).
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 lint: $(STAMP)
 	$(BIN)/ruff check dpmp tests examples benchmarks
