@@ -136,6 +136,20 @@ def test_batch_statistics_are_refused():
     with pytest.raises(ValueError, match="BatchStat"):
         as_model(NnxBatchNorm(), (IN,), K, "fp32")
 
+    class EqxWithBatchNorm(eqx.Module):
+        norm: eqx.nn.BatchNorm
+        linear: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.linear(x)
+
+    hidden = EqxWithBatchNorm(
+        eqx.nn.BatchNorm(IN, axis_name="batch", mode="batch"),
+        eqx.nn.Linear(IN, K, key=jax.random.key(0)),
+    )
+    with pytest.raises(ValueError, match="Equinox module holds a BatchNorm"):
+        as_model(hidden, (IN,), K, "fp32")
+
 
 def test_other_objects_are_refused_with_the_forms_named():
     with pytest.raises(TypeError, match="linen or nnx module, an Equinox module"):

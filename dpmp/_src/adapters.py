@@ -33,6 +33,7 @@ alone: a model with batch statistics (BatchNorm's ``batch_stats``, nnx
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 from collections.abc import Callable
@@ -99,6 +100,7 @@ def as_model(
 
 def _form(obj: Any, input_shape: tuple[int, ...]) -> tuple[str, Callable, Callable]:
     """``(framework, init(key) -> params, forward(params, x) -> outputs)``."""
+    import equinox as eqx
     import flax.linen as nn
     from flax import nnx
 
@@ -106,9 +108,8 @@ def _form(obj: Any, input_shape: tuple[int, ...]) -> tuple[str, Callable, Callab
         return ("flax.linen", *_linen(obj, input_shape))
     if isinstance(obj, nnx.Module):
         return ("flax.nnx", *_nnx(obj))
-    eqx = _equinox()
-    if eqx is not None and isinstance(obj, eqx.Module):
-        return ("equinox", *_eqx(eqx, obj))
+    if isinstance(obj, eqx.Module):
+        return ("equinox", *_eqx(obj))
     if isinstance(obj, tuple | list) and len(obj) == 2 and all(map(callable, obj)):
         return ("jax", obj[0], obj[1])
     raise TypeError(
@@ -152,17 +153,11 @@ def _nnx(module):
     return init, forward
 
 
-def _equinox():
-    try:
-        import equinox
-    except ImportError:  # pragma: no cover - a dependency of dpmp
-        return None
-    return equinox
+def _eqx(module):
+    import equinox as eqx
 
-
-def _eqx(eqx, module):
     params, static = eqx.partition(module, eqx.is_inexact_array)
-    if any(type(x).__name__ == "BatchNorm" for x in jax.tree.leaves(module, is_leaf=_is_norm)):
+    if any(map(_is_norm, jax.tree.leaves(module, is_leaf=_is_norm))):
         raise ValueError(f"model: the Equinox module holds a BatchNorm; {_BATCH_STATS}")
 
     def init(key):
@@ -210,8 +205,6 @@ def model_from_config(config: ModelConfig, data_info: Any, policy: Policy | str)
 
 
 def _named(model: Model, kind: str) -> Model:
-    import dataclasses
-
     return dataclasses.replace(model, kind=kind, description=f"{model.description}, from {kind}")
 
 
