@@ -148,3 +148,26 @@ def test_process_killed_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert list(tmp_path.glob(".checkpoint_*"))  # the torn temp file is there ...
     state, meta, _ = restore_latest(tmp_path, {"w": jnp.zeros(1000)})  # ... and ignored
     assert meta["step"] == 1 and float(state["w"][0]) == 1.0
+
+
+def test_load_params_reads_the_newest_readable_checkpoint_in_the_like_structure(tmp_path):
+    """``dpmp.load_params`` gives the parameters alone, in ``like``'s structure and
+    dtypes: bfloat16 parameters (stored as their bits) come back as their values."""
+    half = {"w": jnp.asarray([[0.1, -2.5], [3.0, 1e-3]], jnp.bfloat16), "b": jnp.ones(2)}
+    state = {"loss_scale": jnp.float32(4.0), "opt_state": (jnp.zeros(3),), "params": half}
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoints", step=2, state=state, meta={"params_leaves": [2, 2]})
+    exact = dpmp.load_params(run, like=jax.tree.map(jnp.zeros_like, half))
+    _assert_same(exact, half)
+    as_f32 = dpmp.load_params(run, like={"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)})
+    np.testing.assert_array_equal(as_f32["w"], np.asarray(half["w"], np.float32))
+    assert as_f32["w"].dtype == jnp.float32
+    # a torn newest checkpoint: the previous one, as a resumed run would take
+    (run / "checkpoints" / "checkpoint_00000009.npz").write_bytes(b"torn")
+    _assert_same(dpmp.load_params(run, like=half), half)
+    with pytest.raises(CheckpointError, match=r"parameter 0 has shape \(2,\), `like` expects"):
+        dpmp.load_params(run, like={"b": jnp.zeros(3), "w": jnp.zeros((2, 2))})
+    with pytest.raises(CheckpointError, match="holds 2 parameter arrays, `like` has 1"):
+        dpmp.load_params(run, like={"w": jnp.zeros((2, 2))})
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        dpmp.load_params(tmp_path / "empty", like=half)

@@ -176,16 +176,25 @@ def load_checkpoint(path: str | Path, template: Any) -> tuple[Any, dict[str, Any
                 raise CheckpointError(
                     f"{path}: leaf {i} has dtype {info.get('dtype')}, the state expects {want}"
                 )
-            if arr.dtype != want:
-                arr = arr.view(want)
-            value = jnp.asarray(arr)
-        if tuple(value.shape) != tuple(np.shape(ref)):
-            raise CheckpointError(
-                f"{path}: leaf {i} has shape {tuple(value.shape)}, the state expects "
-                f"{tuple(np.shape(ref))}"
-            )
+            value = jnp.asarray(_decoded(arr, info))
+        _check_shape(path, f"leaf {i}", value, ref, "the state")
         restored.append(value)
     return jax.tree_util.tree_unflatten(treedef, restored), meta
+
+
+def _decoded(arr: np.ndarray, info: dict[str, Any]) -> np.ndarray:
+    """A stored array in the dtype it was saved in (bfloat16 and other ml_dtypes are
+    stored as their bits, see ``_to_numpy``)."""
+    saved = np.dtype(info["dtype"])
+    return arr if arr.dtype == saved else arr.view(saved)
+
+
+def _check_shape(path: Path, what: str, value, ref, whose: str) -> None:
+    if tuple(np.shape(value)) != tuple(np.shape(ref)):
+        raise CheckpointError(
+            f"{path}: {what} has shape {tuple(np.shape(value))}, {whose} expects "
+            f"{tuple(np.shape(ref))}"
+        )
 
 
 def restore_latest(
@@ -218,14 +227,17 @@ def load_params(out_dir: str | Path, like: Any) -> Any:
     private, unlike the rest of a checkpoint (keys and sampler seed).
     """
     directory = Path(out_dir) / "checkpoints"
-    found = latest_meta(directory)
-    if found is None:
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            meta, stored = _read(path)
+        except CheckpointError:
+            continue  # a torn file: the previous checkpoint, as restore_latest does
+        break
+    else:
         raise CheckpointError(f"{directory}: no checkpoint (has the run started?)")
-    meta, path = found
     span = meta.get("params_leaves")
     if span is None:
         raise CheckpointError(f"{path}: does not say where its parameters are")
-    _, stored = _read(path)
     start, count = span
     ref_leaves, treedef = jax.tree_util.tree_flatten(like)
     if len(ref_leaves) != count:
@@ -237,12 +249,8 @@ def load_params(out_dir: str | Path, like: Any) -> Any:
     for i, (arr, info, ref) in enumerate(
         zip(stored[start : start + count], meta["leaves"][start : start + count], ref_leaves)
     ):
-        want = np.dtype(ref.dtype)
-        if arr.dtype != want:
-            arr = arr.view(want) if info.get("dtype") == want.name else arr.astype(want)
-        if arr.shape != tuple(np.shape(ref)):
-            raise CheckpointError(
-                f"{path}: parameter {i} has shape {arr.shape}, `like` has {tuple(np.shape(ref))}"
-            )
-        out.append(jnp.asarray(arr))
+        # saved in another dtype than ``like``'s: converted from its values, not its bits
+        value = _decoded(arr, info).astype(np.dtype(ref.dtype), copy=False)
+        _check_shape(path, f"parameter {i}", value, ref, "`like`")
+        out.append(jnp.asarray(value))
     return jax.tree_util.tree_unflatten(treedef, out)
