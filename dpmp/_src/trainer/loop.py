@@ -295,14 +295,14 @@ class _Run:
         self.stopped = self._stop_reason()
         while self.completed < t.steps and self.stopped is None:
             tic = time.perf_counter()
-            stats, eps = self._advance()
+            stats, eps, new_scale = self._advance()
             self.totals["elapsed_s"] = self.elapsed_before + (time.perf_counter() - session_start)
             self.stopped = self._stop_reason()
             last = self.completed >= t.steps or self.stopped is not None
             evaluation = None
             if _due(self.completed, t.eval_every) or last:
                 evaluation = self.last_eval = self._evaluate()
-            record = self._public_record(stats, eps, evaluation)
+            record = self._public_record(stats, eps, new_scale, evaluation)
             logged = _due(self.completed, t.log_every) or last
             if logged:
                 self.run_dir.append_metrics(record)
@@ -323,7 +323,8 @@ class _Run:
         bar.close()
 
     def _advance(self):
-        """One private step, accounted; returns its (exact) stats and the epsilon spent."""
+        """One private step, accounted; returns its (exact) stats, the epsilon spent and
+        the loss scale of the next step."""
         batch, pad = gather(self.step.data, next(self.sampler))
         s = self.state
         params, opt_state, loss_scale, stats = self.step.step_fn(
@@ -345,20 +346,20 @@ class _Run:
         if new_scale != self.scale_history[-1][1]:
             self.scale_history.append([self.completed + 1, new_scale])
             totals["loss_scale_changes"] += 1
-        return stats, eps
+        return stats, eps, new_scale
 
     @property
     def _private_dynamic(self) -> bool:
         return isinstance(self.state["loss_scale"], PrivateDynamicLossScale)
 
-    def _public_record(self, stats, eps: float, evaluation) -> dict[str, Any]:
+    def _public_record(self, stats, eps: float, new_scale: float, evaluation) -> dict[str, Any]:
         noised = float(stats.noised_overflow_count) if self._private_dynamic else None
         return release.public_record(
             step=self.completed,
             epsilon=eps,
             delta=self.config.privacy.delta,
             loss_scale=float(stats.loss_scale),
-            next_loss_scale=float(self.state["loss_scale"].loss_scale),
+            next_loss_scale=new_scale,
             loss_scale_changes=self.totals["loss_scale_changes"],
             noised_overflow=noised,
             noised_overflow_total=self.totals["noised_overflow"] if noised is not None else None,
