@@ -27,6 +27,8 @@ from dpmp._src.config import ConfigError as ConfigError
 from dpmp._src.config import load_config as load_config
 from dpmp._src.data import DataError as DataError
 from dpmp._src.data import Dataset as Dataset
+from dpmp._src.lora import init_adapters as init_lora
+from dpmp._src.lora import merge as merge_lora
 from dpmp._src.loss_scale import DynamicLossScale as DynamicLossScale
 from dpmp._src.loss_scale import NoOpLossScale as NoOpLossScale
 from dpmp._src.loss_scale import StaticLossScale as StaticLossScale
@@ -84,7 +86,9 @@ __all__ = [
     "force_full_precision",
     "gaussian_privatizer",
     "load_config",
+    "init_lora",
     "load_params",
+    "merge_lora",
     "private_grad",
     "private_optimizer",
     "snap_grid",

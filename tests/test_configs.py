@@ -74,7 +74,9 @@ def test_config_builds_and_traces_its_private_step(name, digits):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_config_trains_two_steps(name, digits, tmp_path):
-    config = load_config(CONFIGS / name, ["training.steps=2", "training.log_every=1"])
+    config = load_config(
+        CONFIGS / name, ["training.steps=2", "training.log_every=1", "pretrain.steps=2"]
+    )
     data = None if config.model.kind == "lm" else digits
     report = train(config, out_dir=tmp_path, progress=False, data=data)
     assert report["steps"] == 2 and report["finite_params"]

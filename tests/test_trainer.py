@@ -551,6 +551,7 @@ PUBLIC_REPORT_KEYS = {
         "test_perplexity", "overflow",
         "loss_scale", "standardize", "clipping", "audit", "sampling", "model", "data",
         "config", "versions", "num_params", "finite_params", "noise",
+        "starting_point",  # pre-trained on public text, or given (and then the caller's)
     },
     "noise": {"sampler", "noised_coordinates", "epsilon_residual"},
     "overflow": {

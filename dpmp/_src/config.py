@@ -42,6 +42,7 @@ __all__ = [
     "DataConfig",
     "LossScaleConfig",
     "ModelConfig",
+    "PretrainConfig",
     "PrivacyConfig",
     "TrainingConfig",
     "load_config",
@@ -62,6 +63,7 @@ NOISE_SAMPLERS = ("snapped", "plain")
 OPTIMIZERS = ("adam", "sgd", "momentum")
 LOSS_SCALE_KINDS = ("none", "static", "private_dynamic", "nonprivate_dynamic")
 STANDARDIZE_MODES = ("none", "private", "nonprivate")
+PRETRAIN_DATASETS = ("none", "python_stdlib", "text")
 
 # What the other keys accept, in words (for the key table; validation is in
 # each section's ``__post_init__``). A key missing here is described by its type.
@@ -75,6 +77,8 @@ _ALLOWED = {
     "data.test_fraction": "number in (0, 1)",
     "model.hidden": "list of integers > 0 (may be empty)",
     "model.heads": "integer > 0 dividing model.dim",
+    "model.lora_rank": "integer >= 0",
+    "pretrain.path": "path to a .txt or .jsonl file (text)",
     "privacy.delta": "number in (0, 1)",
     "training.seed": "integer >= 0",
     "loss_scale.factor": "number > 1",
@@ -186,6 +190,14 @@ class ModelConfig:
     dim: ViT and LM width.
     depth: number of ViT or LM blocks.
     heads: ViT and LM attention heads.
+    lora_rank: 0 trains every parameter; r > 0 freezes them and trains low-rank
+      adapters only (LoRA): each weight matrix (a ``kernel`` or ``weight`` of
+      two or more axes) becomes ``W + lora_alpha / r * A @ B`` with ``A`` of
+      r columns (random) and ``B`` of r rows (zero at the start). Clipping,
+      noise and the accounting then cover exactly the adapters; the frozen
+      parameters stay bit-identical. Needs pre-trained parameters (a
+      ``[pretrain]`` section, or ``init_params`` of ``dpmp.train``).
+    lora_alpha: the adapters' scale: the update is ``lora_alpha / lora_rank * A @ B``.
     """
 
     kind: str = "mlp"
@@ -194,6 +206,8 @@ class ModelConfig:
     dim: int = 64
     depth: int = 2
     heads: int = 4
+    lora_rank: int = 0
+    lora_alpha: float = 8.0
 
     def __post_init__(self):
         if not (isinstance(self.kind, str) and _is_factory(self.kind)):
@@ -216,6 +230,8 @@ class ModelConfig:
             raise ConfigError(
                 f"model.dim ({self.dim}) must be divisible by model.heads ({self.heads})"
             )
+        _positive("model.lora_rank", self.lora_rank, integer=True, allow_zero=True)
+        _positive("model.lora_alpha", self.lora_alpha)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -376,12 +392,57 @@ class LossScaleConfig:
             )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PretrainConfig:
+    """Non-private pre-training on PUBLIC text before the private run (``model.kind = "lm"``).
+
+    dataset: ``"none"`` (the private run starts from a random initialisation),
+      ``"python_stdlib"`` (the docstrings of Python's standard library, read
+      from its source files, which ship with Python: each distinct line of at
+      least 16 characters is a record) or ``"text"`` (``path``, a ``.txt`` or
+      ``.jsonl`` file as ``data.path``). This text is NOT protected: only public
+      data belongs here. It costs no epsilon; the parameters it gives are
+      saved in the run's ``pretrained/`` folder and reused while this section,
+      the model and the text stay the same.
+    path: the public ``.txt`` or ``.jsonl`` file (``dataset = "text"``).
+    steps: pre-training steps (Adam on the mean loss of a batch).
+    batch_size: records per pre-training step (drawn uniformly, with ``seed``).
+    learning_rate: the pre-training step size.
+    seed: seeds the initialisation and the batches of the pre-training (public:
+      they touch public data only).
+    """
+
+    dataset: str = "none"
+    path: str | None = None
+    steps: int = 1000
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self):
+        _choice("pretrain.dataset", self.dataset, PRETRAIN_DATASETS)
+        if self.path is not None and not isinstance(self.path, str):
+            raise ConfigError(f"pretrain.path: must be a string (a text file), got {self.path!r}")
+        if self.dataset == "text" and not self.path:
+            raise ConfigError('pretrain.path: required when pretrain.dataset = "text"')
+        _positive("pretrain.steps", self.steps, integer=True)
+        _positive("pretrain.batch_size", self.batch_size, integer=True)
+        _positive("pretrain.learning_rate", self.learning_rate)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"pretrain.seed: must be an integer >= 0, got {self.seed!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.dataset != "none"
+
+
 _SECTIONS = {
     "data": DataConfig,
     "model": ModelConfig,
     "privacy": PrivacyConfig,
     "training": TrainingConfig,
     "loss_scale": LossScaleConfig,
+    "pretrain": PretrainConfig,
 }
 
 
@@ -399,6 +460,7 @@ class Config:
     privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
+    pretrain: PretrainConfig = dataclasses.field(default_factory=PretrainConfig)
 
     def __post_init__(self):
         try:
@@ -406,6 +468,11 @@ class Config:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         object.__setattr__(self, "policy", str(policy))
+        if self.pretrain.enabled and self.model.kind != "lm":
+            raise ConfigError(
+                f"pretrain.dataset: {self.pretrain.dataset!r} pre-trains the byte-level "
+                f"language model; it needs model.kind = 'lm', got {self.model.kind!r}"
+            )
 
     @property
     def precision(self) -> Policy:
@@ -453,6 +520,7 @@ _CHOICES = {
     "training.optimizer": OPTIMIZERS,
     "loss_scale.kind": LOSS_SCALE_KINDS,
     "data.standardize": STANDARDIZE_MODES,
+    "pretrain.dataset": PRETRAIN_DATASETS,
 }
 
 

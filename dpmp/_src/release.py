@@ -281,6 +281,7 @@ def build_report(
     versions: dict[str, Any],
     finite_params: bool,
     num_params: int,
+    starting_point: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``report.json``: the plan, epsilon, test metrics, loss scale, audit. Public."""
     config = step.config
@@ -381,6 +382,8 @@ def build_report(
         "versions": versions,
         "num_params": num_params,
         "finite_params": finite_params,
+        # pre-trained on public text, given, or (LoRA) the model's initialisation
+        "starting_point": starting_point,
     }
 
 
@@ -403,6 +406,8 @@ def file_inventory(run_dir: str | Path) -> dict[str, list[str]]:
     """
     run_dir = Path(run_dir)
     public = [name for name in PUBLIC_FILES if (run_dir / name).is_file()]
+    if (run_dir / "pretrained").is_dir():  # trained on public text only
+        public.append("pretrained/")
     private = [f"{PRIVATE_DIR}/"] if (run_dir / PRIVATE_DIR).is_dir() else []
     secret = ["checkpoints/"] if (run_dir / "checkpoints").is_dir() else []
     return {"public": public, "private": private, "secret": secret}

@@ -2,6 +2,8 @@
 
 Its modules follow a run's stages:
 
+* ``pretrain`` -- optional non-private pre-training on public text (no
+  epsilon), whose parameters the private run fine-tunes or adapts (LoRA);
 * ``plan``     -- the secret keys, the noise multiplier and the budget;
 * ``batches``  -- Poisson sampling and reading a batch (arrays in memory,
   memory-mapped ``.npy`` files, random-access sources), physical chunks;

@@ -21,6 +21,7 @@ parameters, bit for bit on CPU, and the same epsilon as an uninterrupted one.
 from __future__ import annotations
 
 import platform
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -48,7 +49,8 @@ from dpmp._src.private_loss_scale import PrivateDynamicLossScale
 from dpmp._src.run_dir import ProgressBar, RunDir
 from dpmp._src.trainer.batches import gather, input_dtype
 from dpmp._src.trainer.evaluate import evaluator
-from dpmp._src.trainer.resume import check_config, check_data, check_model
+from dpmp._src.trainer.pretrain import params_digest, pretrain
+from dpmp._src.trainer.resume import check_config, check_data, check_model, check_start
 from dpmp._src.trainer.step import PrivateStep, audit_summary, build_private_step
 
 __all__ = ["train"]
@@ -128,6 +130,7 @@ def train(
     loss: Callable | None = None,
     data: Any = None,
     callback: Callable[[int, dict[str, Any]], None] | None = None,
+    init_params: Any = None,
 ) -> dict[str, Any]:
     """Trains privately as ``config`` says and returns the report (also ``report.json``).
 
@@ -155,14 +158,18 @@ def train(
         ``noised_overflow_total``, and on evaluation steps ``test_accuracy``
         and ``test_loss``. Exact training statistics are written to
         ``private/metrics.jsonl`` on logging steps, never passed here.
+      init_params: parameters to start from, in the structure of the model's
+        own (pre-trained ones: they must not come from the private data, or
+        the run is not private); with ``model.lora_rank`` the frozen base of
+        the adapters. A ``[pretrain]`` section makes them instead.
 
     Returns:
       The report dict (see ``report.json``).
 
     Raises:
       CheckpointError: ``resume=True`` and the checkpoint in ``out_dir`` was
-        made by a different config (the message lists the differences) or on
-        different data.
+        made by a different config (the message lists the differences), on
+        different data or from other starting parameters.
     """
     started = time.perf_counter()
     config = Config() if config is None else config
@@ -174,12 +181,19 @@ def train(
         check_data(found[0], data_fingerprint, found[1])
         if found[0].get("feature_stats"):
             saved_stats = FeatureStats.from_dict(found[0]["feature_stats"])
-    step = _build_step(config, data, model=model, loss=loss, feature_stats=saved_stats)
-    run = _Run(step, run_dir, data_fingerprint)
+    told: list[str] = []  # the pre-training's log lines, written once the run's log is open
+    init_params, start = _starting_point(config, run_dir, model, init_params, progress, told)
+    step = _build_step(
+        config, data, model=model, loss=loss, feature_stats=saved_stats, init_params=init_params
+    )
+    run = _Run(step, run_dir, data_fingerprint, start)
     if found is not None:
         check_model(found[0], run.signature, found[1])
+        check_start(found[0], start, found[1])
     if not (resume and run.restore()):
         run.start()
+    for line in told:
+        run_dir.log(line)
     _log_plan(run_dir, step)
     audit = audit_summary(step)
     verdict = {True: "ok", False: "VIOLATIONS", None: "error"}[audit["ok"]]
@@ -211,14 +225,45 @@ def _open_run_dir(
     return run_dir, found
 
 
-def _build_step(config: Config, data: Dataset, *, model, loss, feature_stats) -> PrivateStep:
+def _starting_point(
+    config: Config,
+    run_dir: RunDir,
+    model: Any,
+    init_params: Any,
+    progress: bool,
+    told: list[str],
+) -> tuple[Any, dict[str, Any] | None]:
+    """The parameters the run starts from (or adapts, with LoRA) and what the
+    report says of them: pre-trained on public text, given, or (None) the model's
+    initialisation."""
+    if config.pretrain.enabled:
+        if init_params is not None or model is not None:
+            raise ValueError(
+                "pretrain.dataset: the [pretrain] section pre-trains config.model; with "
+                "model= or init_params= of your own, pre-train it yourself and pass init_params="
+            )
+        if progress:  # the log is not open yet: say it now on stderr too
+            print("public pre-training (not private, no epsilon)...", file=sys.stderr)
+        made = pretrain(config, run_dir.path, log=told.append, progress=progress)
+        return made.params, {"source": "pretrained on public text (no epsilon)", **made.info}
+    if init_params is None:
+        return None, None
+    source = "init_params given to dpmp.train"
+    return init_params, {"source": source, "params_sha256": params_digest(init_params)}
+
+
+def _build_step(
+    config: Config, data: Dataset, *, model, loss, feature_stats, init_params
+) -> PrivateStep:
     with warnings.catch_warnings():
         if config.loss_scale.kind == "nonprivate_dynamic":  # said loudly in log and report
             warnings.simplefilter("ignore", UserWarning)
         built = None
         if model is not None:
             built = as_model(model, data.input_shape, data.num_classes, config.precision, loss=loss)
-        return build_private_step(config, data, model=built, feature_stats=feature_stats)
+        return build_private_step(
+            config, data, model=built, feature_stats=feature_stats, init_params=init_params
+        )
 
 
 class _Run:
@@ -226,8 +271,15 @@ class _Run:
     sampler, the budget tracker, running totals, the loss-scale history, the last
     evaluation, the number of completed steps)."""
 
-    def __init__(self, step: PrivateStep, run_dir: RunDir, data_fingerprint: str):
+    def __init__(
+        self,
+        step: PrivateStep,
+        run_dir: RunDir,
+        data_fingerprint: str,
+        start: dict[str, Any] | None = None,
+    ):
         self.step, self.config, self.run_dir = step, step.config, run_dir
+        self.start_info = start
         self.ckpt_dir = run_dir.path / "checkpoints"
         self.data_fingerprint = data_fingerprint
         self.signature = model_signature(step.init_state["params"])
@@ -266,6 +318,7 @@ class _Run:
         check_config(meta, self.config, path)
         check_data(meta, self.data_fingerprint, path)
         check_model(meta, self.signature, path)
+        check_start(meta, self.start_info, path)
         self.tracker = accounting.BudgetTracker.from_state_dict(meta["tracker"])
         if self.tracker.budget != self.step.budget:
             raise CheckpointError(
@@ -404,6 +457,7 @@ class _Run:
             "sampler": self.sampler.state_dict(),
             "data_fingerprint": self.data_fingerprint,
             "model_signature": self.signature,
+            "starting_point": self.start_info,
             "params_leaves": _params_span(self.state),
             "feature_stats": None if stats is None else stats.to_dict(),
             "totals": self.totals,
@@ -444,6 +498,7 @@ class _Run:
                 bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(params)
             ),
             num_params=count_params(params),
+            starting_point=self.start_info,
         )
         self.run_dir.write_report(report)
         self.run_dir.write_private_diagnostics(

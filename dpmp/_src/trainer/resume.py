@@ -15,7 +15,7 @@ from dpmp._src import release
 from dpmp._src.checkpoint import CheckpointError
 from dpmp._src.config import Config
 
-__all__ = ["START_OVER", "check_config", "check_data", "check_model"]
+__all__ = ["START_OVER", "check_config", "check_data", "check_model", "check_start"]
 
 # Config fields that may change between a run and its resumption.
 _RESUMABLE_CHANGES = {
@@ -70,4 +70,16 @@ def check_model(meta: dict[str, Any], signature: str, path: Path) -> None:
         raise CheckpointError(
             f"{path}: made by a different model (the names, shapes or dtypes of the "
             f"parameters differ); {START_OVER}"
+        )
+
+
+def check_start(meta: dict[str, Any], start: dict[str, Any] | None, path: Path) -> None:
+    """A run started from (or adapting, with LoRA) given parameters continues only
+    from the same ones (``params_sha256``)."""
+    saved = (meta.get("starting_point") or {}).get("params_sha256")
+    current = (start or {}).get("params_sha256")
+    if saved != current:
+        raise CheckpointError(
+            f"{path}: made from other starting parameters (pre-trained or given: their "
+            f"sha256 differs); {START_OVER}"
         )

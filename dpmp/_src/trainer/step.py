@@ -36,6 +36,7 @@ from dpmp._src.audit_privacy import privacy_audit
 from dpmp._src.clipping import adjust_loss_scale, combine_stats, private_grad
 from dpmp._src.config import Config, ConfigError
 from dpmp._src.data import Dataset, load_data
+from dpmp._src.lora import lora_model
 from dpmp._src.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -205,6 +206,7 @@ def build_private_step(
     model: Model | None = None,
     keys: RunKeys | None = None,
     feature_stats: FeatureStats | None = None,
+    init_params: Any = None,
 ) -> PrivateStep:
     """The private step of ``config`` and real arguments for it.
 
@@ -223,6 +225,10 @@ def build_private_step(
         (fresh OS entropy unless ``privacy.reproducible_noise``).
       feature_stats: standardisation statistics to reuse (a resumed run's);
         default: computed as ``data.standardize`` says.
+      init_params: parameters to start from (pre-trained ones, in the
+        structure of the model's ``init``) instead of its initialisation; with
+        ``model.lora_rank`` the frozen base the adapters adapt (default: the
+        model's initialisation).
     """
     policy = config.precision
     t = config.training
@@ -241,6 +247,7 @@ def build_private_step(
     if model is None:
         model = model_from_config(config.model, data, policy)
     init_key = jax.random.split(jax.random.key(t.seed), 3)[0]
+    model = _starting_point(config, model, init_params, init_key)
     sampler = make_sampler(config, data.num_train, keys.sampler_seed)
     plan = noise_plan(
         config, num_train=data.num_train, params_shape=jax.eval_shape(model.init, init_key)
@@ -303,6 +310,39 @@ def build_private_step(
         feature_stats=feature_stats,
         keys=keys,
     )
+
+
+def _starting_point(config: Config, model: Model, init_params: Any, init_key) -> Model:
+    """``model`` starting from ``init_params``, or adapting them frozen (LoRA)."""
+    if init_params is not None:
+        like = jax.eval_shape(model.init, init_key)
+        _check_like(init_params, like)
+        # in the dtypes of the model's own parameters (float32 masters)
+        init_params = jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), init_params, like)
+    if config.model.lora_rank:
+        base = jax.jit(model.init)(init_key) if init_params is None else init_params
+        try:
+            return lora_model(
+                model, base, rank=config.model.lora_rank, alpha=config.model.lora_alpha
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if init_params is None:
+        return model
+    return dataclasses.replace(model, init=lambda key: init_params)
+
+
+def _check_like(params: Any, like: Any) -> None:
+    got, want = jax.tree.structure(params), jax.tree.structure(like)
+    if got != want:
+        raise ValueError(
+            f"init_params: not the model's parameter structure:\n{got}\nexpected\n{want}"
+        )
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(like))):
+        if tuple(a.shape) != tuple(b.shape):
+            raise ValueError(
+                f"init_params: leaf {i} has shape {tuple(a.shape)}, the model's {tuple(b.shape)}"
+            )
 
 
 def _explain_clipping(grad_fn, params, batch) -> dict[str, Any]:

@@ -1,0 +1,221 @@
+"""LoRA and public pre-training: the adapters are exactly what is trained, clipped,
+noised and accounted; the frozen parameters come out bit for bit as they went in."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dpmp
+from dpmp._src.checkpoint import CheckpointError, latest_meta
+from dpmp._src.config import ConfigError, load_config
+from dpmp._src.data import load_data
+from dpmp._src.lora import adapted, lora_model
+from dpmp._src.models import build_model, count_params
+from dpmp._src.trainer import build_private_step, train
+
+
+def _base():
+    k = jax.random.split(jax.random.key(1), 4)
+    return {
+        "dense": {"kernel": jax.random.normal(k[0], (6, 5)), "bias": jnp.arange(5.0)},
+        "attn": {"query": {"kernel": jax.random.normal(k[1], (8, 2, 4))}},
+        "out": {"kernel": jax.random.normal(k[2], (2, 4, 8))},
+        "embed": {"embedding": jax.random.normal(k[3], (10, 8))},
+    }
+
+
+def test_merge_is_w_plus_scaled_low_rank_product_against_float64():
+    base = _base()
+    adapters = dpmp.init_lora(base, 3, jax.random.key(0))
+    # B starts at zero; give it values so that the product is not trivially zero
+    adapters = jax.tree.map(lambda x: x + 0.1, adapters)
+    merged = dpmp.merge_lora(base, adapters, alpha=6.0)
+    shapes = {
+        "dense/kernel": ((6, 3), (3, 5)),
+        "attn/query/kernel": ((8, 3), (3, 8)),  # [8, 2, 4] seen as 8 x 8
+        "out/kernel": ((8, 3), (3, 8)),  # [2, 4, 8] seen as 8 x 8
+    }
+    assert {k: (v["a"].shape, v["b"].shape) for k, v in adapters.items()} == shapes
+    for name in shapes:
+        a = np.asarray(adapters[name]["a"], np.float64)
+        b = np.asarray(adapters[name]["b"], np.float64)
+        node_base, node_merged = base, merged
+        for part in name.split("/"):
+            node_base, node_merged = node_base[part], node_merged[part]
+        want = np.asarray(node_base, np.float64) + 6.0 / 3 * (a @ b).reshape(node_base.shape)
+        np.testing.assert_allclose(np.asarray(node_merged), want, rtol=1e-6, atol=1e-6)
+    # what has no adapter is the very same array
+    assert np.array_equal(merged["dense"]["bias"], base["dense"]["bias"])
+    assert np.array_equal(merged["embed"]["embedding"], base["embed"]["embedding"])
+
+
+def test_merge_refuses_adapters_of_another_model():
+    base = _base()
+    adapters = dpmp.init_lora(base, 2, jax.random.key(0))
+    del adapters["out/kernel"]
+    with pytest.raises(ValueError, match=r"missing \['out/kernel'\]"):
+        dpmp.merge_lora(base, adapters, alpha=1.0)
+
+
+@pytest.mark.parametrize("rank", [0, -1, 1.5, True])
+def test_a_bad_rank_is_refused(rank):
+    with pytest.raises(ValueError, match="model.lora_rank"):
+        dpmp.init_lora(_base(), rank, jax.random.key(0))
+
+
+def test_a_model_without_weight_matrices_is_refused():
+    with pytest.raises(ValueError, match="no weight matrix"):
+        dpmp.init_lora({"bias": jnp.zeros(3)}, 2, jax.random.key(0))
+
+
+def _lm_config(tmp_path, *sets):
+    private = tmp_path / "private.txt"
+    private.write_text("\n".join(f"record {i}: {'ab' * (i % 7)} {i * 37 % 101}" for i in range(64)))
+    public = tmp_path / "public.txt"
+    public.write_text("\n".join(f"public line {i} {'xy' * (i % 5)}" for i in range(80)))
+    return load_config(
+        None,
+        [
+            "data.dataset=text",
+            f"data.path={json.dumps(str(private))}",
+            "data.seq_len=12",
+            "model.kind=lm",
+            "model.dim=16",
+            "model.depth=1",
+            "model.heads=2",
+            "privacy.target_epsilon=8",
+            "training.steps=3",
+            "training.expected_batch_size=16",
+            "training.eval_every=0",
+            "training.checkpoint_every=2",
+            "pretrain.dataset=text",
+            f"pretrain.path={json.dumps(str(public))}",
+            "pretrain.steps=4",
+            "pretrain.batch_size=8",
+            *sets,
+        ],
+    )
+
+
+def test_the_adapters_start_as_the_base_model_and_are_all_that_is_noised(tmp_path):
+    config = _lm_config(tmp_path, "model.lora_rank=2")
+    data = load_data(config.data, 0)
+    model = build_model(config.model, data, config.precision)
+    base = jax.jit(model.init)(jax.random.key(3))
+    adapted_model = lora_model(model, base, rank=2, alpha=8.0)
+    adapters = adapted_model.init(jax.random.key(4))
+    batch = {"x": jnp.asarray(data.x_train[:4]), "y": jnp.asarray(data.y_train[:4])}
+    with_adapters = jax.jit(adapted_model.loss_fn)(adapters, batch)
+    assert with_adapters == jax.jit(model.loss_fn)(base, batch)
+
+    step = build_private_step(config, data, init_params=base)
+    # rank 2 x (fan_in + fan_out): query, key, value [16, 2, 8] and out [2, 8, 16]
+    # as 16 x 16, the MLP's 16 x 64 and 64 x 16, the head's 16 x 258
+    expected = 2 * (4 * 32 + 2 * 80 + 274)
+    assert len(adapted(base)) == 7
+    assert count_params(step.init_state["params"]) == expected < count_params(base) / 3
+    assert step.budget.noised_coordinates == expected
+    params, *_ = jax.eval_shape(step.step_fn, *step.example_args)
+    assert jax.tree.structure(params) == jax.tree.structure(step.init_state["params"])
+
+
+@pytest.mark.slow  # public pre-training and private runs, ~40 s
+def test_lora_after_public_pretraining_leaves_the_base_bit_identical(tmp_path):
+    config = _lm_config(tmp_path, "model.lora_rank=2")
+    out = tmp_path / "run"
+    report = train(config, out_dir=out, progress=False)
+    start = report["starting_point"]
+    assert start["source"].startswith("pretrained on public text") and start["steps"] == 4
+    assert report["model"]["name"].endswith("LoRA rank 2")
+    model = build_model(config.model, load_data(config.data, 0), config.precision)
+    like = jax.eval_shape(model.init, jax.random.key(0))
+    pretrained = dpmp.load_params(out / "pretrained", like)
+    adapters = dpmp.load_params(out, dpmp.init_lora(like, 2, jax.random.key(0)))
+    assert report["num_params"] == count_params(adapters)
+    merged = dpmp.merge_lora(pretrained, adapters, alpha=config.model.lora_alpha)
+    leaves = jax.tree_util.tree_flatten_with_path(pretrained)[0]
+    frozen = 0
+    for (path, before), after in zip(leaves, jax.tree.leaves(merged)):
+        if path[-1].key == "kernel":
+            assert not np.array_equal(before, after)  # adapted
+        else:  # frozen: embeddings, positions, norms, biases
+            assert np.array_equal(np.asarray(before), np.asarray(after)), path
+            frozen += 1
+    assert frozen >= 8
+    from dpmp._src.trainer.pretrain import params_digest
+
+    assert params_digest(pretrained) == start["params_sha256"]
+
+    # the pre-training is reused by a resumed run
+    report2 = train(config, out_dir=out, progress=False)
+    assert report2["steps"] == 3
+    log = (out / "train.log").read_text()
+    assert "public pre-training: reused pretrained/" in log
+    # other public text at the same path: pre-trained again, and the run refuses
+    # to continue adapting other parameters than it started with
+    public = tmp_path / "public.txt"
+    public.write_text(public.read_text().replace("public", "other"))
+    with pytest.raises(CheckpointError, match="other starting parameters"):
+        train(config, out_dir=out, progress=False)
+
+
+def test_init_params_start_a_full_fine_tuning(tmp_path):
+    config = _lm_config(tmp_path, "pretrain.dataset=none", "training.steps=1")
+    data = load_data(config.data, 0)
+    model = build_model(config.model, data, config.precision)
+    start = jax.jit(model.init)(jax.random.key(7))
+    step = build_private_step(config, data, init_params=start)
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(step.init_state["params"]), jax.tree.leaves(start))
+    )
+    with pytest.raises(ValueError, match="init_params: leaf"):
+        bad = jax.tree.map(lambda x: x[..., :1] if x.ndim else x, start)
+        build_private_step(config, data, init_params=bad)
+
+
+@pytest.mark.slow  # a private run, ~20 s
+def test_a_run_says_it_started_from_given_parameters(tmp_path):
+    config = _lm_config(tmp_path, "pretrain.dataset=none", "training.steps=1")
+    model = build_model(config.model, load_data(config.data, 0), config.precision)
+    start = jax.jit(model.init)(jax.random.key(7))
+    report = train(config, out_dir=tmp_path / "ft", init_params=start, progress=False)
+    assert report["starting_point"]["source"] == "init_params given to dpmp.train"
+    with pytest.raises(ValueError, match="pre-train it yourself and pass init_params"):
+        train(_lm_config(tmp_path), out_dir=tmp_path / "x", init_params=start, progress=False)
+
+
+def test_pretraining_config_errors():
+    with pytest.raises(ConfigError, match="pretrain.dataset.*model.kind = 'lm'"):
+        load_config(None, ["pretrain.dataset=python_stdlib"])
+    with pytest.raises(ConfigError, match="pretrain.path: required"):
+        load_config(None, ["model.kind=lm", "pretrain.dataset=text"])
+    with pytest.raises(ConfigError, match="model.lora_rank"):
+        load_config(None, ["model.lora_rank=-1"])
+    with pytest.raises(ConfigError, match="pretrain.dataset"):
+        load_config(None, ["pretrain.dataset=wikipedia"])
+
+
+def test_a_missing_public_text_names_pretrain_path(tmp_path):
+    config = _lm_config(tmp_path, f"pretrain.path={json.dumps(str(tmp_path / 'nope.txt'))}")
+    with pytest.raises(dpmp.DataError, match="pretrain.path: no such file"):
+        train(config, out_dir=tmp_path / "run", progress=False)
+
+
+@pytest.mark.slow  # public pre-training and private runs, ~40 s
+def test_pretrained_parameters_are_remade_when_the_spec_changes(tmp_path):
+    out = tmp_path / "run"
+    train(_lm_config(tmp_path, "training.steps=1"), out_dir=out, progress=False)
+    meta, _ = latest_meta(out / "pretrained" / "checkpoints")
+    train(
+        _lm_config(tmp_path, "training.steps=1", "pretrain.steps=5"),
+        out_dir=out,
+        resume=False,
+        progress=False,
+    )
+    meta2, _ = latest_meta(out / "pretrained" / "checkpoints")
+    assert meta2["info"]["steps"] == 5 and meta["info"]["steps"] == 4
+    assert meta2["info"]["params_sha256"] != meta["info"]["params_sha256"]
