@@ -144,6 +144,16 @@ def _summary(report: dict) -> str:
     ]
     if standardize.get("epsilon_cost") is not None:
         rows.append(("standardize cost (epsilon)", _fmt(standardize["epsilon_cost"])))
+    start = report.get("starting_point")
+    if isinstance(start, dict):
+        text = start.get("source", "-")
+        if start.get("public_test_perplexity") is not None:
+            text += (
+                f": {start.get('steps')} steps, held-out public perplexity "
+                f"{_fmt(start['public_test_perplexity'], '.2f')}"
+            )
+        rows.append(("started from", text))
+        rows.append(("trained parameters", f"{report.get('num_params'):,}"))
     if report.get("private") is True:
         rows.append(("private", "yes (differentially private; zero-out neighbours)"))
     elif report.get("private") is False:

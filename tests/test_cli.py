@@ -1,6 +1,7 @@
 """The dpmp command: every error path exits 2 with one line naming the problem."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -431,6 +432,27 @@ def test_out_that_is_a_file(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     assert cli.main(["train", "--out", str(tmp_path / "file")]) == 2
     assert_one_line_error(capsys, "train", "--out", "not a directory")
+
+
+def test_a_second_writer_is_refused_and_changes_nothing(capsys, tmp_path):
+    from dpmp._src.run_dir import locked
+
+    out = tmp_path / "run"
+    with locked(out):  # as a running `dpmp train` holds it
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        assert cli.main(["train", "--out", str(out), "--set", "training.steps=1"]) == 2
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert_one_line_error(capsys, "train", str(out), f"another dpmp run (pid {os.getpid()})")
+
+
+def test_a_report_that_is_not_dpmps_is_never_overwritten(capsys, tmp_path):
+    mine = tmp_path / "report.json"
+    for text in ('{"my": "results"}', "not json"):
+        mine.write_text(text)
+        assert cli.main(["train", "--out", str(tmp_path), "--set", "training.steps=1"]) == 2
+        assert_one_line_error(capsys, "train", "report.json: not a dpmp report")
+        assert mine.read_text() == text
+        assert not (tmp_path / "train.log").exists()
 
 
 def test_report_errors(capsys, tmp_path):

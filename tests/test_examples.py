@@ -19,6 +19,11 @@ NAMES = sorted(p.name for p in EXAMPLES.glob("*.py"))
 TRAINING = ("private_linen.py", "private_nnx.py", "private_plain_jax.py")
 # Examples that run dpmp's trainer and write a run directory (--out).
 TRAINER = ("own_flax_model.py", "equinox_model.py")
+# Language-model examples (minutes as shipped): smoke-run with a few steps.
+LANGUAGE = {
+    "language_model.py": ["--steps", "2"],
+    "lora_fine_tuning.py": ["--steps", "2", "--pretrain-steps", "3"],
+}
 
 # Arguments for a quick smoke run; an example not listed here runs without any.
 QUICK = {
@@ -105,9 +110,28 @@ def test_trainer_example_as_shipped(name, tmp_path):
     assert float(eps) <= 2.0005 and float(acc) >= 0.90, out.stdout
 
 
+@pytest.mark.slow  # ~40 s each: a public pre-training, compilation, evaluation
+@pytest.mark.parametrize("name", LANGUAGE)
+def test_language_examples_train_and_report(name, tmp_path, capsys, monkeypatch):
+    args = [*LANGUAGE[name], "--out", str(tmp_path)]
+    out = run(name, *args, capsys=capsys, monkeypatch=monkeypatch)
+    m = re.search(r"epsilon ([\d.]+) \(delta 1e-05\), held-out perplexity ([\d.]+)", out)
+    assert m, out
+    assert 7.99 <= float(m[1]) <= 8.0005 and 1 < float(m[2]) < 258, out
+    if name == "lora_fine_tuning.py":
+        assert re.search(r"public pre-training: 3 steps on \d+ records", out), out
+        assert "private LoRA: 21,008 trainable parameters, the model's 137,538 frozen" in out
+    else:
+        assert "model: causal LM dim 64 depth 2 heads 4 (137,538 parameters)" in out
+
+
 @pytest.mark.parametrize(
     "name",
-    [n for n in NAMES if n not in (*TRAINING, *TRAINER, *QUICK, "mixed_precision_step.py")],
+    [
+        n
+        for n in NAMES
+        if n not in (*TRAINING, *TRAINER, *QUICK, *LANGUAGE, "mixed_precision_step.py")
+    ],
 )
 def test_other_examples_run(name, capsys, monkeypatch):
     run(name, capsys=capsys, monkeypatch=monkeypatch)

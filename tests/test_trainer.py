@@ -140,20 +140,21 @@ def test_report_epsilon_matches_an_independent_accountant(small_run):
 def test_metrics_records(small_run):
     out, _ = small_run
     records = read_metrics(out)
-    assert [r["step"] for r in records] == [4, 8, 12]
+    # every log_every = 4 steps, and every evaluation (eval_every = 6): at 6 too
+    assert [r["step"] for r in records] == [4, 6, 8, 12]
     eps = [r["epsilon"] for r in records]
     assert eps == sorted(eps) and eps[-1] <= 2.0
     for r in records:  # public: the plan, epsilon, the loss scale, test metrics
         assert {"epsilon", "delta", "loss_scale", "loss_scale_changes"} <= set(r)
         assert not {"loss", "overflow", "clipped_fraction", "batch_size"} & set(r)
-    # evaluated at step 12 (eval_every 6 and the end); step 4 and 8 are not eval steps
+    # evaluated at steps 6 and 12 (eval_every 6, and the end); 4 and 8 are not eval steps
     assert "test_accuracy" in records[-1] and "train_accuracy" not in records[-1]
-    assert "test_accuracy" not in records[0]
+    assert "test_accuracy" in records[1] and "test_accuracy" not in records[0]
     assert (out / "train.log").read_text().count("precision audit") == 1
     # the exact statistics: private/, labelled in every file
     private = read_metrics(out / "private" / "metrics.jsonl")
     assert private[0] == {"_note": "non-private diagnostics: do not publish"}
-    assert [r["step"] for r in private[1:]] == [4, 8, 12]
+    assert [r["step"] for r in private[1:]] == [4, 6, 8, 12]
     for r in private[1:]:
         assert math.isfinite(r["loss"]) and 0 <= r["clipped_fraction"] <= 1
         assert {"overflow", "overflow_total", "batch_size", "step_time_s"} <= set(r)

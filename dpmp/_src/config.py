@@ -306,8 +306,8 @@ class TrainingConfig:
       batch is rounded up to a multiple of it.
     eval_every: test accuracy and loss (public; train accuracy and loss go to
       ``private/``) every this many steps (0: only at the end); the default
-      gives the run's accuracy-against-epsilon plot a curve. An evaluation is
-      recorded on log steps only, so keep it a multiple of ``log_every``.
+      gives the run's accuracy-against-epsilon plot a curve. An evaluation
+      step is always recorded (``log_every`` or not).
     log_every: a ``metrics.jsonl`` record (and one in ``private/metrics.jsonl``)
       every this many steps and at the end (0: only at the end).
     checkpoint_every: a checkpoint every this many steps and at the end (0: only

@@ -16,25 +16,39 @@ Private (``private/``, "non-private diagnostics: do not publish"):
   record that says so; appended and cut back on resume like ``metrics.jsonl``;
 * ``private/diagnostics.json``: the run's exact totals and timings;
 * ``private/README.txt``: what the folder holds and why it stays private.
+
+One writer at a time: ``locked(path)`` holds an exclusive ``flock`` on
+``path/.lock`` while a run writes there (POSIX; elsewhere no lock is taken),
+and a second run in the same directory is refused before it changes
+anything. A ``report.json`` that dpmp did not write is never overwritten.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: runs are not locked
+    fcntl = None
 
 __all__ = [
     "METRICS_FILE",
     "REPORT_FILE",
     "LOG_FILE",
     "RunDir",
+    "RunDirError",
+    "locked",
     "atomic_write_text",
     "read_metrics",
     "to_jsonable",
@@ -132,6 +146,65 @@ def _truncate(path: Path, last_step: int) -> None:
 
 def _json_text(value: dict[str, Any]) -> str:
     return json.dumps(to_jsonable(value), indent=2, allow_nan=False) + "\n"
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be written: another run holds it, or it holds
+    files that are not dpmp's."""
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def locked(path: str | Path) -> Iterator[Path]:
+    """Holds ``path`` (created if needed) for one writer; checks it holds no
+    foreign ``report.json``.
+
+    Raises:
+      RunDirError: another process holds the lock, or ``path/report.json`` is
+        not a dpmp report.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"{path}: exists and is not a directory")
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / LOCK_FILE, "a+") as handle:
+        if fcntl is not None:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "?"
+                raise RunDirError(
+                    f"{path}: another dpmp run (pid {holder}) is writing here; wait for it "
+                    "to end or use another run directory"
+                ) from None
+        try:
+            _check_report(path / REPORT_FILE)
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+            yield path
+        finally:
+            if fcntl is not None:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _check_report(report: Path) -> None:
+    """A ``report.json`` there must be one dpmp wrote (a run's own is replaced)."""
+    if not report.exists():
+        return
+    try:
+        data = json.loads(report.read_text(encoding="utf-8"))
+        ours = isinstance(data, dict) and "dpmp" in (data.get("versions") or {})
+    except (OSError, ValueError):  # unreadable or not JSON: not ours
+        ours = False
+    if not ours:
+        raise RunDirError(
+            f"{report}: not a dpmp report; refusing to overwrite it: use another run directory"
+        )
 
 
 class RunDir:

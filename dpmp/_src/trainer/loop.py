@@ -46,7 +46,7 @@ from dpmp._src.data import Dataset, as_dataset, fingerprint, load_data
 from dpmp._src.models import count_params
 from dpmp._src.preprocess import FeatureStats
 from dpmp._src.private_loss_scale import PrivateDynamicLossScale
-from dpmp._src.run_dir import ProgressBar, RunDir
+from dpmp._src.run_dir import ProgressBar, RunDir, locked
 from dpmp._src.trainer.batches import gather, input_dtype
 from dpmp._src.trainer.evaluate import evaluator
 from dpmp._src.trainer.pretrain import params_digest, pretrain
@@ -167,12 +167,19 @@ def train(
       The report dict (see ``report.json``).
 
     Raises:
+      RunDirError: another run is writing to ``out_dir``, or it holds a
+        ``report.json`` that dpmp did not write (nothing is changed).
       CheckpointError: ``resume=True`` and the checkpoint in ``out_dir`` was
         made by a different config (the message lists the differences), on
         different data or from other starting parameters.
     """
-    started = time.perf_counter()
     config = Config() if config is None else config
+    with locked(out_dir):  # one writer per run directory, before anything changes
+        return _train(config, out_dir, resume, progress, model, loss, data, callback, init_params)
+
+
+def _train(config, out_dir, resume, progress, model, loss, data, callback, init_params):
+    started = time.perf_counter()
     run_dir, found = _open_run_dir(config, out_dir, resume=resume, progress=progress)
     data = as_dataset(load_data(config.data, config.training.seed) if data is None else data)
     data_fingerprint = fingerprint(data)
@@ -356,7 +363,8 @@ class _Run:
             if _due(self.completed, t.eval_every) or last:
                 evaluation = self.last_eval = self._evaluate()
             record = self._public_record(stats, eps, new_scale, evaluation)
-            logged = _due(self.completed, t.log_every) or last
+            # an evaluation is always recorded, whatever log_every says
+            logged = _due(self.completed, t.log_every) or evaluation is not None
             if logged:
                 self.run_dir.append_metrics(record)
                 self.run_dir.append_private_metrics(
