@@ -386,8 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print(f"dpmp {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        # A run stopped between steps says where its checkpoint is (RunInterrupted).
+        print(f"dpmp {args.command}: interrupted" + (f": {e}" if str(e) else ""), file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader (e.g. `| head`) closed the pipe: stop quietly, as Unix tools do

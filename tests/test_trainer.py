@@ -845,3 +845,28 @@ def test_python_api_trains_each_model_form_on_sources(form, digits, tmp_path):
     accuracy = float((np.argmax(logits, -1) == digits.y_test).mean())
     assert accuracy == pytest.approx(report["test_accuracy"], abs=0.03)
     assert report["epsilon"] == pytest.approx(small().privacy.target_epsilon, rel=1e-3)
+
+
+def test_ctrl_c_stops_between_steps_with_a_checkpoint_and_the_run_resumes(digits, tmp_path):
+    """SIGINT during step 3 lets the step finish, saves its checkpoint, says how to
+    resume; the resumed run ends where an uninterrupted one would (12 steps)."""
+    import os
+    import signal
+
+    from dpmp._src.checkpoint import list_checkpoints
+    from dpmp._src.trainer.loop import RunInterrupted
+
+    def press_ctrl_c(step, info):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    out = tmp_path / "run"
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(RunInterrupted, match="interrupted after step 3 of 12.*to resume"):
+        train(small(), out_dir=out, progress=False, data=digits, callback=press_ctrl_c)
+    assert [s for s, _ in list_checkpoints(out / "checkpoints")][-1] == 3
+    assert "interrupted after step 3" in (out / "train.log").read_text()
+    assert signal.getsignal(signal.SIGINT) is handler  # put back
+    report = train(small(), out_dir=out, progress=False, data=digits)
+    assert report["steps"] == 12 and report["epsilon"] <= 2.0
+    assert "resumed from checkpoint_00000003.npz" in (out / "train.log").read_text()

@@ -21,7 +21,9 @@ parameters, bit for bit on CPU, and the same epsilon as an uninterrupted one.
 from __future__ import annotations
 
 import platform
+import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -53,7 +55,7 @@ from dpmp._src.trainer.pretrain import params_digest, pretrain
 from dpmp._src.trainer.resume import check_config, check_data, check_model, check_start
 from dpmp._src.trainer.step import PrivateStep, audit_summary, build_private_step
 
-__all__ = ["train"]
+__all__ = ["RunInterrupted", "train"]
 
 
 def _versions() -> dict[str, str]:
@@ -273,6 +275,35 @@ def _build_step(
         )
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a run between two steps, after saving a checkpoint; the
+    message says how to resume."""
+
+
+class _DeferredInterrupt:
+    """Holds a Ctrl-C (SIGINT) until the step in progress is done, so that the run
+    stops at a whole state; a second Ctrl-C interrupts at once. Only in the main
+    thread (elsewhere Python delivers no signal)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 class _Run:
     """A run in progress: the state, and what a checkpoint keeps beside it (the
     sampler, the budget tracker, running totals, the loss-scale history, the last
@@ -348,12 +379,25 @@ class _Run:
     # ---- the loop -------------------------------------------------------------
 
     def loop(self, callback, *, progress: bool) -> None:
+        with _DeferredInterrupt() as interrupt:
+            self._loop(callback, progress=progress, interrupt=interrupt)
+
+    def _loop(self, callback, *, progress: bool, interrupt: _DeferredInterrupt) -> None:
         t = self.config.training
         bar = ProgressBar(t.steps, enabled=progress)
         session_start = time.perf_counter()
         self.elapsed_before = float(self.totals["elapsed_s"])
         self.stopped = self._stop_reason()
         while self.completed < t.steps and self.stopped is None:
+            if interrupt.requested:  # between steps: the state is whole, save it
+                bar.close()
+                self._save(finished=False)
+                message = (
+                    f"interrupted after step {self.completed} of {t.steps}; a checkpoint of "
+                    f"that step is in {self.ckpt_dir}: run again on the same run directory to resume"
+                )
+                self.run_dir.log(message)
+                raise RunInterrupted(message)
             tic = time.perf_counter()
             stats, eps, new_scale = self._advance()
             self.totals["elapsed_s"] = self.elapsed_before + (time.perf_counter() - session_start)
