@@ -2,7 +2,9 @@
 
 Errors in arguments, configs or data print one line naming the field and what
 is allowed, and exit with status 2 (no traceback). ``dpmp audit`` exits 1 when
-the audit finds a violation.
+the audit finds a violation. ``dpmp train`` exits 3 when the run ended but did
+not do what was asked (stopped early by the budget, a failed audit, parameters
+that are not finite, most examples overflowed), saying why; 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def _load(args):
 # ---- train -------------------------------------------------------------------------
 def _cmd_train(args) -> int:
     from dpmp._src.checkpoint import CheckpointError
+    from dpmp._src.release import run_failures
     from dpmp._src.trainer import train
 
     config = _load(args)
@@ -102,7 +105,10 @@ def _cmd_train(args) -> int:
     print(f"run directory: {out}")
     for line in _inventory(out):
         print(line)
-    return 0
+    failures = run_failures(report)
+    for failure in failures:
+        print(f"dpmp train: run failed: {failure}", file=sys.stderr)
+    return 3 if failures else 0
 
 
 def _inventory(run_dir) -> list[str]:

@@ -596,3 +596,44 @@ def test_train_own_model_from_its_file_on_a_npy_folder(tmp_path):
     assert report["epsilon"] == pytest.approx(2.0, rel=1e-3) and report["test_accuracy"] > 0.5
     assert "memory-mapped" in report["data"]["description"]
     assert (out / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (
+            ["privacy.noise_multiplier=0.7", "training.steps=30"],
+            "the privacy budget stopped it early: step 1 would spend epsilon",
+        ),
+        pytest.param(
+            ['policy="bf16,clip=bf16,unsafe=true"', "training.steps=2"],
+            "the precision audit of the step found violations",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            # the scale cannot back off from 2^24: every fp16 example overflows
+            [
+                "policy=fp16",
+                "loss_scale.kind=private_dynamic",
+                "loss_scale.initial=16777216.0",
+                "loss_scale.min_scale=16777216.0",
+                "loss_scale.count_noise_stddev=8.0",
+                "training.steps=3",
+            ],
+            "of the examples overflowed (noised count",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_a_run_that_did_not_do_what_was_asked_exits_3_and_says_why(sets, needle, capsys, tmp_path):
+    argv = ["train", "--quiet", "--out", str(tmp_path)]
+    for item in sets:
+        argv += ["--set", item]
+    assert cli.main(argv) == 3
+    err = capsys.readouterr().err
+    failures = [line for line in err.splitlines() if line.startswith("dpmp train: run failed: ")]
+    assert len(failures) == 1 and needle in failures[0], err
+    report = json.loads((tmp_path / "report.json").read_text())
+    if "audit" in needle:  # an unsafe policy whose audit fails is not called private
+        assert report["private"] is False
+        assert any("precision audit" in w for w in report["privacy_warnings"])

@@ -45,6 +45,7 @@ __all__ = [
     "PRIVATE_NOTE",
     "PRIVATE_README",
     "PUBLIC_FILES",
+    "audit_warnings",
     "build_report",
     "config_dict",
     "epsilon_breakdown",
@@ -56,6 +57,7 @@ __all__ = [
     "privacy_warnings",
     "progress_fields",
     "public_info",
+    "run_failures",
     "public_record",
 ]
 
@@ -110,6 +112,50 @@ def privacy_warnings(config) -> list[str]:
         out.append(NONPRIVATE_STANDARDIZE)
     if config.privacy.sampling == "shuffle":
         out.append(ShuffledSampler.privacy_note)
+    return out
+
+
+def audit_warnings(audit: dict[str, Any]) -> list[str]:
+    """A failed precision audit: the sensitivity the accounting assumes is not certified."""
+    if audit.get("ok") is not False:
+        return []
+    kinds = sorted({v.get("kind", "?") for v in audit.get("violations", [])})
+    missing = audit.get("missing") or []
+    return [
+        "the precision audit of the private step failed ("
+        + ", ".join(
+            [f"violations: {', '.join(kinds)}"] * bool(kinds)
+            + [f"missing: {', '.join(missing)}"] * bool(missing)
+        )
+        + "): the clipped sum's sensitivity or the noise the accounting assumes is not "
+        "certified, so epsilon may not hold"
+    ]
+
+
+def run_failures(report: dict[str, Any]) -> list[str]:
+    """Why a finished run did not do what was asked (empty: it did), from the
+    report's public numbers only: an early stop, a failed or broken audit,
+    parameters that are not finite, or (private dynamic loss scale) a noised
+    overflow count of at least half the expected examples."""
+    out = []
+    stopped = report.get("stopped_early")
+    if stopped:
+        out.append(f"the privacy budget stopped it early: {stopped['reason']}")
+    audit = report.get("audit") or {}
+    if audit.get("ok") is False:
+        out.append("the precision audit of the step found violations (report.json: audit)")
+    elif audit.get("ok") is None:
+        out.append(f"the precision audit of the step could not run: {audit.get('error')}")
+    if report.get("finite_params") is False:
+        out.append("the trained parameters are not finite")
+    noised = (report.get("overflow") or {}).get("noised_count_total")
+    expected = report.get("steps", 0) * report["config"]["training"]["expected_batch_size"]
+    if noised is not None and expected and noised >= expected / 2:
+        out.append(
+            f"about {min(noised / expected, 1):.0%} of the examples overflowed (noised count "
+            f"{noised:.0f} of about {expected} examples): the model barely trained; lower "
+            "loss_scale.initial or loss_scale.max_scale, or use bf16"
+        )
     return out
 
 
@@ -288,7 +334,7 @@ def build_report(
     p, ls, d = config.privacy, config.loss_scale, config.data
     breakdown = epsilon_breakdown(step, completed)
     poisson = p.sampling == "poisson"
-    warnings_ = privacy_warnings(config)
+    warnings_ = privacy_warnings(config) + audit_warnings(audit)
 
     sampling: dict[str, Any] = {
         "kind": "poisson" if poisson else "shuffle",

@@ -394,7 +394,7 @@ class _Run:
                 self._save(finished=False)
                 message = (
                     f"interrupted after step {self.completed} of {t.steps}; a checkpoint of "
-                    f"that step is in {self.ckpt_dir}: run again on the same run directory to resume"
+                    f"that step is in {self.ckpt_dir}: run again in the same directory to resume"
                 )
                 self.run_dir.log(message)
                 raise RunInterrupted(message)
