@@ -639,3 +639,34 @@ def test_noise_residual_bad_arguments_name_the_field():
             noised_coordinates=10**6,
             accountant="rdp",
         )
+
+
+@pytest.mark.slow  # three calibrations, ~30 s; test_cli refuses 1e6 in the default suite
+def test_calibration_stops_at_its_floor_with_one_line_instead_of_searching_on():
+    """A target no noise multiplier >= MIN_CALIBRATED_NOISE needs is refused, in
+    bounded time (it was minutes for 1e6), with the epsilon the floor spends
+    (checked against dp-accounting directly)."""
+    floor = acc.MIN_CALIBRATED_NOISE
+    event = dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(floor))
+    spent = (
+        dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+        .compose(event, 10)
+        .get_epsilon(1e-5)
+    )
+    for target in (1e6, spent + 1):
+        with pytest.raises(ValueError, match=rf"noise multiplier {floor:g} already spends"):
+            acc.calibrate_noise_multiplier(
+                target_epsilon=target, sampling_prob=0.1, steps=10, delta=1e-5
+            )
+    sigma = acc.calibrate_noise_multiplier(
+        target_epsilon=spent - 1, sampling_prob=0.1, steps=10, delta=1e-5
+    )
+    assert floor < sigma < 1.2 * floor
+
+
+@pytest.mark.parametrize("fn", ["epsilon", "calibrate_noise_multiplier"])
+def test_more_than_max_steps_is_refused_before_any_allocation(fn):
+    kwargs = dict(sampling_prob=0.01, steps=acc.MAX_STEPS + 1, delta=1e-5)
+    kwargs["noise_multiplier" if fn == "epsilon" else "target_epsilon"] = 1.0
+    with pytest.raises(ValueError, match="steps must be at most 10,000,000"):
+        getattr(acc, fn)(**kwargs)

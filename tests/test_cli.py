@@ -492,6 +492,14 @@ def test_report_errors(capsys, tmp_path):
         (["--noise-multiplier", "-1", "--steps", "3", "--sampling-prob", "0.1"], ["noise_mult"]),
         (["--noise-multiplier", "nan", "--steps", "3", "--sampling-prob", "0.1"], ["NaN"]),
         (["--noise-multiplier", "1", "--steps", "-3", "--sampling-prob", "0.1"], ["steps"]),
+        (
+            ["--noise-multiplier", "1", "--steps", "1000000000", "--sampling-prob", "0.1"],
+            ["steps must be at most 10,000,000"],
+        ),
+        (  # was a search of minutes; now one line after the bracket reaches its floor
+            ["--target-epsilon", "1e6", "--steps", "10", "--sampling-prob", "0.1"],
+            ["noise multiplier 0.3 already spends only epsilon 35.66"],
+        ),
         (["--noise-multiplier", "1", "--steps", "3", "--sampling-prob", "0"], ["sampling_prob"]),
         (
             ["--noise-multiplier", "1", "--steps", "3", "--batch-size", "100"]

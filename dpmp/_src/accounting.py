@@ -116,6 +116,13 @@ _NEIGHBORING = {
 
 # dp-accounting's own default: used for the numbers a run reports.
 REPORT_DISCRETIZATION = 1e-4
+# The most steps a plan may have: epsilon of 10^7 steps takes seconds, of 10^9
+# it runs out of memory (what a user typo would otherwise reach).
+MAX_STEPS = 10**7
+# Calibration does not go below this noise multiplier: an epsilon that needs
+# less noise promises little, and its accounting slows down (seconds per
+# evaluation at 0.3, minutes for the whole search at 0.1).
+MIN_CALIBRATED_NOISE = 0.3
 # Used by the per-step budget tracker: 10x coarser, still pessimistic (an upper
 # bound), about 10x faster; epsilon moves in the 5th significant digit.
 TRACKING_DISCRETIZATION = 1e-3
@@ -198,6 +205,13 @@ def _check_target_epsilon(value: Any) -> float:
     return value
 
 
+def _check_steps(value: Any, minimum: int) -> int:
+    steps = _check_int("steps", value, minimum)
+    if steps > MAX_STEPS:
+        raise ValueError(f"steps must be at most {MAX_STEPS:,}, got {steps:,}.")
+    return steps
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r}.")
@@ -266,7 +280,7 @@ def effective_noise_multiplier(noise_multiplier: float, count_noise_stddev: floa
 
 def count_releases(steps: int, count_every: int = 1) -> int:
     """Number of counts released in ``steps`` steps: one at steps k, 2k, ... (1-based)."""
-    steps = _check_int("steps", steps, 0)
+    steps = _check_steps(steps, 0)
     count_every = _check_int("count_every", count_every, 1)
     return steps // count_every
 
@@ -326,7 +340,7 @@ def dpsgd_event(
     """
     sigma = _check_noise_multiplier(noise_multiplier)
     q = _check_sampling_prob(sampling_prob)
-    steps = _check_int("steps", steps, 0)
+    steps = _check_steps(steps, 0)
     count_every = _check_int("count_every", count_every, 1)
     sigma_p = _check_preprocessing(preprocessing_noise_multiplier)
     sigma_eff = effective_noise_multiplier(sigma, count_noise_stddev)
@@ -754,7 +768,7 @@ def calibrate_noise_multiplier(
     """
     target = _check_target_epsilon(target_epsilon)
     q = _check_sampling_prob(sampling_prob)
-    steps = _check_int("steps", steps, 1)
+    steps = _check_steps(steps, 1)
     delta = _check_delta(delta)
     accountant = _check_accountant(accountant)
     neighboring = _check_neighboring(neighboring, accountant)
@@ -884,10 +898,14 @@ def _calibrate_exact(
             if high > 1e6:
                 raise ValueError(f"no noise_multiplier <= 1e6 reaches epsilon {target}.")
     else:
-        while eps(low) <= target:
-            low, high = low / 2, low
-            if low < 1e-3:
-                return high  # Any epsilon this large is not a useful target.
+        while (spent := eps(low)) <= target:
+            if low <= MIN_CALIBRATED_NOISE:
+                raise ValueError(
+                    f"target_epsilon={target}: noise multiplier {low:g} already spends only "
+                    f"epsilon {spent:.4g}, and calibration stops there (an epsilon this large "
+                    "promises little): lower the target, or give the noise multiplier."
+                )
+            low, high = max(low / 2, MIN_CALIBRATED_NOISE), low
     return float(
         mechanism_calibration.calibrate_dp_mechanism(
             make_accountant,
@@ -1188,7 +1206,7 @@ class BudgetTracker:
     def __init__(self, budget: PrivacyBudget, *, steps: int = 0, count_releases: int = 0):
         if not isinstance(budget, PrivacyBudget):
             raise TypeError(f"budget must be a PrivacyBudget, got {type(budget).__name__}.")
-        steps = _check_int("steps", steps, 0)
+        steps = _check_steps(steps, 0)
         count_releases = _check_int("count_releases", count_releases, 0)
         if count_releases > steps:
             raise ValueError(f"count_releases ({count_releases}) must be <= steps ({steps}).")

@@ -81,6 +81,7 @@ _ALLOWED = {
     "pretrain.path": "path to a .txt or .jsonl file (text)",
     "privacy.delta": "number in (0, 1)",
     "training.seed": "integer >= 0",
+    "training.steps": "integer in [1, 10^7]",
     "loss_scale.factor": "number > 1",
     "loss_scale.min_scale": "number > 0, at most max_scale",
 }
@@ -330,6 +331,8 @@ class TrainingConfig:
 
     def __post_init__(self):
         _positive("training.steps", self.steps, integer=True)
+        if self.steps > 10**7:  # dpmp.accounting.MAX_STEPS
+            raise ConfigError(f"training.steps: at most 10,000,000, got {self.steps:,}")
         _positive("training.expected_batch_size", self.expected_batch_size, integer=True)
         _choice("training.optimizer", self.optimizer, OPTIMIZERS)
         _positive("training.learning_rate", self.learning_rate)

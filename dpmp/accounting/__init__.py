@@ -7,6 +7,8 @@ dynamic loss scale is used, its noised overflow counts.
 """
 
 from dpmp._src.accounting import ACCOUNTANTS as ACCOUNTANTS
+from dpmp._src.accounting import MAX_STEPS as MAX_STEPS
+from dpmp._src.accounting import MIN_CALIBRATED_NOISE as MIN_CALIBRATED_NOISE
 from dpmp._src.accounting import NEIGHBORING_RELATIONS as NEIGHBORING_RELATIONS
 from dpmp._src.accounting import REPORT_DISCRETIZATION as REPORT_DISCRETIZATION
 from dpmp._src.accounting import TRACKING_DISCRETIZATION as TRACKING_DISCRETIZATION
@@ -26,6 +28,8 @@ from dpmp._src.accounting import noise_residual as noise_residual
 
 __all__ = [
     "ACCOUNTANTS",
+    "MAX_STEPS",
+    "MIN_CALIBRATED_NOISE",
     "NEIGHBORING_RELATIONS",
     "REPORT_DISCRETIZATION",
     "TRACKING_DISCRETIZATION",
