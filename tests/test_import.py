@@ -25,3 +25,26 @@ def test_every_public_name_imports():
     assert len(dpmp.__all__) == len(set(dpmp.__all__))
     for name in dpmp.__all__:
         assert getattr(dpmp, name) is not None, name
+
+
+def test_help_and_import_load_no_jax():
+    """``dpmp --help`` (each command's too) and ``import dpmp`` import neither JAX
+    nor dp-accounting: the public names load on first use."""
+    code = (
+        "import sys\n"
+        "import dpmp\n"
+        "from dpmp import cli\n"
+        "for argv in (['--help'], ['train', '--help'], ['audit', '--help'],\n"
+        "             ['budget', '--help'], ['report', '--help'], ['--version']):\n"
+        "    try:\n"
+        "        cli.main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = sorted(m for m in ('jax', 'dp_accounting', 'flax', 'numpy') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "assert dpmp.Config().training.steps == 300  # and the names still work\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")
