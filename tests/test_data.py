@@ -3,6 +3,7 @@ validation of user .npz files."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -277,6 +278,24 @@ def test_the_default_text_ships_with_python_and_splits_distinct_records():
     assert len(data.x_test) == pytest.approx(0.2 * (len(data.x_train) + len(data.x_test)), abs=1)
     # distinct lines: a test record is a training record only if their first 32 bytes agree
     assert len(rows & test_rows) < 0.05 * len(test_rows)
+
+
+@pytest.mark.slow  # parses the standard library's ~600 source files (~9 s)
+def test_the_public_text_is_the_standard_librarys_docstrings():
+    import ast
+
+    from dpmp._src.data import MIN_LINE, python_docs_records, python_stdlib_records
+
+    records, source = python_stdlib_records()
+    assert records == sorted(set(records)) and min(map(len, records)) >= MIN_LINE
+    assert len(records) > 10_000 and "standard library docstrings" in source
+    # every line of a module's docstring that is long enough, parsed independently
+    doc = ast.get_docstring(ast.parse(Path(json.__file__).read_text(encoding="utf-8")))
+    lines = {line.strip() for line in doc.splitlines() if len(line.strip()) >= MIN_LINE}
+    assert lines and lines <= set(records)
+    # it is not the private default text: they share under 1% of their lines
+    private, _ = python_docs_records()
+    assert len(set(records) & set(private)) < 0.01 * len(private)
 
 
 def test_text_files_one_record_per_line_or_json_object(tmp_path):

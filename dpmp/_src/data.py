@@ -21,6 +21,12 @@ Data larger than memory: ``data.dataset = "npy"`` opens ``x_train.npy`` and
 returning ``(x, y)`` or ``{"x": x, "y": y}``). The trainer then reads only the
 rows of each batch; validation and the fingerprint stream over the rows.
 
+Text for next-token prediction: ``python_docs_records`` (the default private
+text: lines of Python's documentation help topics) and
+``python_stdlib_records`` (the default PUBLIC text of ``[pretrain]``: lines of
+the standard library's docstrings) ship with Python; ``read_text_file`` reads
+a user's ``.txt`` or ``.jsonl``; ``text_dataset`` makes byte tokens of records.
+
 Every problem with a user file is a :class:`DataError` (a ``ValueError``)
 whose message names the array and what is wrong with it.
 """
