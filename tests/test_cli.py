@@ -214,6 +214,11 @@ def test_audit_passes_default_and_fails_unsafe_noise(capsys):
     report = json.loads(capsys.readouterr().out)
     bad = [f for f in report["findings"] if not f["ok"]]
     assert bad and all(f["kind"] == "noise_sample" and f["out_dtype"] == "bf16" for f in bad)
+    # the text names the policy it judged by, not the unsafe one it was given
+    assert cli.main(["audit", "--set", 'policy="bf16,noise=bf16,unsafe=true"']) == 1
+    head, checked = capsys.readouterr().out.splitlines()[:2]
+    assert "noise=bf16" in head and "FAILED" in head
+    assert checked.startswith("checked against: ") and "noise=f32" in checked
 
 
 @pytest.mark.parametrize(

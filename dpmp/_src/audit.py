@@ -195,7 +195,9 @@ class PrecisionReport:
             f"precision audit of {self.name}: {head} ({len(self.violations)} violation(s)"
             + (f", missing: {', '.join(self.missing)}" if self.missing else "")
             + ")",
-            f"policy: {self.policy}",
+            # not the step's own policy where that opted in to unsafe dtypes: the audit
+            # holds clip, accumulate and noise to float32 whatever it allows
+            f"checked against: {self.policy} (clip, accumulate, noise: float32 or wider)",
             f"sites: {counts}",
         ]
         cols = ("ok", "kind", "primitive", "in", "acc", "out", "need", "location", "message")
