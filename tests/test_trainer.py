@@ -261,7 +261,7 @@ def test_crash_and_resume_is_bit_identical(digits, tmp_path, monkeypatch):
     with pytest.raises(_Crash):
         train(cfg, out_dir=run_dir, progress=False, data=digits, callback=crash)
     assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [4]
-    assert [r["step"] for r in read_metrics(run_dir)] == [4]
+    assert [r["step"] for r in read_metrics(run_dir)] == [4, 6]  # 6: an evaluation
     _entropy.install(monkeypatch, seed=2)
     resumed = train(cfg, out_dir=run_dir, progress=False, data=digits)
     ours, meta = _params(run_dir)
@@ -274,9 +274,10 @@ def test_crash_and_resume_is_bit_identical(digits, tmp_path, monkeypatch):
     assert resumed["test_accuracy"] == ref["test_accuracy"]
     assert resumed["standardize"]["epsilon_cost"] == ref["standardize"]["epsilon_cost"] > 0
     assert meta["feature_stats"] == ref_meta["feature_stats"]
-    assert [r["step"] for r in read_metrics(run_dir)] == [4, 8, 12]
+    # cut back to the checkpoint's step 4 on resume, then 6 (evaluation), 8, 12 again
+    assert [r["step"] for r in read_metrics(run_dir)] == [4, 6, 8, 12]
     private = read_metrics(run_dir / "private" / "metrics.jsonl")
-    assert [r.get("step") for r in private] == [None, 4, 8, 12]  # the note, then steps
+    assert [r.get("step") for r in private] == [None, 4, 6, 8, 12]  # the note, then steps
     assert "resumed from checkpoint_00000004.npz" in (run_dir / "train.log").read_text()
 
 
