@@ -439,6 +439,13 @@ def test_out_that_is_a_file(capsys, tmp_path):
     assert_one_line_error(capsys, "train", "--out", "not a directory")
 
 
+def test_a_fixed_noise_multiplier_too_small_is_refused_before_training(capsys, tmp_path):
+    argv = ["train", "--out", str(tmp_path), "--set", "privacy.noise_multiplier=0.7"]
+    assert cli.main(argv) == 2
+    assert_one_line_error(capsys, "train", "privacy.noise_multiplier: 0.7 spends target epsilon")
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_a_second_writer_is_refused_and_changes_nothing(capsys, tmp_path):
     from dpmp._src.run_dir import locked
 
@@ -638,7 +645,14 @@ def test_train_own_model_from_its_file_on_a_npy_folder(tmp_path):
         ),
     ],
 )
-def test_a_run_that_did_not_do_what_was_asked_exits_3_and_says_why(sets, needle, capsys, tmp_path):
+def test_a_run_that_did_not_do_what_was_asked_exits_3_and_says_why(
+    sets, needle, capsys, tmp_path, monkeypatch
+):
+    from dpmp._src.trainer import loop
+
+    # a too-small fixed sigma is refused before training; the stop is the guarantee
+    # behind that refusal, reached here with the refusal switched off
+    monkeypatch.setattr(loop, "_check_fixed_noise", lambda step: None)
     argv = ["train", "--quiet", "--out", str(tmp_path)]
     for item in sets:
         argv += ["--set", item]

@@ -24,7 +24,7 @@ from dpmp._src.checkpoint import (
     list_checkpoints,
     restore_latest,
 )
-from dpmp._src.config import Config, load_config
+from dpmp._src.config import Config, ConfigError, load_config
 from dpmp._src.data import load_data
 from dpmp._src.release import privacy_warnings as release_warnings
 from dpmp._src.run_dir import read_metrics
@@ -218,7 +218,20 @@ def test_ghost_clip_method_trains_like_vmap(kind, digits, tmp_path):
 # ---- budget ----------------------------------------------------------------------------
 
 
-def test_run_stops_at_the_last_step_within_budget(digits, tmp_path):
+def test_a_noise_multiplier_too_small_for_the_plan_is_refused_before_any_step(digits, tmp_path):
+    cfg = small("privacy.noise_multiplier=0.9", "training.steps=40")
+    with pytest.raises(
+        ConfigError, match=r"noise_multiplier: 0.9 spends target epsilon 2 .* in \d+ of"
+    ):
+        train(cfg, out_dir=tmp_path, progress=False, data=digits)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_run_stops_at_the_last_step_within_budget(digits, tmp_path, monkeypatch):
+    """The tracker's stop, the guarantee behind the refusal above (switched off here)."""
+    from dpmp._src.trainer import loop
+
+    monkeypatch.setattr(loop, "_check_fixed_noise", lambda step: None)
     cfg = small("privacy.noise_multiplier=0.9", "training.steps=40")
     report = train(cfg, out_dir=tmp_path, progress=False, data=digits)
     stopped = report["stopped_early"]

@@ -242,7 +242,8 @@ class PrivacyConfig:
     target_epsilon: the epsilon the whole run may spend.
     delta: the delta of the run's (epsilon, delta) guarantee.
     noise_multiplier: sigma; if unset it is calibrated so that the run's
-      ``steps`` spend exactly ``target_epsilon``.
+      ``steps`` spend exactly ``target_epsilon``. A given sigma too small for
+      ``training.steps`` within ``target_epsilon`` is refused before training.
     l2_clip_norm: C, the per-example clip norm.
     accountant: ``"pld"`` or ``"rdp"``.
     sampling: ``"poisson"`` (what the accounting assumes) or ``"shuffle"``

@@ -43,7 +43,7 @@ from dpmp._src.checkpoint import (
     restore_latest,
     save_checkpoint,
 )
-from dpmp._src.config import Config
+from dpmp._src.config import Config, ConfigError
 from dpmp._src.data import Dataset, as_dataset, fingerprint, load_data
 from dpmp._src.models import count_params
 from dpmp._src.preprocess import FeatureStats
@@ -195,6 +195,7 @@ def _train(config, out_dir, resume, progress, model, loss, data, callback, init_
     step = _build_step(
         config, data, model=model, loss=loss, feature_stats=saved_stats, init_params=init_params
     )
+    _check_fixed_noise(step)
     run = _Run(step, run_dir, data_fingerprint, start)
     if found is not None:
         check_model(found[0], run.signature, found[1])
@@ -259,6 +260,22 @@ def _starting_point(
         return None, None
     source = "init_params given to dpmp.train"
     return init_params, {"source": source, "params_sha256": params_digest(init_params)}
+
+
+def _check_fixed_noise(step: PrivateStep) -> None:
+    """A given noise multiplier must carry all planned steps within the budget
+    (a calibrated one does by construction): refused before any step, rather than
+    stopping part-way. The budget tracker's stop remains the guarantee."""
+    if step.noise_calibrated:
+        return
+    p, steps = step.config.privacy, step.config.training.steps
+    fits = accounting.BudgetTracker(step.budget).remaining_steps(steps)
+    if fits < steps:
+        raise ConfigError(
+            f"privacy.noise_multiplier: {step.noise_multiplier:g} spends target epsilon "
+            f"{p.target_epsilon:g} (delta {p.delta:g}) in {fits} of training.steps = {steps} "
+            "steps; raise it, lower training.steps, or leave it unset to calibrate it"
+        )
 
 
 def _build_step(
