@@ -131,7 +131,9 @@ def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
     take the adapters and run ``model`` on ``merge(base, adapters, alpha)``.
     """
     base = jax.tree.map(jnp.asarray, base)
-    init_adapters(base, rank, jax.random.key(0))  # the errors, before any work
+    # the shapes, and the errors before any work
+    shapes = jax.eval_shape(lambda b, k: init_adapters(b, rank, k), base, jax.random.key(0))
+    trainable = count_params(shapes)
 
     def init(key):
         return init_adapters(base, rank, key)
@@ -139,10 +141,6 @@ def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
     def merged(adapters):
         return merge(base, adapters, alpha)
 
-    shapes = adapted(base)
-    trainable = sum(
-        rank * (math.prod(s[: _split(s)]) + math.prod(s[_split(s) :])) for s in shapes.values()
-    )
     return dataclasses.replace(
         model,
         name=f"{model.name} + LoRA rank {rank}",
@@ -152,7 +150,7 @@ def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
         metrics=lambda p, batch: model.metrics(merged(p), batch),
         description=(
             f"{model.description}; LoRA: rank {rank} adapters (alpha {alpha:g}) on its "
-            f"{len(shapes)} weight matrices train {trainable:,} parameters, its "
+            f"{len(adapted(base))} weight matrices train {trainable:,} parameters, its "
             f"{count_params(base):,} parameters are frozen"
         ),
     )

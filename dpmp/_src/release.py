@@ -57,8 +57,8 @@ __all__ = [
     "privacy_warnings",
     "progress_fields",
     "public_info",
-    "run_failures",
     "public_record",
+    "run_failures",
 ]
 
 PUBLIC_FILES = (REPORT_FILE, METRICS_FILE, LOG_FILE, "privacy_utility.png", "precision.png")
@@ -121,14 +121,15 @@ def audit_warnings(audit: dict[str, Any]) -> list[str]:
         return []
     kinds = sorted({v.get("kind", "?") for v in audit.get("violations", [])})
     missing = audit.get("missing") or []
+    found = []
+    if kinds:
+        found.append("violations: " + ", ".join(kinds))
+    if missing:
+        found.append("missing: " + ", ".join(missing))
     return [
-        "the precision audit of the private step failed ("
-        + ", ".join(
-            [f"violations: {', '.join(kinds)}"] * bool(kinds)
-            + [f"missing: {', '.join(missing)}"] * bool(missing)
-        )
-        + "): the clipped sum's sensitivity or the noise the accounting assumes is not "
-        "certified, so epsilon may not hold"
+        f"the precision audit of the private step failed ({', '.join(found)}): the "
+        "clipped sum's sensitivity or the noise the accounting assumes is not certified, "
+        "so epsilon may not hold"
     ]
 
 

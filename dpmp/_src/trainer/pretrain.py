@@ -37,6 +37,7 @@ from dpmp._src.checkpoint import CheckpointError, latest_meta, load_checkpoint, 
 from dpmp._src.config import Config
 from dpmp._src.data import (
     Dataset,
+    fingerprint,
     python_stdlib_records,
     read_text_file,
     text_dataset,
@@ -79,13 +80,6 @@ def params_digest(params: Any) -> str:
     return h.hexdigest()
 
 
-def _text_digest(data: Dataset) -> str:
-    h = hashlib.sha256()
-    for array in (data.x_train, data.x_test):
-        h.update(np.ascontiguousarray(array).tobytes())
-    return h.hexdigest()
-
-
 def _spec(config: Config, data: Dataset) -> dict[str, Any]:
     """Everything the pre-trained parameters depend on."""
     model = dataclasses.asdict(config.model)
@@ -96,7 +90,7 @@ def _spec(config: Config, data: Dataset) -> dict[str, Any]:
         "model": model,
         "policy": config.policy,
         "seq_len": config.data.seq_len,
-        "text_sha256": _text_digest(data),
+        "text_sha256": fingerprint(data),  # public text: its digest may be kept anywhere
     }
     return json.loads(json.dumps(spec))  # as a checkpoint's metadata gives it back
 
@@ -168,6 +162,7 @@ def _train(config: Config, model, data: Dataset, *, progress: bool) -> Any:
 
     @jax.jit
     def step(params, opt_state, x):
+        # the language model's loss reads the tokens only; "y" is there for the batch's form
         loss, grads = jax.value_and_grad(model.loss_fn)(params, {"x": x, "y": x[:, 0]})
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
