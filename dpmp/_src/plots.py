@@ -102,7 +102,21 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     plt.close(fig)
     out.append(path)
 
-    # loss scale and the released noised overflow counts against steps
+    fig = _precision_figure(plt, series, title)
+    path = run_dir / "precision.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    out.append(path)
+    return out
+
+
+def _precision_figure(plt, series, title):
+    """The loss scale and the released noised overflow counts against steps.
+
+    The counts are drawn as released, noise included: a negative count is a
+    point below the zero line, never cut off at 0 (which would make the noise
+    look biased).
+    """
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     steps, scale = series["loss_scale"]
     a1.step(steps, scale, where="post", color="tab:purple")
@@ -128,8 +142,4 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     a2.set_ylabel("overflowed examples (noised)")
     a2.grid(alpha=0.3)
     fig.tight_layout()
-    path = run_dir / "precision.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    out.append(path)
-    return out
+    return fig
