@@ -10,12 +10,15 @@ that are not finite, most examples overflowed), saying why; 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["console", "main"]
 
 _EXAMPLE_CONFIGS = "configs/default.toml, configs/fp16.toml, configs/fp32.toml, ..."
 
@@ -387,14 +390,49 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What each command imports, loaded up front with Ctrl-C held (see _import_all).
+_IMPORTS = {
+    "train": ("jax", "dpmp._src.trainer", "dpmp._src.release", "dpmp._src.plots", "matplotlib"),
+    "audit": ("jax", "dpmp._src.trainer", "dpmp._src.audit"),
+    "budget": ("dpmp._src.accounting",),
+    "report": ("dpmp._src.release", "dpmp._src.plots", "matplotlib"),
+}
+
+
+def _import_all(modules) -> None:
+    """Imports ``modules`` with Ctrl-C held until they are loaded, then raises it.
+
+    A KeyboardInterrupt raised inside a native extension's initialisation
+    (jaxlib's) leaves it half-loaded: the interpreter reported an ImportError
+    traceback, or lost the interrupt altogether and trained on. Importing is a
+    second or two, so holding Ctrl-C that long is the safe way to stop there.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        for name in modules:
+            importlib.import_module(name)
+        return
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        for name in modules:
+            importlib.import_module(name)
+        if "jax" in modules:
+            sys.modules["jax"].devices()  # the backend's own start-up, also native
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        _import_all(_IMPORTS.get(args.command, ()))
         return args.func(args)
     except KeyboardInterrupt as e:
         # A run stopped between steps says where its checkpoint is (RunInterrupted).
-        print(f"dpmp {args.command}: interrupted" + (f": {e}" if str(e) else ""), file=sys.stderr)
+        print(f"dpmp {args.command}: {e or 'interrupted'}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader (e.g. `| head`) closed the pipe: stop quietly, as Unix tools do
@@ -412,5 +450,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def console() -> int:
+    """The ``dpmp`` console script: :func:`main`, leaving at once after Ctrl-C.
+
+    After an interrupt the run has already unwound (checkpoint saved, files
+    closed, lock released), but XLA's compiler threads may still be at work, and
+    tearing the interpreter down under them crashed it (SIGSEGV instead of 130).
+    """
+    status = main()
+    if status == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    return status
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(console())

@@ -664,3 +664,32 @@ def test_a_run_that_did_not_do_what_was_asked_exits_3_and_says_why(
     if "audit" in needle:  # an unsafe policy whose audit fails is not called private
         assert report["private"] is False
         assert any("precision audit" in w for w in report["privacy_warnings"])
+
+
+@pytest.mark.slow  # three subprocess starts (~15 s)
+@pytest.mark.parametrize("delay_s", [0.4, 1.2, 2.5])
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, delay_s):
+    """SIGINT while jax and the data load, or while the step compiles: one line,
+    status 130, no traceback; the run directory is left usable (its lock freed).
+    An interrupt inside jaxlib's native start-up gave an ImportError traceback,
+    or was lost and the run trained on; one during compilation crashed the
+    interpreter's exit (SIGSEGV)."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "dpmp.cli", "train", "--out", str(out)]
+    argv += ["--set", "training.steps=4", "--set", "training.eval_every=4"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "Error" not in err, err
+    assert err.splitlines()[-1].startswith("dpmp train: "), err
+    assert not (out / "report.json").exists()
+    if out.exists():  # nothing half-written: a second run in the same place starts
+        from dpmp._src.run_dir import locked
+
+        with locked(out):
+            pass

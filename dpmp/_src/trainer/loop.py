@@ -413,7 +413,7 @@ class _Run:
                     f"interrupted after step {self.completed} of {t.steps}; a checkpoint of "
                     f"that step is in {self.ckpt_dir}: run again in the same directory to resume"
                 )
-                self.run_dir.log(message)
+                self.run_dir.log(message, echo=False)  # the command prints it once
                 raise RunInterrupted(message)
             tic = time.perf_counter()
             stats, eps, new_scale = self._advance()
