@@ -15,7 +15,12 @@ def _records():
     noised = rng.normal(0.0, 64.0, size=12)  # a zero true count plus its noise
     noised[3] = -150.0  # a clearly negative release
     return [
-        {"step": 10 * (i + 1), "epsilon": 0.1 * (i + 1), "loss_scale": 2.0**15, "noised_overflow": v}
+        {
+            "step": 10 * (i + 1),
+            "epsilon": 0.1 * (i + 1),
+            "loss_scale": 2.0**15,
+            "noised_overflow": v,
+        }
         for i, v in enumerate(noised.tolist())
     ]
 
