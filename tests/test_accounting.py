@@ -518,12 +518,14 @@ GOOD = dict(noise_multiplier=1.0, sampling_prob=0.1, steps=10, delta=1e-5)
         ("steps", -1, ValueError, r"steps must be an integer >= 0"),
         ("steps", 2.5, TypeError, r"steps must be an integer >= 0"),
         ("steps", True, TypeError, r"steps must be an integer >= 0"),
-        ("noise_multiplier", 0.0, ValueError, r"noise_multiplier must be in \(0, inf\]"),
+        ("noise_multiplier", 0.0, ValueError, r"must be in \[1e-06, 1e\+06\] or inf"),
+        ("noise_multiplier", 1e300, ValueError, r"noise_multiplier must be in \[1e-06, 1e\+06\]"),
         ("noise_multiplier", float("nan"), ValueError, "noise_multiplier must not be NaN"),
         ("accountant", "moments", ValueError, r"accountant must be one of \('rdp', 'pld'\)"),
         ("neighboring", "zero_out", ValueError, "neighboring must be one of"),
         ("count_every", 0, ValueError, r"count_every must be an integer >= 1"),
-        ("count_noise_stddev", -1.0, ValueError, r"count_noise_stddev must be in \(0, inf\]"),
+        ("count_noise_stddev", -1.0, ValueError, r"count_noise_stddev must be in \[1e-06"),
+        ("count_noise_stddev", 1e-300, ValueError, r"count_noise_stddev must be in \[1e-06"),
     ],
 )
 def test_epsilon_errors_name_the_field(field, value, error, message):
@@ -534,8 +536,9 @@ def test_epsilon_errors_name_the_field(field, value, error, message):
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("target_epsilon", 0.0, r"target_epsilon must be in \(0, inf\)"),
-        ("target_epsilon", math.inf, r"target_epsilon must be in \(0, inf\)"),
+        ("target_epsilon", 0.0, r"target_epsilon must be in \(0, 100\]"),
+        ("target_epsilon", math.inf, r"target_epsilon must be in \(0, 100\]"),
+        ("target_epsilon", 1000.0, r"target_epsilon must be in \(0, 100\]"),
         ("value_discretization_interval", 0.0, "value_discretization_interval must be in"),
         ("sampling_prob", -0.1, r"sampling_prob must be in \(0, 1\]"),
     ],
@@ -653,7 +656,7 @@ def test_calibration_stops_at_its_floor_with_one_line_instead_of_searching_on():
         .compose(event, 10)
         .get_epsilon(1e-5)
     )
-    for target in (1e6, spent + 1):
+    for target in (acc.MAX_EPSILON, spent + 1):
         with pytest.raises(ValueError, match=rf"noise multiplier {floor:g} already spends"):
             acc.calibrate_noise_multiplier(
                 target_epsilon=target, sampling_prob=0.1, steps=10, delta=1e-5
@@ -668,5 +671,54 @@ def test_calibration_stops_at_its_floor_with_one_line_instead_of_searching_on():
 def test_more_than_max_steps_is_refused_before_any_allocation(fn):
     kwargs = dict(sampling_prob=0.01, steps=acc.MAX_STEPS + 1, delta=1e-5)
     kwargs["noise_multiplier" if fn == "epsilon" else "target_epsilon"] = 1.0
-    with pytest.raises(ValueError, match="steps must be at most 10,000,000"):
+    with pytest.raises(ValueError, match="steps must be at most 1,000,000"):
         getattr(acc, fn)(**kwargs)
+
+
+def test_a_plan_beyond_max_epsilon_is_refused_at_once_not_accounted_for_minutes():
+    """sigma 1, q 0.5, 10^6 steps: its PLD was killed for memory on a 24 GiB
+    machine, sigma 0.1 over 10 steps took 15 s. Both are refused in well under a
+    second, because dp-accounting's own RDP accountant bounds them above 100."""
+    import time
+
+    for sigma, q, steps in ((1.0, 0.5, 10**6), (0.1, 0.1, 10)):
+        event = dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+        )
+        assert dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5) > acc.MAX_EPSILON
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match="spends more than epsilon 100 .*RDP bound"):
+            acc.epsilon(noise_multiplier=sigma, sampling_prob=q, steps=steps, delta=1e-5)
+        assert time.perf_counter() - start < 2.0
+        tracker = acc.BudgetTracker(
+            acc.PrivacyBudget(
+                noise_multiplier=sigma, sampling_prob=q, delta=1e-5, target_epsilon=100.0
+            )
+        )
+        assert tracker.remaining_steps(steps) < steps  # beyond the limit counts as spent
+
+
+def test_a_plan_within_max_epsilon_is_dp_accountings_pld():
+    """The guard leaves plans below the limit alone: epsilon near 64 (RDP bound
+    82) is what dp-accounting's PLD accountant gives."""
+    sigma, q, steps = 1.0, 0.5, 200
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+    )
+    want = dp_accounting.pld.PLDAccountant().compose(event).get_epsilon(1e-5)
+    got = acc.epsilon(noise_multiplier=sigma, sampling_prob=q, steps=steps, delta=1e-5)
+    assert 50 < want < acc.MAX_EPSILON and got == pytest.approx(want, rel=1e-9)
+
+
+def test_a_tiny_count_noise_is_refused_in_one_line_not_an_overflow():
+    with pytest.raises(ValueError, match=r"count_noise_stddev must be in \[1e-06"):
+        acc.epsilon(
+            noise_multiplier=1.0,
+            sampling_prob=0.1,
+            steps=10,
+            delta=1e-5,
+            count_noise_stddev=1e-300,
+        )
+    # the effective multiplier of the smallest allowed values is finite and exact
+    got = acc.effective_noise_multiplier(1e-6, 1e-6)
+    assert got == pytest.approx(1e-6 / math.sqrt(2), rel=1e-15)

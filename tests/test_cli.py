@@ -256,7 +256,7 @@ def test_train_and_audit_config_errors(argv, needle, capsys, tmp_path):
         (["training.steps=0"], ["training.steps", "> 0"]),
         (["training.steps=2.5"], ["training.steps", "integer"]),
         (["training.steps=true"], ["training.steps", "integer"]),
-        (["training.seed=-1"], ["training.seed", ">= 0"]),
+        (["training.seed=-1"], ["training.seed", "[0, 2^32 - 1]"]),
         (["training.optimizer=lamb"], ["training.optimizer", "'lamb'", "adam, sgd, momentum"]),
         (["training.learning_rate=inf"], ["training.learning_rate", "inf"]),
         (["training.microbatch_size=0"], ["training.microbatch_size"]),
@@ -506,10 +506,10 @@ def test_report_errors(capsys, tmp_path):
         (["--noise-multiplier", "1", "--steps", "-3", "--sampling-prob", "0.1"], ["steps"]),
         (
             ["--noise-multiplier", "1", "--steps", "1000000000", "--sampling-prob", "0.1"],
-            ["steps must be at most 10,000,000"],
+            ["steps must be at most 1,000,000"],
         ),
         (  # was a search of minutes; now one line after the bracket reaches its floor
-            ["--target-epsilon", "1e6", "--steps", "10", "--sampling-prob", "0.1"],
+            ["--target-epsilon", "50", "--steps", "10", "--sampling-prob", "0.1"],
             ["noise multiplier 0.3 already spends only epsilon 35.66"],
         ),
         (["--noise-multiplier", "1", "--steps", "3", "--sampling-prob", "0"], ["sampling_prob"]),
@@ -693,3 +693,35 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, delay_s):
 
         with locked(out):
             pass
+
+
+@pytest.mark.parametrize(
+    "setting, needle",
+    [
+        ("training.physical_batch_size=100000000000", "exceeds the 1437 training examples"),
+        ("training.microbatch_size=100000", "exceeds the 1437 training examples"),
+        ("training.expected_batch_size=100000000000", "exceeds the 1437 training examples"),
+        ("model.lora_rank=100000000000", "model.lora_rank = 100000000000: "),
+        ("model.hidden=[1048576, 1048576]", "model.hidden = [1048576, 1048576]: "),
+    ],
+)
+def test_sizes_beyond_the_data_or_the_machine_are_one_line_before_any_allocation(
+    capsys, setting, needle
+):
+    """A physical batch of 10^11 allocated a 373 GiB index array; a 10^11-wide
+    model died in accounting with a message about the noise residual."""
+    assert cli.main(["audit", "--set", setting]) == 2
+    assert_one_line_error(capsys, "audit", needle)
+
+
+def test_the_memory_check_counts_parameters_gradients_and_adam_state(capsys, monkeypatch):
+    """The default MLP (64-256-10: 19,210 float32 parameters, by hand) needs 4
+    copies of them with Adam: refused below that many bytes, built above."""
+    from dpmp._src.trainer import step
+
+    need = 4 * 4 * (64 * 256 + 256 + 256 * 10 + 10)
+    monkeypatch.setattr(step, "_memory_bytes", lambda: need - 1)
+    assert cli.main(["audit", "--set", "training.steps=2"]) == 2
+    assert_one_line_error(capsys, "audit", "model.hidden = [256]: 19,210 parameters")
+    monkeypatch.setattr(step, "_memory_bytes", lambda: need)
+    assert cli.main(["audit", "--set", "training.steps=2"]) == 0

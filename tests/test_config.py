@@ -91,7 +91,8 @@ def test_defaults_evaluate_periodically():
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        (["training.seed=-1"], "training.seed: must be an integer >= 0"),
+        (["training.seed=-1"], "training.seed: must be an integer in [0, 2^32 - 1]"),
+        (["training.seed=4294967296"], "training.seed: must be an integer in [0, 2^32 - 1]"),
         (["data.standardize=1"], "data.standardize: 1 is not allowed; allowed: none, private"),
         (["data.standardize=mean"], "data.standardize: 'mean' is not allowed"),
         (["data.standardize_clip=0"], "data.standardize_clip: must be finite and > 0"),
@@ -138,3 +139,55 @@ def test_toml_ints_become_floats_where_floats_are_expected(tmp_path):
     cfg = load_config(path)
     assert cfg.privacy.target_epsilon == 4.0 and isinstance(cfg.privacy.target_epsilon, float)
     assert cfg == load_config(None, ["privacy.target_epsilon=4", "loss_scale.initial=1024"])
+
+
+# Numeric keys whose huge values are harmless (a period that never comes, a
+# learning rate that diverges and fails the run) or are checked against the
+# data and the machine when the step is built (tests/test_cli.py).
+_HUGE_IS_FINE = {
+    "data.standardize_clip",
+    "model.lora_rank",
+    "model.lora_alpha",
+    "privacy.l2_clip_norm",
+    "training.expected_batch_size",
+    "training.learning_rate",
+    "training.microbatch_size",
+    "training.physical_batch_size",
+    "training.eval_every",
+    "training.log_every",
+    "training.checkpoint_every",
+    "loss_scale.initial",
+    "loss_scale.period",
+    "loss_scale.factor",
+    "loss_scale.max_scale",
+    "pretrain.learning_rate",
+}
+
+
+def _numeric_keys():
+    from dpmp._src.config import config_reference
+
+    return [
+        row["key"]
+        for row in config_reference()
+        if row["allowed"].startswith(("number", "integer", "list of integers"))
+    ]
+
+
+def test_every_numeric_key_is_range_checked_at_its_extremes():
+    """Each numeric key refuses -1, NaN, inf and 1e39 (beyond float32) with an
+    error naming it, and 10^11 unless its table says it is harmless; nothing
+    else is allocated or computed by load_config."""
+    keys = _numeric_keys()
+    assert len(keys) >= 30 and set(_HUGE_IS_FINE) <= set(keys)
+    for key in keys:
+        wrap = (lambda v: f"[{v}]") if key == "model.hidden" else str
+        for bad in ("-1", "nan", "inf", "1e39"):
+            with pytest.raises(ConfigError, match=re.escape(key)):
+                load_config(None, [f"{key}={wrap(bad)}"])
+        huge = [f"{key}={wrap(10**11)}"]
+        if key in _HUGE_IS_FINE:
+            load_config(None, huge)
+        else:
+            with pytest.raises(ConfigError, match=re.escape(key)):
+                load_config(None, huge)

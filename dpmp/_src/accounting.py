@@ -74,6 +74,7 @@ import collections
 import dataclasses
 import functools
 import json
+import logging
 import math
 import numbers
 from typing import Any, NamedTuple
@@ -116,13 +117,29 @@ _NEIGHBORING = {
 
 # dp-accounting's own default: used for the numbers a run reports.
 REPORT_DISCRETIZATION = 1e-4
-# The most steps a plan may have: epsilon of 10^7 steps takes seconds, of 10^9
-# it runs out of memory (what a user typo would otherwise reach).
-MAX_STEPS = 10**7
+# The most steps a plan may have. Epsilon of 10^6 steps takes 1-5 s (q 0.01 to
+# 0.5); of 10^7 steps at q 0.5, 30-100 s per evaluation (minutes to calibrate);
+# of 10^9 it runs out of memory (what a user typo would otherwise reach).
+MAX_STEPS = 10**6
 # Calibration does not go below this noise multiplier: an epsilon that needs
 # less noise promises little, and its accounting slows down (seconds per
 # evaluation at 0.3, minutes for the whole search at 0.1).
 MIN_CALIBRATED_NOISE = 0.3
+# The most epsilon dpmp accounts. A plan is first bounded by dp-accounting's RDP
+# accountant at a few integer orders (a valid upper bound, ~15 ms at any step
+# count); one whose bound exceeds this is refused by ``epsilon`` and counts as
+# infinite in calibration and in the tracker. Such a guarantee is void, and its
+# privacy loss distribution is what runs away: PLD epsilon 330 took 15 s, 1300
+# took 46 s, and a plan near 10^6 (sigma 1, q 0.5, 10^6 steps) was killed for
+# memory on a 24 GiB machine; at an RDP bound near 100 the PLD takes ~2 s and
+# under 0.5 GB.
+MAX_EPSILON = 100.0
+# Noise multipliers outside [1 / this, this] are refused (dp-accounting
+# overflows near 1e300 and 1e-300; no plan needs either: calibration stops at
+# 1e6 too, and below 1e-6 nothing is private). ``inf`` means no release.
+MAX_NOISE_MULTIPLIER = 1e6
+_BOUND_ORDERS = (1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024)
+
 # Used by the per-step budget tracker: 10x coarser, still pessimistic (an upper
 # bound), about 10x faster; epsilon moves in the 5th significant digit.
 TRACKING_DISCRETIZATION = 1e-3
@@ -179,8 +196,9 @@ def _real(name: str, value: Any) -> float:
 
 def _check_noise_multiplier(value: Any, name: str = "noise_multiplier") -> float:
     value = _real(name, value)
-    if not value > 0:
-        raise ValueError(f"{name} must be in (0, inf], got {value}.")
+    low, high = 1 / MAX_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER
+    if not (low <= value <= high or value == math.inf):
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}] or inf, got {value}.")
     return value
 
 
@@ -200,8 +218,11 @@ def _check_delta(value: Any) -> float:
 
 def _check_target_epsilon(value: Any) -> float:
     value = _real("target_epsilon", value)
-    if not 0 < value < math.inf:
-        raise ValueError(f"target_epsilon must be in (0, inf), got {value}.")
+    if not 0 < value <= MAX_EPSILON:
+        raise ValueError(
+            f"target_epsilon must be in (0, {MAX_EPSILON:g}], got {value} (dpmp accounts no "
+            f"plan beyond epsilon {MAX_EPSILON:g}: such a guarantee promises nothing)."
+        )
     return value
 
 
@@ -275,7 +296,8 @@ def effective_noise_multiplier(noise_multiplier: float, count_noise_stddev: floa
         return sigma
     if sigma == math.inf:
         return sigma_c
-    return (sigma**-2 + sigma_c**-2) ** -0.5
+    # 1 / hypot: the sum of inverse squares overflowed for sigma near 1e-300
+    return 1.0 / math.hypot(1.0 / sigma, 1.0 / sigma_c)
 
 
 def count_releases(steps: int, count_every: int = 1) -> int:
@@ -364,6 +386,51 @@ def _make_accountant(
         neighboring_relation=relation,
         value_discretization_interval=value_discretization_interval,
     )
+
+
+def _rdp_bound(event: dp_accounting.DpEvent, delta: float) -> float:
+    """An upper bound on ``event``'s epsilon at ``delta`` that is cheap at any size:
+    dp-accounting's RDP accountant at ``_BOUND_ORDERS`` (any set of orders gives a
+    valid bound), add-or-remove adjacency; inf where its arithmetic overflows."""
+    try:
+        with _absl_quiet():
+            acct = dp_accounting.rdp.RdpAccountant(orders=_BOUND_ORDERS)
+            return float(acct.compose(event).get_epsilon(delta))
+    except ArithmeticError:  # ZeroDivisionError, OverflowError at extreme sigmas
+        return math.inf
+
+
+def _rdp_bound_of_curves(orders, rdp, delta: float) -> float:
+    try:
+        with _absl_quiet():
+            return float(rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0])
+    except ArithmeticError:
+        return math.inf
+
+
+class _absl_quiet:
+    """Silences dp-accounting's absl warnings (e.g. an RDP order that did not
+    converge, which the bound simply leaves out) while bounding a plan."""
+
+    def __enter__(self):
+        self._logger = logging.getLogger("absl")
+        self._level = self._logger.level
+        self._logger.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        self._logger.setLevel(self._level)
+
+
+def _check_within_limit(event: dp_accounting.DpEvent, delta: float) -> None:
+    """Refuses a plan whose RDP bound exceeds ``MAX_EPSILON`` (see there)."""
+    bound = _rdp_bound(event, delta)
+    if bound > MAX_EPSILON:
+        raise ValueError(
+            f"this plan spends more than epsilon {MAX_EPSILON:g} (its RDP bound is "
+            f"{bound:.4g} at delta {delta:g}), which dpmp does not account: such a guarantee "
+            "promises nothing, and its PLD would take minutes and gigabytes; add noise, "
+            "sample less or take fewer steps."
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -586,7 +653,7 @@ def epsilon(
       0.9877
 
     Args:
-      noise_multiplier: noise stddev divided by the clip norm, in (0, inf].
+      noise_multiplier: noise stddev divided by the clip norm, in [1e-6, 1e6] or inf.
       sampling_prob: Poisson sampling probability, in (0, 1].
       steps: number of steps, an integer >= 0 (0 steps cost epsilon 0).
       delta: target delta, in (0, 1).
@@ -656,6 +723,8 @@ def _epsilons(
     )
     if isinstance(event, dp_accounting.NoOpDpEvent):
         return 0.0, 0.0
+    if accountant == "pld":
+        _check_within_limit(event, delta)
     acct = _make_accountant(accountant, neighboring, interval).compose(event)
     sigma = _check_noise_multiplier(noise_multiplier)
     with_count = _split_steps(steps, _check_count_noise(count_noise_stddev), count_every)[1]
@@ -749,7 +818,7 @@ def calibrate_noise_multiplier(
     held fixed and only the gradient noise is calibrated.
 
     Args:
-      target_epsilon: in (0, inf).
+      target_epsilon: in (0, MAX_EPSILON].
       sampling_prob, steps, delta, accountant, neighboring, count_noise_stddev,
         count_every, value_discretization_interval,
         preprocessing_noise_multiplier, noised_coordinates: as in
@@ -878,7 +947,10 @@ def _calibrate_exact(
         return _make_accountant(accountant, neighboring, interval)
 
     def eps(sigma: float) -> float:
-        return make_accountant().compose(make_event(sigma)).get_epsilon(delta)
+        event = make_event(sigma)
+        if accountant == "pld" and _rdp_bound(event, delta) > MAX_EPSILON:
+            return math.inf  # too little noise for any target (<= MAX_EPSILON)
+        return make_accountant().compose(event).get_epsilon(delta)
 
     if (sigma_c is not None or sigma_p is not None) and eps(math.inf) > target:
         fixed = []
@@ -929,7 +1001,7 @@ def calibrate_steps(
     count_noise_stddev: float | None = None,
     count_every: int = 1,
     value_discretization_interval: float = REPORT_DISCRETIZATION,
-    max_steps: int = 10**7,
+    max_steps: int = MAX_STEPS,
     preprocessing_noise_multiplier: float | None = None,
     noised_coordinates: int | None = None,
 ) -> int:
@@ -995,7 +1067,29 @@ class _EpsilonCurve:
         self._sigmas = (sigma, sigma_eff, math.inf if sigma_p is None else sigma_p)
         self._pre = int(self._sigmas[2] < math.inf)  # how often kind 2 is released
         self._per_step: list[Any] = [None, None, None]
+        self._bound_per_step: list[Any] = [None, None, None]
         self._cursor: tuple[int, int, Any] | None = None
+
+    def _bound_single(self, kind: int) -> Any:
+        """The RDP curve of one release at ``_BOUND_ORDERS`` (for ``_rdp_bound``)."""
+        if self._bound_per_step[kind] is None:
+            q = 1.0 if kind == 2 else self._budget.sampling_prob
+            gaussian = dp_accounting.GaussianDpEvent(self._sigmas[kind])
+            acct = dp_accounting.rdp.RdpAccountant(orders=_BOUND_ORDERS)
+            with _absl_quiet():
+                acct.compose(
+                    gaussian if kind == 2 else dp_accounting.PoissonSampledDpEvent(q, gaussian)
+                )
+            self._bound_per_step[kind] = acct.rdp
+        return self._bound_per_step[kind]
+
+    def _beyond_limit(self, plain: int, with_count: int) -> bool:
+        """The plan's RDP bound exceeds ``MAX_EPSILON``: its PLD is not built."""
+        rdp = 0
+        for kind, n in ((0, plain), (1, with_count), (2, self._pre)):
+            if n > 0:
+                rdp = rdp + n * self._bound_single(kind)
+        return _rdp_bound_of_curves(_BOUND_ORDERS, rdp, self._budget.delta) > MAX_EPSILON
 
     def _single(self, kind: int) -> Any:
         if self._per_step[kind] is None:
@@ -1059,6 +1153,9 @@ class _EpsilonCurve:
 
             def eps_at(delta):
                 return rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0]
+        elif self._beyond_limit(plain, with_count):
+            self._memo[key] = math.inf
+            return math.inf
         else:
             pld = self._pld(plain, with_count)
             self._cursor = (plain, with_count, pld)
@@ -1118,7 +1215,7 @@ class PrivacyBudget:
       noise_multiplier: gradient noise stddev divided by the clip norm.
       sampling_prob: Poisson sampling probability, in (0, 1].
       delta: in (0, 1).
-      target_epsilon: the run may not exceed this epsilon, in (0, inf).
+      target_epsilon: the run may not exceed this epsilon, in (0, MAX_EPSILON].
       accountant: ``"pld"`` or ``"rdp"``.
       neighboring: ``"add_or_remove"`` or ``"replace_one"`` (PLD only).
       count_noise_stddev: noise stddev of each released overflow count, or None.
@@ -1302,7 +1399,7 @@ class BudgetTracker:
         self._count_releases += released
         return eps
 
-    def remaining_steps(self, max_steps: int = 10**7) -> int:
+    def remaining_steps(self, max_steps: int = MAX_STEPS) -> int:
         """How many more steps, following the plan's count schedule, fit the target."""
         b = self._budget
 

@@ -75,13 +75,23 @@ _ALLOWED = {
     "model.kind": '"mlp", "nnx_mlp", "linear", "vit", "lm", or "package.module:factory"',
     "training.physical_batch_size": "integer > 0, or unset",
     "data.test_fraction": "number in (0, 1)",
-    "model.hidden": "list of integers > 0 (may be empty)",
-    "model.heads": "integer > 0 dividing model.dim",
+    "model.hidden": "list of integers in [1, 2^20] (may be empty)",
+    "model.heads": "integer in [1, 1024] dividing model.dim",
     "model.lora_rank": "integer >= 0",
     "pretrain.path": "path to a .txt or .jsonl file (text)",
     "privacy.delta": "number in (0, 1)",
-    "training.seed": "integer >= 0",
-    "training.steps": "integer in [1, 10^7]",
+    "training.seed": "integer in [0, 2^32 - 1]",
+    "pretrain.seed": "integer in [0, 2^32 - 1]",
+    "pretrain.steps": "integer in [1, 10^6]",
+    "pretrain.batch_size": "integer in [1, 65536]",
+    "model.depth": "integer in [1, 128]",
+    "model.dim": "integer in [1, 65536]",
+    "model.patch": "integer in [1, 1024]",
+    "privacy.target_epsilon": "number in (0, 100]",
+    "privacy.noise_multiplier": "number in [1e-6, 1e6], or unset (calibrated)",
+    "loss_scale.count_noise_stddev": "number in [1e-6, 1e6]",
+    "data.standardize_noise_multiplier": "number in [1e-6, 1e6]",
+    "training.steps": "integer in [1, 10^6]",
     "loss_scale.factor": "number > 1",
     "loss_scale.min_scale": "number > 0, at most max_scale",
 }
@@ -92,7 +102,24 @@ def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{field}: {value!r} is not allowed; allowed: {', '.join(allowed)}")
 
 
-def _positive(field: str, value: Any, *, integer: bool = False, allow_zero: bool = False) -> None:
+# Every number a config gives is checked against these before anything is
+# allocated: a float must be finite in float32 (the dtype it is computed in), a
+# noise multiplier within dp-accounting's range (dpmp.accounting), a seed what
+# numpy and scikit-learn accept.
+FLOAT32_MAX = 3.4028234663852886e38
+NOISE_RANGE = (1e-6, 1e6)  # dpmp.accounting.MAX_NOISE_MULTIPLIER
+MAX_EPSILON = 100.0  # dpmp.accounting.MAX_EPSILON
+MAX_SEED = 2**32 - 1
+
+
+def _positive(
+    field: str,
+    value: Any,
+    *,
+    integer: bool = False,
+    allow_zero: bool = False,
+    at_most: float | None = None,
+) -> None:
     ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
     if isinstance(value, bool) or not ok_type:
         kind = "an integer" if integer else "a number"
@@ -100,6 +127,23 @@ def _positive(field: str, value: Any, *, integer: bool = False, allow_zero: bool
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{field}: must be finite and {bound}, got {value!r}")
+    if at_most is None and not integer:
+        at_most = FLOAT32_MAX
+    if at_most is not None and value > at_most:
+        why = " (the largest float32)" if at_most == FLOAT32_MAX else ""
+        raise ConfigError(f"{field}: at most {at_most:g}{why}, got {value!r}")
+
+
+def _noise(field: str, value: Any) -> None:
+    """A noise multiplier (or count noise stddev) within the accountant's range."""
+    _positive(field, value, at_most=NOISE_RANGE[1])
+    if value < NOISE_RANGE[0]:
+        raise ConfigError(f"{field}: at least {NOISE_RANGE[0]:g}, got {value!r}")
+
+
+def _seed(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise ConfigError(f"{field}: must be an integer in [0, 2^32 - 1], got {value!r}")
 
 
 def _is_factory(kind: str) -> bool:
@@ -168,7 +212,7 @@ class DataConfig:
             )
         _choice("data.standardize", self.standardize, STANDARDIZE_MODES)
         _positive("data.standardize_clip", self.standardize_clip)
-        _positive("data.standardize_noise_multiplier", self.standardize_noise_multiplier)
+        _noise("data.standardize_noise_multiplier", self.standardize_noise_multiplier)
         if not (isinstance(self.test_fraction, int | float) and 0 < self.test_fraction < 1):
             raise ConfigError(f"data.test_fraction: must be in (0, 1), got {self.test_fraction!r}")
 
@@ -223,10 +267,13 @@ class ModelConfig:
         if not isinstance(hidden, list | tuple):
             raise ConfigError(f"model.hidden: must be a list of widths, got {hidden!r}")
         for h in hidden:
-            _positive("model.hidden", h, integer=True)
+            _positive("model.hidden", h, integer=True, at_most=2**20)
         object.__setattr__(self, "hidden", tuple(hidden))
-        for name in ("patch", "dim", "depth", "heads"):
-            _positive(f"model.{name}", getattr(self, name), integer=True)
+        # the built-in ViT and LM are for single machines: widths beyond the
+        # largest published transformers' (~20k) are typos, and so are depths
+        # whose step would take minutes to compile
+        for name, most in (("patch", 1024), ("dim", 65536), ("heads", 1024), ("depth", 128)):
+            _positive(f"model.{name}", getattr(self, name), integer=True, at_most=most)
         if self.dim % self.heads:
             raise ConfigError(
                 f"model.dim ({self.dim}) must be divisible by model.heads ({self.heads})"
@@ -274,11 +321,11 @@ class PrivacyConfig:
     reproducible_noise: bool = False
 
     def __post_init__(self):
-        _positive("privacy.target_epsilon", self.target_epsilon)
+        _positive("privacy.target_epsilon", self.target_epsilon, at_most=MAX_EPSILON)
         if not (isinstance(self.delta, int | float) and 0 < self.delta < 1):
             raise ConfigError(f"privacy.delta: must be in (0, 1), got {self.delta!r}")
         if self.noise_multiplier is not None:
-            _positive("privacy.noise_multiplier", self.noise_multiplier)
+            _noise("privacy.noise_multiplier", self.noise_multiplier)
         _positive("privacy.l2_clip_norm", self.l2_clip_norm)
         _choice("privacy.accountant", self.accountant, ACCOUNTANTS)
         _choice("privacy.sampling", self.sampling, SAMPLINGS)
@@ -332,8 +379,8 @@ class TrainingConfig:
 
     def __post_init__(self):
         _positive("training.steps", self.steps, integer=True)
-        if self.steps > 10**7:  # dpmp.accounting.MAX_STEPS
-            raise ConfigError(f"training.steps: at most 10,000,000, got {self.steps:,}")
+        if self.steps > 10**6:  # dpmp.accounting.MAX_STEPS
+            raise ConfigError(f"training.steps: at most 1,000,000, got {self.steps:,}")
         _positive("training.expected_batch_size", self.expected_batch_size, integer=True)
         _choice("training.optimizer", self.optimizer, OPTIMIZERS)
         _positive("training.learning_rate", self.learning_rate)
@@ -348,8 +395,7 @@ class TrainingConfig:
                 )
         for name in ("eval_every", "log_every", "checkpoint_every"):
             _positive(f"training.{name}", getattr(self, name), integer=True, allow_zero=True)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"training.seed: must be an integer >= 0, got {self.seed!r}")
+        _seed("training.seed", self.seed)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -380,8 +426,9 @@ class LossScaleConfig:
 
     def __post_init__(self):
         _choice("loss_scale.kind", self.kind, LOSS_SCALE_KINDS)
-        for name in ("initial", "factor", "min_scale", "max_scale", "count_noise_stddev"):
+        for name in ("initial", "factor", "min_scale", "max_scale"):
             _positive(f"loss_scale.{name}", getattr(self, name))
+        _noise("loss_scale.count_noise_stddev", self.count_noise_stddev)
         _positive("loss_scale.period", self.period, integer=True)
         if self.factor <= 1:
             raise ConfigError(f"loss_scale.factor: must be > 1, got {self.factor}")
@@ -429,11 +476,10 @@ class PretrainConfig:
             raise ConfigError(f"pretrain.path: must be a string (a text file), got {self.path!r}")
         if self.dataset == "text" and not self.path:
             raise ConfigError('pretrain.path: required when pretrain.dataset = "text"')
-        _positive("pretrain.steps", self.steps, integer=True)
-        _positive("pretrain.batch_size", self.batch_size, integer=True)
+        _positive("pretrain.steps", self.steps, integer=True, at_most=10**6)
+        _positive("pretrain.batch_size", self.batch_size, integer=True, at_most=65536)
         _positive("pretrain.learning_rate", self.learning_rate)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"pretrain.seed: must be an integer >= 0, got {self.seed!r}")
+        _seed("pretrain.seed", self.seed)
 
     @property
     def enabled(self) -> bool:

@@ -7,6 +7,8 @@ dynamic loss scale is used, its noised overflow counts.
 """
 
 from dpmp._src.accounting import ACCOUNTANTS as ACCOUNTANTS
+from dpmp._src.accounting import MAX_EPSILON as MAX_EPSILON
+from dpmp._src.accounting import MAX_NOISE_MULTIPLIER as MAX_NOISE_MULTIPLIER
 from dpmp._src.accounting import MAX_STEPS as MAX_STEPS
 from dpmp._src.accounting import MIN_CALIBRATED_NOISE as MIN_CALIBRATED_NOISE
 from dpmp._src.accounting import NEIGHBORING_RELATIONS as NEIGHBORING_RELATIONS
@@ -28,6 +30,8 @@ from dpmp._src.accounting import noise_residual as noise_residual
 
 __all__ = [
     "ACCOUNTANTS",
+    "MAX_EPSILON",
+    "MAX_NOISE_MULTIPLIER",
     "MAX_STEPS",
     "MIN_CALIBRATED_NOISE",
     "NEIGHBORING_RELATIONS",

@@ -23,6 +23,8 @@ so the compiled memory is set by the chunk, not by the logical batch.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -247,11 +249,14 @@ def build_private_step(
     if model is None:
         model = model_from_config(config.model, data, policy)
     init_key = jax.random.split(jax.random.key(t.seed), 3)[0]
+    lora = bool(config.model.lora_rank)
+    _check_fits(config, jax.eval_shape(model.init, init_key), trainable=not lora)
     model = _starting_point(config, model, init_params, init_key)
+    params_shape = jax.eval_shape(model.init, init_key)
+    if lora:
+        _check_fits(config, params_shape, trainable=True)
     sampler = make_sampler(config, data.num_train, keys.sampler_seed)
-    plan = noise_plan(
-        config, num_train=data.num_train, params_shape=jax.eval_shape(model.init, init_key)
-    )
+    plan = noise_plan(config, num_train=data.num_train, params_shape=params_shape)
     grad_fn = private_grad(
         model.loss_fn,
         l2_clip_norm=config.privacy.l2_clip_norm,
@@ -309,6 +314,47 @@ def build_private_step(
         clipping=_explain_clipping(grad_fn, params, explained_batch),
         feature_stats=feature_stats,
         keys=keys,
+    )
+
+
+# What a trained parameter costs beside itself: its gradient sum, and the
+# optimizer's slots (Adam: two moments; momentum: one).
+_COPIES = {"adam": 4, "momentum": 3, "sgd": 2}
+
+
+def _memory_bytes() -> int:
+    """The first device's memory (its allocator's limit), or the host's RAM."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_fits(config: Config, shapes: Any, *, trainable: bool) -> None:
+    """Refuses parameters (with their gradients and optimizer state when
+    ``trainable``) that cannot fit in memory, from shapes alone: a typo such as
+    ``model.dim = 100000000000`` is one line, not an out-of-memory crash."""
+    leaves = jax.tree.leaves(shapes)
+    count = sum(math.prod(leaf.shape) for leaf in leaves)
+    need = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves)
+    if trainable:
+        need *= _COPIES.get(config.training.optimizer, 4)
+    limit = _memory_bytes()
+    if need <= limit:
+        return
+    m = config.model
+    fields = {
+        "mlp": f"model.hidden = {list(m.hidden)}",
+        "nnx_mlp": f"model.hidden = {list(m.hidden)}",
+        "vit": f"model.dim = {m.dim}, model.depth = {m.depth}",
+        "lm": f"model.dim = {m.dim}, model.depth = {m.depth}",
+    }.get(m.kind, f"model.kind = {m.kind!r}")
+    if trainable and m.lora_rank:
+        fields = f"model.lora_rank = {m.lora_rank}"
+    what = "with gradients and optimizer state " if trainable else ""
+    raise ConfigError(
+        f"{fields}: {count:,} parameters need {need / 2**30:,.1f} GiB {what}and this "
+        f"machine has {limit / 2**30:,.1f} GiB"
     )
 
 
