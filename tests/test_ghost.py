@@ -426,8 +426,10 @@ def _adv_embed():
     return loss, params, batch, None, 2
 
 
-def _adv_conv():
-    cin, cout = 4, 16  # 2x2 kernel on a 2x4 image: 3 patches of 16 inputs -> patch-Gram
+def _adv_conv(cout=16):
+    # 2x2 kernel on a 2x4 image: 3 patches of 16 inputs -> patch-Gram (16 outputs) or,
+    # with 2 outputs (K N <= T (K + N)), the per-example kernel gradient
+    cin = 4
 
     def loss(p, b):
         y = lax_conv(b["x"].astype(p["w"].dtype), p["w"])
@@ -450,7 +452,12 @@ def lax_conv(x, w):
     )
 
 
-ADVERSARIAL = {"dense": _adv_dense, "embed": _adv_embed, "conv": _adv_conv}
+ADVERSARIAL = {
+    "dense": _adv_dense,
+    "embed": _adv_embed,
+    "conv": _adv_conv,
+    "conv_per_example": lambda: _adv_conv(cout=2),
+}
 
 
 def _crafted(problem, mags, seed=0):
@@ -502,7 +509,12 @@ def test_ghost_bound_holds_on_cancelling_tokens(kind, policy):
     info = dpmp.private_grad(problem[0], l2_clip_norm=C, policy=policy, method="ghost").explain(
         problem[1], jax.tree.map(lambda x: x[0], _crafted(problem, [1.0])[2])
     )
-    want = {"dense": {"gram"}, "embed": {"id-gram"}, "conv": {"patch-gram"}}[kind]
+    want = {
+        "dense": {"gram"},
+        "embed": {"id-gram"},
+        "conv": {"patch-gram"},
+        "conv_per_example": {"per-example"},
+    }[kind]
     assert {r["rule"] for r in info["layers"]} == want, info
     mags = np.logspace(-1, 6, 36)
     loss, params, batches = _crafted(problem, mags)
@@ -586,3 +598,131 @@ def test_gram_rule_is_not_used_where_its_rounding_bound_is_loose():
         (row,) = g.explain(params, batch)["layers"]
         rules[t] = row["rule"]
     assert rules == {64: "gram", 900: "gram", 1000: "per-example"}
+
+
+# ---- per-example convolution kernel gradients, one kernel offset at a time ----------
+
+# (lhs shape per example, kernel shape, conv keyword arguments): each is small enough
+# per example (K N <= T (K + N)) that the kernel's per-example gradient is formed.
+_CONVS = {
+    "same_3x3": ((6, 5, 2), (3, 3, 2, 3), dict(window_strides=(1, 1), padding="SAME")),
+    "nchw_strided_dilated": (
+        (2, 9, 7),
+        (3, 2, 3, 2),  # OIHW
+        dict(
+            window_strides=(2, 1),
+            padding=((1, 0), (2, 1)),
+            rhs_dilation=(2, 1),
+            dimension_numbers=("NCHW", "OIHW", "NCHW"),
+        ),
+    ),
+    "transposed_1d": (
+        (7, 2),
+        (3, 2, 3),
+        dict(window_strides=(1,), padding=((2, 1),), lhs_dilation=(2,)),
+    ),
+    "cropped": ((8, 6, 2), (2, 2, 2, 2), dict(window_strides=(1, 2), padding=((-1, 1), (0, 0)))),
+    "patchify": ((8, 8, 3), (4, 4, 3, 2), dict(window_strides=(4, 4), padding="VALID")),
+}
+
+
+def _conv_loss(kw):
+    dn = kw.get("dimension_numbers")
+
+    def conv(x, w):
+        nd = x.ndim - 2
+        dims = dn or lax_dims(nd)
+        rest = {k: v for k, v in kw.items() if k != "dimension_numbers"}
+        return jax.lax.conv_general_dilated(x, w, dimension_numbers=dims, **rest)
+
+    def loss(p, b):  # linear in w: the output gradient is b["v"]
+        y = conv(b["x"].astype(p["w"].dtype), p["w"])
+        return jnp.sum(y.astype(jnp.float32) * b["v"])
+
+    return conv, loss
+
+
+def lax_dims(nd):
+    return {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}[nd]
+
+
+def _linear_reference_f64(layer, w_shape, x, v):
+    """Per-example parameter gradients in float64 from the FORWARD layer alone: the
+    loss is linear in w, so entry j of example i's gradient is its loss at w = e_j."""
+    with jax.enable_x64(True):
+        basis = jnp.eye(int(np.prod(w_shape)), dtype=jnp.float64).reshape((-1, *w_shape))
+        x64, v64 = (jnp.asarray(a[:, 0], jnp.float64) for a in (x, v))  # the batch of n
+        out = jax.vmap(lambda e: jnp.sum(layer(x64, e) * v64, axis=tuple(range(1, v64.ndim))))(
+            basis
+        )
+        return np.asarray(out).T  # [examples, K N]
+
+
+@pytest.mark.parametrize("case", sorted(_CONVS))
+def test_per_example_conv_kernel_gradient_matches_float64(case):
+    """Padding (also negative), strides, kernel and input dilation, other layouts: the
+    per-example kernel gradients (norms and clipped sum) match a float64 reference."""
+    x_shape, w_shape, kw = _CONVS[case]
+    conv, loss = _conv_loss(kw)
+    rng = np.random.default_rng(3)
+    n = 12
+    x = rng.normal(size=(n, 1, *x_shape)).astype(np.float32)  # one image per example
+    y_shape = jax.eval_shape(conv, x[0], jnp.zeros(w_shape, jnp.float32)).shape
+    v = rng.normal(size=(n, *y_shape)).astype(np.float32)
+    params = {"w": rng.normal(size=w_shape).astype(np.float32)}
+
+    def loss_ex(p, b):
+        return jax.vmap(lambda x_, v_: loss(p, {"x": x_, "v": v_}))(b["x"], b["v"]).mean()
+
+    batch = {"x": x, "v": v}
+    ref = _linear_reference_f64(conv, w_shape, x, v)  # the loss of a batch of one
+    norms = np.linalg.norm(ref, axis=1)
+    clip = float(np.median(norms))
+    g = dpmp.private_grad(loss_ex, l2_clip_norm=clip, policy="f32", method="ghost")
+    (row,) = g.explain(params, batch)["layers"]
+    assert (row["layer"], row["rule"]) == ("conv", "per-example"), row
+    out = jax.jit(g)(params, batch)
+    want = clipped_sum_f64({"w": ref.reshape((n, *w_shape))}, clip)[0]
+    got = _flat(out.grads)
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=1e-5)
+    assert int(out.stats.num_clipped) == int((norms > clip).sum())
+
+
+# (activation shape per example, parameter shape, layer): dense layers whose parameter
+# gradient is formed per example (K N <= T (K + N)), the parameter on either side.
+_DENSES = {
+    "tokens": ((6, 4), (4, 3), lambda x, w: x @ w),
+    "heads_in": ((5, 2, 3), (2, 3, 4), lambda x, w: jnp.einsum("...thd,hdn->...tn", x, w)),
+    "heads_out": ((7, 4), (4, 2, 2), lambda x, w: jnp.einsum("...tk,khd->...thd", x, w)),
+    "param_first": ((6, 4), (3, 4), lambda x, w: jnp.einsum("nk,...tk->...nt", w, x)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_DENSES))
+def test_per_example_dense_gradient_matches_float64(case):
+    """Several tokens, several contracting or free dims, the parameter as either operand:
+    the per-example gradients (norms and clipped sum) match a float64 reference."""
+    x_shape, w_shape, layer = _DENSES[case]
+    rng = np.random.default_rng(4)
+    n = 12
+    x = rng.normal(size=(n, 1, *x_shape)).astype(np.float32)
+    y_shape = jax.eval_shape(layer, x[0], jnp.zeros(w_shape, jnp.float32)).shape
+    v = rng.normal(size=(n, *y_shape)).astype(np.float32)
+    params = {"w": rng.normal(size=w_shape).astype(np.float32)}
+
+    def loss(p, b):
+        return jnp.sum(layer(b["x"], p["w"]) * b["v"])
+
+    batch = {"x": x, "v": v}
+    ref = _linear_reference_f64(layer, w_shape, x, v)
+    norms = np.linalg.norm(ref, axis=1)
+    clip = float(np.median(norms))
+    g = dpmp.private_grad(loss, l2_clip_norm=clip, policy="f32", method="ghost")
+    (row,) = g.explain(params, batch)["layers"]
+    assert (row["layer"], row["rule"]) == ("dense", "per-example"), row
+    out = jax.jit(g)(params, batch)
+    want = clipped_sum_f64({"w": ref.reshape((n, *w_shape))}, clip)[0]
+    got = _flat(out.grads)
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=1e-5)

@@ -20,7 +20,11 @@ privacy", mixed ghost clipping): the ghost norm above, which keeps ``x_i`` and
 gradient (``K N`` numbers), which is formed inside the backward pass where the
 non-private step forms the batch gradient, so that this layer's ``x_i`` and
 ``g_i`` are never kept. Biases, norm scales and most convolution kernels take
-the second route; wide dense layers and embeddings the first.
+the second route; wide dense layers and embeddings the first. A dense layer's
+per-example gradient is one contraction over its tokens and a convolution
+kernel's one per kernel offset (:func:`_example_grad`): ``vmap`` of the layer's
+own transpose would give XLA:CPU a grouped convolution or a re-laid-out
+operand, 1.2-3x slower than the batch gradient.
 
 The whole clipped sum then follows from what the norms were taken from:
 ``sum_i c_i x_i^T g_i`` is one contraction over the batch (and the tokens) per
@@ -445,7 +449,7 @@ def _example_layer(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
     backward pass: neither ``x_i`` nor ``g_i`` outlives it.
     """
     eqn = plan.jaxpr.jaxpr.eqns[tap.eqn]
-    site = _site(plan, tap, dtype)
+    param_grad = _example_grad(plan, tap, dtype)
 
     def apply(w, act):
         ins = [None, None]
@@ -463,7 +467,7 @@ def _example_layer(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
         w, p, act = res
         _, pull_act = jax.vjp(lambda a: apply(w, a), act)
         (d_act,) = pull_act(g)
-        d_p = _layer_grad(site, p.astype(dtype), act.astype(dtype), g.astype(dtype))
+        d_p = param_grad(p.astype(dtype), act.astype(dtype), g.astype(dtype))
         return jnp.zeros_like(w), jnp.zeros_like(p), d_act, d_p
 
     layer.defvjp(fwd, bwd)
@@ -497,6 +501,91 @@ def _site(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
         return out
 
     return site
+
+
+def _example_grad(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
+    """``grad(p, act, g)``: one example's gradient of the parameter leaf ``p``, in ``dtype``.
+
+    A dense layer's is one contraction over its tokens (:func:`_dot_kernel_grad`),
+    a convolution kernel's one per kernel offset (:func:`_conv_kernel_grad`),
+    each then pulled back through the layout operations from the leaf to the
+    layer; any other layer's is the vjp of the layer itself.
+    """
+    eqn = plan.jaxpr.jaxpr.eqns[tap.eqn]
+    if tap.rule == "conv":
+        operand_grad = lambda act, g: _conv_kernel_grad(eqn, act, g, dtype)  # noqa: E731
+    elif tap.rule == "dot":
+        operand_grad = lambda act, g: _dot_kernel_grad(eqn, tap.pos, act, g, dtype)  # noqa: E731
+    else:
+        site = _site(plan, tap, dtype)
+        return lambda p, act, g: _layer_grad(site, p, act, g)
+
+    def grad(p, act, g):
+        _, pull = jax.vjp(lambda q: _replay_chain(plan, tap, q), p)
+        (out,) = pull(operand_grad(act, g))
+        return out
+
+    return grad
+
+
+def _conv_kernel_grad(eqn, x, g, dtype):
+    """One example's kernel gradient of a convolution (one group), laid out as the kernel.
+
+    ``dW[o, i, k] = sum_{n, y} g[n, o, y] x_pad[n, i, y * stride + k * rhs_dilation]``
+    (``x_pad``: ``x`` padded, ``lhs_dilation`` as interior padding): per kernel
+    offset ``k``, one contraction of the input slice that offset reads with ``g``
+    over the example's batch and spatial dims, in ``dtype`` with
+    ``Precision.HIGHEST``. It is the sum the convolution's own transpose
+    computes; but under ``vmap`` that transpose becomes a grouped convolution
+    (``feature_group_count = B``), which XLA:CPU runs 1.5-3x slower than the
+    batch's kernel gradient, while each offset here is one batched matrix
+    product. Where windows overlap the offsets are a loop (``lax.map``), so that
+    one slice, the size of the output times the input features, exists at a
+    time: image patches, or all slices unrolled, hold them all (+44 MB on the
+    CNN of benchmarks/clipping.py at batch 256, 2/3 of its non-private step's).
+    """
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    sp_in = dn.lhs_spec[2:]
+    window = tuple(eqn.invars[1].aval.shape[d] for d in dn.rhs_spec[2:])
+    out_sp = tuple(eqn.outvars[0].aval.shape[d] for d in dn.out_spec[2:])
+    config = [(0, 0, 0)] * x.ndim
+    for s, d in enumerate(sp_in):
+        lo, hi = p["padding"][s]
+        config[d] = (lo, hi, p["lhs_dilation"][s] - 1)
+    xp = lax.pad(x, jnp.zeros((), x.dtype), config)
+    size, strides = list(xp.shape), [1] * x.ndim
+    for s, d in enumerate(sp_in):
+        size[d] = (out_sp[s] - 1) * p["window_strides"][s] + 1
+        strides[d] = p["window_strides"][s]
+    x_c = (dn.lhs_spec[0], *sp_in)  # batch and spatial dims, contracted
+    g_c = (dn.out_spec[0], *dn.out_spec[2:])
+
+    def one_offset(start):  # start: the offset times the kernel dilation, per spatial dim
+        begin = [0] * x.ndim
+        for s, d in enumerate(sp_in):
+            begin[d] = start[s]
+        if isinstance(start, np.ndarray):  # a static offset: one strided slice
+            xs = lax.slice(xp, begin, [b + n for b, n in zip(begin, size)], strides)
+        else:  # inside the loop (under vmap a gather)
+            xs = lax.dynamic_slice(xp, [jnp.asarray(b, jnp.int32) for b in begin], size)
+            xs = lax.slice(xs, [0] * x.ndim, xs.shape, strides)
+        return lax.dot_general(  # [I, O]
+            xs, g, ((x_c, g_c), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
+        )
+
+    starts = np.array(list(np.ndindex(*window)), np.int32) * np.array(p["rhs_dilation"], np.int32)
+    starts = starts.reshape(-1, len(window))
+    reach = [(k - 1) * r + 1 for k, r in zip(window, p["rhs_dilation"])]
+    if all(k <= st for k, st in zip(reach, p["window_strides"])):
+        # Windows that do not overlap (patch embeddings): the slices together are no
+        # larger than the input, and unrolled they need no loop and no gather.
+        per_offset = jnp.stack([one_offset(start) for start in starts])
+    else:
+        per_offset = lax.map(one_offset, jnp.asarray(starts))
+    kio = per_offset.reshape(window + per_offset.shape[1:])  # [k..., I, O]
+    dims = (*dn.rhs_spec[2:], dn.rhs_spec[1], dn.rhs_spec[0])  # the kernel dim of each axis
+    return jnp.transpose(kio, np.argsort(dims))
 
 
 def _layer_grad(site, p, act, g):
@@ -675,17 +764,37 @@ def _sum_dot(plan: GhostPlan, tap: _Tap, a, g, p, factor):
     kn = lax.dot_general(
         am, gm, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=p.dtype
     )
-    # [K, N] -> the layer's parameter operand W' (contracting dims cw, then its free dims).
+    _, pull = jax.vjp(lambda q: _replay_chain(plan, tap, q), p)
+    (out,) = pull(_kn_to_operand(eqn, tap.pos, kn).astype(p.dtype))
+    return out
+
+
+def _kn_to_operand(eqn, pos, kn):
+    """A dense layer's gradient as ``[K, N]`` -> laid out as its parameter operand W'
+    (contracting dims cw, then its free dims, as :func:`_dot_operands` orders them)."""
     (lc, rc), _ = eqn.params["dimension_numbers"]
-    cw = tuple(lc if tap.pos == 0 else rc)
-    w_shape = eqn.invars[tap.pos].aval.shape
+    cw = tuple(lc if pos == 0 else rc)
+    w_shape = eqn.invars[pos].aval.shape
     fw = tuple(d for d in range(len(w_shape)) if d not in cw)
     kn = kn.reshape(tuple(w_shape[d] for d in cw + fw))
-    w_grad = jnp.transpose(kn, np.argsort(cw + fw))
+    return jnp.transpose(kn, np.argsort(cw + fw))
 
-    _, pull = jax.vjp(lambda q: _replay_chain(plan, tap, q), p)
-    (out,) = pull(w_grad.astype(p.dtype))
-    return out
+
+def _dot_kernel_grad(eqn, pos, a, g, dtype):
+    """One example's gradient of a dense layer's parameter operand: ``A^T G`` as one
+    contraction over the tokens of A [T, K], G [T, N] (:func:`_dot_operands`).
+
+    The vjp of the layer gives the same sum, but on the example's own shapes
+    (``[1, T, K]`` for a flax layer): under ``vmap`` XLA:CPU then copies one
+    operand into another layout before a slower batched product (1.25x the
+    batch gradient's time against 0.75x for this form, ViT of
+    benchmarks/clipping.py).
+    """
+    am, gm = _dot_operands(eqn, pos, a, g)
+    kn = lax.dot_general(
+        am, gm, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
+    )
+    return _kn_to_operand(eqn, pos, kn)
 
 
 def _sq_norm_embed(eqn, idx, g, dtype):
