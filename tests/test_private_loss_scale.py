@@ -61,7 +61,8 @@ def test_without_a_key_the_count_noise_is_secret():
 def test_private_grad_releases_a_noised_count_and_adjusts():
     params, batch = overflowing(32, 3)
     ls = dpmp.PrivateDynamicLossScale(2.0**8, prng_key=0, count_noise_stddev=0.1, threshold=0.5)
-    out = run("fp16", batch, params, loss_scale=ls)
+    # per-example gradients: the example's fp16 w1 gradient is what overflows
+    out = run("fp16", batch, params, loss_scale=ls, method="vmap")
     assert int(out.stats.num_nonfinite) == 1
     assert abs(float(out.stats.noised_overflow_count) - 1.0) < 1.0  # 1 + N(0, 0.1^2)
     assert float(out.loss_scale.loss_scale) == 2.0**7  # backed off

@@ -270,7 +270,7 @@ def private_grad(
     l2_clip_norm: float,
     policy: Policy | str,
     batch_argnums: int | Sequence[int] = 1,
-    method: str = "vmap",
+    method: str = "auto",
     microbatch_size: int | None = None,
     keep_batch_dim: bool = True,
     allow_nonprivate_loss_scale: bool = False,
@@ -287,7 +287,8 @@ def private_grad(
         params cast to ``policy.grad`` and the floating leaves of the batch cast
         to ``policy.compute``.
       batch_argnums: which positional arguments carry the batch axis.
-      method: ``"vmap"`` (per-example gradients, as jax-privacy computes them),
+      method: ``"auto"`` (the default), ``"vmap"`` (per-example gradients, as
+        jax-privacy computes them),
         ``"ghost"`` (per layer, the cheaper of two: the norm from the layer's
         activations and output gradients followed by one clip-weighted
         contraction, or the layer's own per-example gradient formed inside the
@@ -297,11 +298,10 @@ def private_grad(
         where every parameter sits in a supported layer (dense/einsum,
         convolution, embedding, bias, norm scale), else vmap. ``g.explain(params,
         *args)`` says which was chosen and why; ``g.resolved_method`` is the
-        last traced choice. ``"ghost"`` on an unsupported model raises. The
-        default stays ``"vmap"``: ghost clipping measures overflow differently
-        (it forms per-example weight gradients in the clip dtype, from
-        half-precision activations and output gradients, so an example
-        overflows only if one of those does).
+        last traced choice. ``"ghost"`` on an unsupported model raises. Ghost
+        clipping measures overflow differently: it forms per-example weight
+        gradients in the clip dtype, from half-precision activations and output
+        gradients, so an example overflows only if one of those does.
       microbatch_size: examples per vmapped microbatch; microbatches run
         sequentially and are summed in the accumulate dtype.
       keep_batch_dim: pass each example with a leading axis of size 1.

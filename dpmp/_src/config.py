@@ -296,10 +296,10 @@ class PrivacyConfig:
     sampling: ``"poisson"`` (what the accounting assumes) or ``"shuffle"``
       (fixed shuffled batches: the report says the Poisson epsilon does not apply).
     clip_method: how per-example norms are taken (``dpmp.private_grad``'s
-      ``method``): ``"vmap"`` (per-example gradients), ``"ghost"`` (from each
-      layer's activations and output gradients; fails on a model it cannot
-      handle) or ``"auto"`` (ghost where it can, else vmap). The report says
-      which ran and why.
+      ``method``): ``"auto"`` (default: ghost where it can, else vmap),
+      ``"vmap"`` (per-example gradients) or ``"ghost"`` (from each layer's
+      activations and output gradients; fails on a model it cannot handle).
+      The report says which ran and why.
     noise_sampler: ``"snapped"`` (default: ``dpmp.snapped_gaussian``, safe
       against observers of exact outputs; its floating-point residual is part
       of the reported epsilon) or ``"plain"`` (float32 ``jax.random.normal``:
@@ -316,7 +316,7 @@ class PrivacyConfig:
     l2_clip_norm: float = 1.0
     accountant: str = "pld"
     sampling: str = "poisson"
-    clip_method: str = "vmap"
+    clip_method: str = "auto"
     noise_sampler: str = "snapped"
     reproducible_noise: bool = False
 
