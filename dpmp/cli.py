@@ -1,4 +1,4 @@
-"""The ``dpmp`` command: train, audit, budget, report.
+"""The ``dpmp`` command: train, audit, compare, budget, report.
 
 Errors in arguments, configs or data print one line naming the field and what
 is allowed, and exit with status 2 (no traceback). ``dpmp audit`` exits 1 when
@@ -191,6 +191,17 @@ def _releases(text: str) -> int:
     return n
 
 
+def _count(text: str) -> int:
+    """A number of timed samples: 1 to 100."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 1 <= n <= 100:
+        raise argparse.ArgumentTypeError(f"must be in [1, 100], got {n}")
+    return n
+
+
 def _cmd_audit(args) -> int:
     from dpmp._src.trainer import audit_step, privacy_audit_step
 
@@ -207,6 +218,26 @@ def _cmd_audit(args) -> int:
     else:
         print(report)
     return 0 if report.ok else 1
+
+
+# ---- compare -----------------------------------------------------------------------
+def _cmd_compare(args) -> int:
+    from dpmp._src.trainer.compare import compare, format_table
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise _UsageError("--policies: give at least one policy, e.g. fp32,bf16")
+    rows = compare(
+        _load(args),
+        policies=policies,
+        repeats=args.repeats,
+        progress=lambda line: print(f"dpmp compare: {line}", file=sys.stderr, flush=True),
+    )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_table(rows))
+    return 0
 
 
 # ---- budget ------------------------------------------------------------------------
@@ -356,6 +387,25 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_audit)
 
     p = sub.add_parser(
+        "compare",
+        help="fp32, bf16 and fp16 side by side: memory and time, private and not",
+        description="For a config, build its step under each policy three ways "
+        "(non-private, clipped without noise, private) and print parameter bytes, "
+        "optimizer state bytes, compiled temporary memory and step time, and the share "
+        "of the private step spent in clipping and in noise. Prints no value computed "
+        "from the data.",
+    )
+    _add_config_args(p)
+    p.add_argument(
+        "--policies",
+        default="fp32,bf16,fp16",
+        help="comma-separated policies (default: fp32,bf16,fp16)",
+    )
+    p.add_argument("--repeats", type=_count, default=5, help="timed samples per step (default 5)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser(
         "budget",
         help="epsilon for a plan, or the noise multiplier for a target epsilon",
         description="With --noise-multiplier: the epsilon the plan spends. With "
@@ -395,6 +445,7 @@ _IMPORTS = {
     "train": ("jax", "dpmp._src.trainer", "dpmp._src.release", "dpmp._src.plots", "matplotlib"),
     "audit": ("jax", "dpmp._src.trainer", "dpmp._src.audit"),
     "budget": ("dpmp._src.accounting",),
+    "compare": ("jax", "dpmp._src.trainer.compare"),
     "report": ("dpmp._src.release", "dpmp._src.plots", "matplotlib"),
 }
 
