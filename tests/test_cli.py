@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import dp_accounting
 import numpy as np
@@ -446,6 +447,17 @@ def test_a_fixed_noise_multiplier_too_small_is_refused_before_training(capsys, t
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_a_fixed_noise_multiplier_too_small_is_refused_before_pre_training(capsys, tmp_path):
+    """With a [pretrain] section the refusal comes before the public pre-training
+    (checked on exact Gaussian noise, which the snapped residual only adds to),
+    not after minutes of it."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "lm_lora.toml"
+    argv = ["train", "--config", str(config), "--out", str(tmp_path)]
+    assert cli.main([*argv, "--set", "privacy.noise_multiplier=0.7"]) == 2
+    assert_one_line_error(capsys, "train", "privacy.noise_multiplier: 0.7 spends target epsilon")
+    assert not (tmp_path / "pretrained").exists() and not (tmp_path / "checkpoints").exists()
+
+
 def test_a_second_writer_is_refused_and_changes_nothing(capsys, tmp_path):
     from dpmp._src.run_dir import locked
 
@@ -652,7 +664,7 @@ def test_a_run_that_did_not_do_what_was_asked_exits_3_and_says_why(
 
     # a too-small fixed sigma is refused before training; the stop is the guarantee
     # behind that refusal, reached here with the refusal switched off
-    monkeypatch.setattr(loop, "_check_fixed_noise", lambda step: None)
+    monkeypatch.setattr(loop, "_check_fixed_noise", lambda *args: None)
     argv = ["train", "--quiet", "--out", str(tmp_path)]
     for item in sets:
         argv += ["--set", item]

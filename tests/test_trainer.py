@@ -231,7 +231,7 @@ def test_run_stops_at_the_last_step_within_budget(digits, tmp_path, monkeypatch)
     """The tracker's stop, the guarantee behind the refusal above (switched off here)."""
     from dpmp._src.trainer import loop
 
-    monkeypatch.setattr(loop, "_check_fixed_noise", lambda step: None)
+    monkeypatch.setattr(loop, "_check_fixed_noise", lambda *args: None)
     cfg = small("privacy.noise_multiplier=0.9", "training.steps=40")
     report = train(cfg, out_dir=tmp_path, progress=False, data=digits)
     stopped = report["stopped_early"]

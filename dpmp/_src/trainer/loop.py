@@ -51,6 +51,7 @@ from dpmp._src.private_loss_scale import PrivateDynamicLossScale
 from dpmp._src.run_dir import ProgressBar, RunDir, locked
 from dpmp._src.trainer.batches import gather, input_dtype
 from dpmp._src.trainer.evaluate import evaluator
+from dpmp._src.trainer.plan import noise_plan
 from dpmp._src.trainer.pretrain import params_digest, pretrain
 from dpmp._src.trainer.resume import check_config, check_data, check_model, check_start
 from dpmp._src.trainer.step import PrivateStep, audit_summary, build_private_step
@@ -191,11 +192,15 @@ def _train(config, out_dir, resume, progress, model, loss, data, callback, init_
         if found[0].get("feature_stats"):
             saved_stats = FeatureStats.from_dict(found[0]["feature_stats"])
     told: list[str] = []  # the pre-training's log lines, written once the run's log is open
+    if config.pretrain.enabled:  # refuse a too-small fixed sigma before pre-training
+        exact = noise_plan(config, num_train=data.num_train, params_shape=None)
+        _check_fixed_noise(config, exact.budget)
     init_params, start = _starting_point(config, run_dir, model, init_params, progress, told)
     step = _build_step(
         config, data, model=model, loss=loss, feature_stats=saved_stats, init_params=init_params
     )
-    _check_fixed_noise(step)
+    if not step.noise_calibrated:
+        _check_fixed_noise(step.config, step.budget)
     run = _Run(step, run_dir, data_fingerprint, start)
     if found is not None:
         check_model(found[0], run.signature, found[1])
@@ -262,17 +267,22 @@ def _starting_point(
     return init_params, {"source": source, "params_sha256": params_digest(init_params)}
 
 
-def _check_fixed_noise(step: PrivateStep) -> None:
+def _check_fixed_noise(config: Config, budget: accounting.PrivacyBudget) -> None:
     """A given noise multiplier must carry all planned steps within the budget
     (a calibrated one does by construction): refused before any step, rather than
-    stopping part-way. The budget tracker's stop remains the guarantee."""
-    if step.noise_calibrated:
+    stopping part-way. The budget tracker's stop remains the guarantee.
+
+    Before a public pre-training it is checked on exact Gaussian noise (no
+    noised coordinates yet): the snapped noise's residual only adds epsilon, so
+    a sigma refused there is refused after it too, and nothing is pre-trained
+    for a run that cannot start."""
+    if config.privacy.noise_multiplier is None:
         return
-    p, steps = step.config.privacy, step.config.training.steps
-    fits = accounting.BudgetTracker(step.budget).remaining_steps(steps)
+    p, steps = config.privacy, config.training.steps
+    fits = accounting.BudgetTracker(budget).remaining_steps(steps)
     if fits < steps:
         raise ConfigError(
-            f"privacy.noise_multiplier: {step.noise_multiplier:g} spends target epsilon "
+            f"privacy.noise_multiplier: {budget.noise_multiplier:g} spends target epsilon "
             f"{p.target_epsilon:g} (delta {p.delta:g}) in {fits} of training.steps = {steps} "
             "steps; raise it, lower training.steps, or leave it unset to calibrate it"
         )

@@ -67,7 +67,7 @@ def _preprocessing_sigma(config: Config) -> float | None:
 def _noised_coordinates(config: Config, policy, params_shape) -> int | None:
     """Coordinates of each noisy release when the noise is snapped (its residual
     is then accounted), else None."""
-    if not draws_snapped(config.privacy.noise_sampler, policy):
+    if params_shape is None or not draws_snapped(config.privacy.noise_sampler, policy):
         return None
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params_shape))
 
@@ -150,7 +150,8 @@ class NoisePlan:
 def noise_plan(config: Config, *, num_train: int, params_shape: Any) -> NoisePlan:
     """The noise multiplier and budget of ``config`` for ``num_train`` examples and
     trainable parameters shaped like ``params_shape`` (a pytree of arrays or
-    ``jax.ShapeDtypeStruct``)."""
+    ``jax.ShapeDtypeStruct``; None: the plan of exact Gaussian noise, which a
+    snapped noise's residual can only add to)."""
     q = config.training.expected_batch_size / num_train
     count_sigma = count_noise_stddev(config)
     coordinates = _noised_coordinates(config, config.precision, params_shape)
