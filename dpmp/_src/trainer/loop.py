@@ -192,15 +192,16 @@ def _train(config, out_dir, resume, progress, model, loss, data, callback, init_
         if found[0].get("feature_stats"):
             saved_stats = FeatureStats.from_dict(found[0]["feature_stats"])
     told: list[str] = []  # the pre-training's log lines, written once the run's log is open
-    if config.pretrain.enabled:  # refuse a too-small fixed sigma before pre-training
+    fixed = config.privacy.noise_multiplier is not None
+    if fixed and config.pretrain.enabled:  # refuse a too-small sigma before pre-training
         exact = noise_plan(config, num_train=data.num_train, params_shape=None)
         _check_fixed_noise(config, exact.budget)
     init_params, start = _starting_point(config, run_dir, model, init_params, progress, told)
     step = _build_step(
         config, data, model=model, loss=loss, feature_stats=saved_stats, init_params=init_params
     )
-    if not step.noise_calibrated:
-        _check_fixed_noise(step.config, step.budget)
+    if fixed:
+        _check_fixed_noise(config, step.budget)
     run = _Run(step, run_dir, data_fingerprint, start)
     if found is not None:
         check_model(found[0], run.signature, found[1])
@@ -268,7 +269,7 @@ def _starting_point(
 
 
 def _check_fixed_noise(config: Config, budget: accounting.PrivacyBudget) -> None:
-    """A given noise multiplier must carry all planned steps within the budget
+    """A given (not calibrated) noise multiplier must carry all planned steps within the budget
     (a calibrated one does by construction): refused before any step, rather than
     stopping part-way. The budget tracker's stop remains the guarantee.
 
@@ -276,8 +277,6 @@ def _check_fixed_noise(config: Config, budget: accounting.PrivacyBudget) -> None
     noised coordinates yet): the snapped noise's residual only adds epsilon, so
     a sigma refused there is refused after it too, and nothing is pre-trained
     for a run that cannot start."""
-    if config.privacy.noise_multiplier is None:
-        return
     p, steps = config.privacy, config.training.steps
     fits = accounting.BudgetTracker(budget).remaining_steps(steps)
     if fits < steps:
