@@ -44,15 +44,11 @@ def chunk_size(config: Config) -> int | None:
 def make_sampler(config: Config, num_train: int, seed: int):
     """The run's sampler over ``num_train`` examples with the secret ``seed``."""
     t = config.training
-    if t.expected_batch_size > num_train:
-        raise ConfigError(
-            f"training.expected_batch_size: {t.expected_batch_size} exceeds the "
-            f"{num_train} training examples"
-        )
-    for name in ("physical_batch_size", "microbatch_size"):
+    # a batch never holds more than every example (a larger physical or micro
+    # batch would be padding, allocated)
+    for name in ("expected_batch_size", "physical_batch_size", "microbatch_size"):
         size = getattr(t, name)
         if size is not None and size > num_train:
-            # a batch never holds more than every example; more would be padding
             raise ConfigError(f"training.{name}: {size} exceeds the {num_train} training examples")
     if config.privacy.sampling == "shuffle":
         return ShuffledSampler(num_train, t.expected_batch_size, seed=seed, num_steps=t.steps)
