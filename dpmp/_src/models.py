@@ -58,6 +58,7 @@ from dpmp._src.policy import Policy
 __all__ = [
     "Model",
     "build_model",
+    "count_bytes",
     "count_params",
     "cross_entropy",
     "next_token_losses",
@@ -88,6 +89,11 @@ class Model:
 
 def count_params(params) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def count_bytes(params) -> int:
+    """Bytes of ``params`` (arrays or ``jax.ShapeDtypeStruct``), in their own dtypes."""
+    return int(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)))
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:

@@ -31,13 +31,13 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import optax
 
 from dpmp._src.config import Config
 from dpmp._src.data import Dataset, load_data
+from dpmp._src.models import count_bytes
 from dpmp._src.trainer.step import _make_optimizer, build_private_step
 
 __all__ = ["KINDS", "POLICIES", "compare", "format_table"]
@@ -106,10 +106,6 @@ def _time(fns: dict[str, tuple[Callable, tuple]], repeats: int) -> dict[str, flo
     return {kind: statistics.median(s) for kind, s in samples.items()}
 
 
-def _nbytes(tree: Any) -> int:
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
-
-
 def _with_policy(config: Config, policy: str) -> Config:
     """``config`` under ``policy``, one-shot (validated: a bad policy is a ConfigError)."""
     t = dataclasses.replace(config.training, physical_batch_size=None)
@@ -124,7 +120,7 @@ def _one_policy(cfg: Config, data: Dataset, policy: str, repeats: int) -> list[d
         for kind, (f, args) in fns.items()
     }
     seconds = _time(fns, repeats)
-    params, opt_state = step.example_args[0], step.example_args[3]
+    params = step.example_args[0]
     param_dtypes = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(params)})
     return [
         {
@@ -132,8 +128,8 @@ def _one_policy(cfg: Config, data: Dataset, policy: str, repeats: int) -> list[d
             "preset": policy,
             "step": kind,
             "param_dtype": ",".join(param_dtypes),
-            "param_bytes": _nbytes(params),
-            "opt_state_bytes": _nbytes(opt_state if kind == "private" else fns[kind][1][3]),
+            "param_bytes": count_bytes(params),
+            "opt_state_bytes": count_bytes(fns[kind][1][3]),  # each kind's own state
             "temp_bytes": temp[kind],
             "step_s": seconds[kind],
             "clip_method": step.clipping["method"],

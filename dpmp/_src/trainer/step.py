@@ -23,7 +23,6 @@ so the compiled memory is set by the chunk, not by the logical batch.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -44,7 +43,7 @@ from dpmp._src.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
 )
-from dpmp._src.models import Model
+from dpmp._src.models import Model, count_bytes, count_params
 from dpmp._src.noise import private_optimizer
 from dpmp._src.preprocess import FeatureStats, standardize
 from dpmp._src.private_loss_scale import PrivateDynamicLossScale
@@ -250,10 +249,11 @@ def build_private_step(
         model = model_from_config(config.model, data, policy)
     init_key = jax.random.split(jax.random.key(t.seed), 3)[0]
     lora = bool(config.model.lora_rank)
-    _check_fits(config, jax.eval_shape(model.init, init_key), trainable=not lora)
-    model = _starting_point(config, model, init_params, init_key)
     params_shape = jax.eval_shape(model.init, init_key)
-    if lora:
+    _check_fits(config, params_shape, trainable=not lora)
+    model = _starting_point(config, model, init_params, params_shape, init_key)
+    if lora:  # the adapters are what trains (init_params have the model's own shapes)
+        params_shape = jax.eval_shape(model.init, init_key)
         _check_fits(config, params_shape, trainable=True)
     sampler = make_sampler(config, data.num_train, keys.sampler_seed)
     plan = noise_plan(config, num_train=data.num_train, params_shape=params_shape)
@@ -334,9 +334,7 @@ def _check_fits(config: Config, shapes: Any, *, trainable: bool) -> None:
     """Refuses parameters (with their gradients and optimizer state when
     ``trainable``) that cannot fit in memory, from shapes alone: a typo such as
     ``model.dim = 100000000000`` is one line, not an out-of-memory crash."""
-    leaves = jax.tree.leaves(shapes)
-    count = sum(math.prod(leaf.shape) for leaf in leaves)
-    need = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves)
+    count, need = count_params(shapes), count_bytes(shapes)
     if trainable:
         need *= _COPIES.get(config.training.optimizer, 4)
     limit = _memory_bytes()
@@ -358,10 +356,10 @@ def _check_fits(config: Config, shapes: Any, *, trainable: bool) -> None:
     )
 
 
-def _starting_point(config: Config, model: Model, init_params: Any, init_key) -> Model:
-    """``model`` starting from ``init_params``, or adapting them frozen (LoRA)."""
+def _starting_point(config: Config, model: Model, init_params: Any, like: Any, init_key) -> Model:
+    """``model`` starting from ``init_params``, or adapting them frozen (LoRA);
+    ``like``: the shapes of ``model.init``."""
     if init_params is not None:
-        like = jax.eval_shape(model.init, init_key)
         _check_like(init_params, like)
         # in the dtypes of the model's own parameters (float32 masters)
         init_params = jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), init_params, like)
