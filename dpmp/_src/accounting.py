@@ -71,6 +71,7 @@ sigma = 10, 875 steps, delta = 1e-5, reports epsilon = 1; this module gives
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -388,42 +389,43 @@ def _make_accountant(
     )
 
 
-def _rdp_bound(event: dp_accounting.DpEvent, delta: float) -> float:
-    """An upper bound on ``event``'s epsilon at ``delta`` that is cheap at any size:
-    dp-accounting's RDP accountant at ``_BOUND_ORDERS`` (any set of orders gives a
-    valid bound), add-or-remove adjacency; inf where its arithmetic overflows."""
+def _rdp_curve(event: dp_accounting.DpEvent) -> Any:
+    """``event``'s RDP at ``_BOUND_ORDERS`` (add-or-remove adjacency); inf where
+    dp-accounting's arithmetic overflows."""
     try:
         with _absl_quiet():
-            acct = dp_accounting.rdp.RdpAccountant(orders=_BOUND_ORDERS)
-            return float(acct.compose(event).get_epsilon(delta))
+            return dp_accounting.rdp.RdpAccountant(orders=_BOUND_ORDERS).compose(event).rdp
     except ArithmeticError:  # ZeroDivisionError, OverflowError at extreme sigmas
-        return math.inf
+        return np.full(len(_BOUND_ORDERS), np.inf)
 
 
-def _rdp_bound_of_curves(orders, rdp, delta: float) -> float:
+def _rdp_bound(rdp: Any, delta: float) -> float:
+    """An upper bound on the epsilon at ``delta`` of the RDP curve ``rdp`` (at
+    ``_BOUND_ORDERS``: any set of orders gives a valid bound), cheap at any
+    number of steps; inf where it overflows."""
     try:
         with _absl_quiet():
-            return float(rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0])
+            return float(rdp_privacy_accountant.compute_epsilon(_BOUND_ORDERS, rdp, delta)[0])
     except ArithmeticError:
         return math.inf
 
 
-class _absl_quiet:
+@contextlib.contextmanager
+def _absl_quiet():
     """Silences dp-accounting's absl warnings (e.g. an RDP order that did not
     converge, which the bound simply leaves out) while bounding a plan."""
-
-    def __enter__(self):
-        self._logger = logging.getLogger("absl")
-        self._level = self._logger.level
-        self._logger.setLevel(logging.ERROR)
-
-    def __exit__(self, *exc):
-        self._logger.setLevel(self._level)
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _check_within_limit(event: dp_accounting.DpEvent, delta: float) -> None:
     """Refuses a plan whose RDP bound exceeds ``MAX_EPSILON`` (see there)."""
-    bound = _rdp_bound(event, delta)
+    bound = _rdp_bound(_rdp_curve(event), delta)
     if bound > MAX_EPSILON:
         raise ValueError(
             f"this plan spends more than epsilon {MAX_EPSILON:g} (its RDP bound is "
@@ -948,7 +950,7 @@ def _calibrate_exact(
 
     def eps(sigma: float) -> float:
         event = make_event(sigma)
-        if accountant == "pld" and _rdp_bound(event, delta) > MAX_EPSILON:
+        if accountant == "pld" and _rdp_bound(_rdp_curve(event), delta) > MAX_EPSILON:
             return math.inf  # too little noise for any target (<= MAX_EPSILON)
         return make_accountant().compose(event).get_epsilon(delta)
 
@@ -1070,39 +1072,32 @@ class _EpsilonCurve:
         self._bound_per_step: list[Any] = [None, None, None]
         self._cursor: tuple[int, int, Any] | None = None
 
-    def _bound_single(self, kind: int) -> Any:
-        """The RDP curve of one release at ``_BOUND_ORDERS`` (for ``_rdp_bound``)."""
-        if self._bound_per_step[kind] is None:
-            q = 1.0 if kind == 2 else self._budget.sampling_prob
-            gaussian = dp_accounting.GaussianDpEvent(self._sigmas[kind])
-            acct = dp_accounting.rdp.RdpAccountant(orders=_BOUND_ORDERS)
-            with _absl_quiet():
-                acct.compose(
-                    gaussian if kind == 2 else dp_accounting.PoissonSampledDpEvent(q, gaussian)
-                )
-            self._bound_per_step[kind] = acct.rdp
-        return self._bound_per_step[kind]
+    def _release(self, kind: int) -> dp_accounting.DpEvent:
+        """One release of ``kind``: a sampled step, or the preprocessing (every record)."""
+        gaussian = dp_accounting.GaussianDpEvent(self._sigmas[kind])
+        if kind == 2:
+            return gaussian
+        return dp_accounting.PoissonSampledDpEvent(self._budget.sampling_prob, gaussian)
 
     def _beyond_limit(self, plain: int, with_count: int) -> bool:
         """The plan's RDP bound exceeds ``MAX_EPSILON``: its PLD is not built."""
         rdp = 0
         for kind, n in ((0, plain), (1, with_count), (2, self._pre)):
             if n > 0:
-                rdp = rdp + n * self._bound_single(kind)
-        return _rdp_bound_of_curves(_BOUND_ORDERS, rdp, self._budget.delta) > MAX_EPSILON
+                if self._bound_per_step[kind] is None:
+                    self._bound_per_step[kind] = _rdp_curve(self._release(kind))
+                rdp = rdp + n * self._bound_per_step[kind]
+        return _rdp_bound(rdp, self._budget.delta) > MAX_EPSILON
 
     def _single(self, kind: int) -> Any:
         if self._per_step[kind] is None:
             b = self._budget
             q = 1.0 if kind == 2 else b.sampling_prob  # preprocessing reads every record
-            gaussian = dp_accounting.GaussianDpEvent(self._sigmas[kind])
             if b.accountant == "rdp":
                 acct = dp_accounting.rdp.RdpAccountant(
                     neighboring_relation=_NEIGHBORING[b.neighboring]
                 )
-                acct.compose(
-                    gaussian if kind == 2 else dp_accounting.PoissonSampledDpEvent(q, gaussian)
-                )
+                acct.compose(self._release(kind))
                 self._per_step[kind] = (acct.orders, acct.rdp)
             else:
                 self._per_step[kind] = privacy_loss_distribution.from_gaussian_mechanism(
