@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["console", "main"]
@@ -181,25 +182,22 @@ def _summary(report: dict) -> str:
 
 
 # ---- audit -------------------------------------------------------------------------
-def _releases(text: str) -> int:
-    try:
-        n = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if n < 100:
-        raise argparse.ArgumentTypeError(f"must be >= 100, got {n}")
-    return n
+def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer (``1,000,000`` and ``1_000_000`` too) in
+    ``[low, high]`` (no upper bound when ``high`` is None)."""
 
+    def parse(text: str) -> int:
+        try:
+            n = int(text.replace(",", "").replace("_", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if high is None and n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        if high is not None and not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {n}")
+        return n
 
-def _count(text: str) -> int:
-    """A number of timed samples: 1 to 100."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if not 1 <= n <= 100:
-        raise argparse.ArgumentTypeError(f"must be in [1, 100], got {n}")
-    return n
+    return parse
 
 
 def _cmd_audit(args) -> int:
@@ -380,7 +378,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--releases",
-        type=_releases,
+        type=_integer(100),
         default=1_000_000,
         help="noisy releases per dataset for --privacy (default 1,000,000)",
     )
@@ -401,7 +399,9 @@ def _parser() -> argparse.ArgumentParser:
         default="fp32,bf16,fp16",
         help="comma-separated policies (default: fp32,bf16,fp16)",
     )
-    p.add_argument("--repeats", type=_count, default=5, help="timed samples per step (default 5)")
+    p.add_argument(
+        "--repeats", type=_integer(1, 100), default=5, help="timed samples per step (default 5)"
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=_cmd_compare)
 
