@@ -64,7 +64,6 @@ def main():
         [
             f"training.steps={args.steps}",
             "training.physical_batch_size=128",
-            "privacy.clip_method=auto",
         ],
     )
     report = dpmp.train(

@@ -191,3 +191,17 @@ def test_every_numeric_key_is_range_checked_at_its_extremes():
         else:
             with pytest.raises(ConfigError, match=re.escape(key)):
                 load_config(None, huge)
+
+
+def test_the_limits_mirrored_from_accounting_agree_with_it():
+    """config.py keeps dpmp.accounting's limits as literals (it does not import the
+    accountant); they must say the same."""
+    from dpmp import accounting
+    from dpmp._src import config
+
+    assert config.MAX_EPSILON == accounting.MAX_EPSILON
+    low, high = config.NOISE_RANGE
+    assert high == accounting.MAX_NOISE_MULTIPLIER and low == 1 / high
+    load_config(None, [f"training.steps={accounting.MAX_STEPS}"])
+    with pytest.raises(ConfigError, match="training.steps"):
+        load_config(None, [f"training.steps={accounting.MAX_STEPS + 1}"])

@@ -658,35 +658,41 @@ def _linear_reference_f64(layer, w_shape, x, v):
         return np.asarray(out).T  # [examples, K N]
 
 
-@pytest.mark.parametrize("case", sorted(_CONVS))
-def test_per_example_conv_kernel_gradient_matches_float64(case):
-    """Padding (also negative), strides, kernel and input dilation, other layouts: the
-    per-example kernel gradients (norms and clipped sum) match a float64 reference."""
-    x_shape, w_shape, kw = _CONVS[case]
-    conv, loss = _conv_loss(kw)
-    rng = np.random.default_rng(3)
+def _check_per_example_route(layer, loss, w_shape, x_shape, kind, seed):
+    """``private_grad(method="ghost")`` forms ``layer``'s per-example gradient (rule
+    ``per-example``), and its norms, clipped count and clipped sum match float64."""
+    rng = np.random.default_rng(seed)
     n = 12
-    x = rng.normal(size=(n, 1, *x_shape)).astype(np.float32)  # one image per example
-    y_shape = jax.eval_shape(conv, x[0], jnp.zeros(w_shape, jnp.float32)).shape
+    x = rng.normal(size=(n, 1, *x_shape)).astype(np.float32)  # one input per example
+    y_shape = jax.eval_shape(layer, x[0], jnp.zeros(w_shape, jnp.float32)).shape
     v = rng.normal(size=(n, *y_shape)).astype(np.float32)
     params = {"w": rng.normal(size=w_shape).astype(np.float32)}
-
-    def loss_ex(p, b):
-        return jax.vmap(lambda x_, v_: loss(p, {"x": x_, "v": v_}))(b["x"], b["v"]).mean()
-
     batch = {"x": x, "v": v}
-    ref = _linear_reference_f64(conv, w_shape, x, v)  # the loss of a batch of one
+    ref = _linear_reference_f64(layer, w_shape, x, v)  # the loss of a batch of one
     norms = np.linalg.norm(ref, axis=1)
     clip = float(np.median(norms))
-    g = dpmp.private_grad(loss_ex, l2_clip_norm=clip, policy="f32", method="ghost")
+    g = dpmp.private_grad(loss, l2_clip_norm=clip, policy="f32", method="ghost")
     (row,) = g.explain(params, batch)["layers"]
-    assert (row["layer"], row["rule"]) == ("conv", "per-example"), row
+    assert (row["layer"], row["rule"]) == (kind, "per-example"), row
     out = jax.jit(g)(params, batch)
     want = clipped_sum_f64({"w": ref.reshape((n, *w_shape))}, clip)[0]
     got = _flat(out.grads)
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
     np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=1e-5)
     assert int(out.stats.num_clipped) == int((norms > clip).sum())
+
+
+@pytest.mark.parametrize("case", sorted(_CONVS))
+def test_per_example_conv_kernel_gradient_matches_float64(case):
+    """Padding (also negative), strides, kernel and input dilation, other layouts: the
+    per-example kernel gradients (norms and clipped sum) match a float64 reference."""
+    x_shape, w_shape, kw = _CONVS[case]
+    conv, loss = _conv_loss(kw)
+
+    def loss_ex(p, b):
+        return jax.vmap(lambda x_, v_: loss(p, {"x": x_, "v": v_}))(b["x"], b["v"]).mean()
+
+    _check_per_example_route(conv, loss_ex, w_shape, x_shape, "conv", seed=3)
 
 
 # (activation shape per example, parameter shape, layer): dense layers whose parameter
@@ -704,25 +710,8 @@ def test_per_example_dense_gradient_matches_float64(case):
     """Several tokens, several contracting or free dims, the parameter as either operand:
     the per-example gradients (norms and clipped sum) match a float64 reference."""
     x_shape, w_shape, layer = _DENSES[case]
-    rng = np.random.default_rng(4)
-    n = 12
-    x = rng.normal(size=(n, 1, *x_shape)).astype(np.float32)
-    y_shape = jax.eval_shape(layer, x[0], jnp.zeros(w_shape, jnp.float32)).shape
-    v = rng.normal(size=(n, *y_shape)).astype(np.float32)
-    params = {"w": rng.normal(size=w_shape).astype(np.float32)}
 
     def loss(p, b):
         return jnp.sum(layer(b["x"], p["w"]) * b["v"])
 
-    batch = {"x": x, "v": v}
-    ref = _linear_reference_f64(layer, w_shape, x, v)
-    norms = np.linalg.norm(ref, axis=1)
-    clip = float(np.median(norms))
-    g = dpmp.private_grad(loss, l2_clip_norm=clip, policy="f32", method="ghost")
-    (row,) = g.explain(params, batch)["layers"]
-    assert (row["layer"], row["rule"]) == ("dense", "per-example"), row
-    out = jax.jit(g)(params, batch)
-    want = clipped_sum_f64({"w": ref.reshape((n, *w_shape))}, clip)[0]
-    got = _flat(out.grads)
-    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
-    np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=1e-5)
+    _check_per_example_route(layer, loss, w_shape, x_shape, "dense", seed=4)
