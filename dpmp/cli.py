@@ -87,8 +87,13 @@ def _cmd_train(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise _UsageError(f"--out: {args.out!r} exists and is not a directory")
+    import jax
+
+    primary = jax.process_index() == 0
     try:
-        report = train(config, out_dir=out, resume=not args.fresh, progress=not args.quiet)
+        report = train(
+            config, out_dir=out, resume=not args.fresh, progress=not args.quiet and primary
+        )
     except CheckpointError as e:
         # The trainer speaks of its Python arguments; say what to type instead.
         raise _UsageError(
@@ -96,6 +101,9 @@ def _cmd_train(args) -> int:
                 "use resume=False (or another out_dir)", "use --fresh (or another --out)"
             )
         ) from e
+    if not primary:  # process 0 writes and prints the run
+        print(f"dpmp train: process {jax.process_index()} of {jax.process_count()}: done")
+        return 0
     try:
         from dpmp._src.plots import plot_run
 
@@ -358,6 +366,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/default", metavar="RUN_DIR", help="run directory")
     p.add_argument("--fresh", action="store_true", help="ignore a checkpoint in RUN_DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    d = p.add_argument_group(
+        'several processes (jax.distributed; training.devices = "all")',
+        "Every process runs the same command; process 0 writes RUN_DIR, which every "
+        "process must see (a shared filesystem).",
+    )
+    d.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-process run described by the environment (SLURM, Open MPI, "
+        "Kubernetes, TPU pods, or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)",
+    )
+    d.add_argument(
+        "--coordinator", metavar="HOST:PORT", help="process 0's address (implies --distributed)"
+    )
+    d.add_argument("--num-processes", type=_integer(1, 65536), metavar="N", help="processes in all")
+    d.add_argument(
+        "--process-id", type=_integer(0, 65535), metavar="I", help="this process's index"
+    )
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(
@@ -450,7 +476,25 @@ _IMPORTS = {
 }
 
 
-def _import_all(modules) -> None:
+def _distributed(args) -> dict | None:
+    """The ``jax.distributed.initialize`` arguments ``dpmp train`` was given, or None."""
+    given = {
+        "coordinator": getattr(args, "coordinator", None),
+        "num_processes": getattr(args, "num_processes", None),
+        "process_id": getattr(args, "process_id", None),
+    }
+    if not getattr(args, "distributed", False) and all(v is None for v in given.values()):
+        return None
+    if given["process_id"] is not None and given["num_processes"] is not None:
+        if given["process_id"] >= given["num_processes"]:
+            raise _UsageError(
+                f"--process-id: {given['process_id']} is not below --num-processes "
+                f"{given['num_processes']}"
+            )
+    return given
+
+
+def _import_all(modules, distributed: dict | None = None) -> None:
     """Imports ``modules`` with Ctrl-C held until they are loaded, then raises it.
 
     A KeyboardInterrupt raised inside a native extension's initialisation
@@ -461,12 +505,14 @@ def _import_all(modules) -> None:
     if threading.current_thread() is not threading.main_thread():
         for name in modules:
             importlib.import_module(name)
+        _join(distributed)
         return
     pressed = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
     try:
         for name in modules:
             importlib.import_module(name)
+        _join(distributed)  # before the backend starts
         if "jax" in modules:
             sys.modules["jax"].devices()  # the backend's own start-up, also native
     finally:
@@ -475,11 +521,18 @@ def _import_all(modules) -> None:
         raise KeyboardInterrupt
 
 
+def _join(distributed: dict | None) -> None:
+    if distributed is not None:
+        from dpmp._src.trainer.mesh import initialize
+
+        initialize(**distributed)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        _import_all(_IMPORTS.get(args.command, ()))
+        _import_all(_IMPORTS.get(args.command, ()), _distributed(args))
         return args.func(args)
     except KeyboardInterrupt as e:
         # A run stopped between steps says where its checkpoint is (RunInterrupted).

@@ -567,7 +567,9 @@ PUBLIC_REPORT_KEYS = {
         "loss_scale", "standardize", "clipping", "audit", "sampling", "model", "data",
         "config", "versions", "num_params", "finite_params", "noise",
         "starting_point",  # pre-trained on public text, or given (and then the caller's)
+        "mesh",
     },
+    "mesh": {"devices", "processes", "platform", "all_reduce"},
     "noise": {"sampler", "noised_coordinates", "epsilon_residual"},
     "overflow": {
         "privatized", "count_releases", "count_noise_stddev", "epsilon_cost",

@@ -107,16 +107,21 @@ class PrivateGradStats(NamedTuple):
     noised_overflow_count: jax.Array
 
 
-def combine_stats(parts: Sequence[PrivateGradStats]) -> PrivateGradStats:
-    """The statistics of a batch processed as ``parts`` (chunks of one logical batch).
+def combine_stats(parts: Sequence[PrivateGradStats] | PrivateGradStats) -> PrivateGradStats:
+    """The statistics of a batch processed as ``parts`` (chunks of one logical batch,
+    or the shares of the devices of a mesh): a sequence of statistics, or one
+    ``PrivateGradStats`` whose fields are stacked along a leading axis.
 
     Counts add up; the mean norm and mean loss are weighted by the examples
     behind them; the maximum is the maximum; the median is the median of the
-    chunks' medians (an approximation: the chunks' norms are not kept).
+    parts' medians (an approximation: the parts' norms are not kept).
     """
-    if len(parts) == 1:
+    if isinstance(parts, PrivateGradStats):
+        stack = parts
+    elif len(parts) == 1:
         return parts[0]
-    stack = PrivateGradStats(*(jnp.stack(field) for field in zip(*parts)))
+    else:
+        stack = PrivateGradStats(*(jnp.stack(field) for field in zip(*parts)))
     n = stack.num_examples.sum()
     n_ok = n - stack.num_nonfinite.sum()
     finite_weights = (stack.num_examples - stack.num_nonfinite).astype(jnp.float32)

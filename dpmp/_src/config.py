@@ -74,6 +74,7 @@ _ALLOWED = {
     ),
     "model.kind": '"mlp", "nnx_mlp", "linear", "vit", "lm", or "package.module:factory"',
     "training.physical_batch_size": "integer > 0, or unset",
+    "training.devices": 'integer in [1, 65536], or "all"',
     "data.test_fraction": "number in (0, 1)",
     "model.hidden": "list of integers in [1, 2^20] (may be empty)",
     "model.heads": "integer in [1, 1024] dividing model.dim",
@@ -110,6 +111,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 NOISE_RANGE = (1e-6, 1e6)  # dpmp.accounting.MAX_NOISE_MULTIPLIER
 MAX_EPSILON = 100.0  # dpmp.accounting.MAX_EPSILON
 MAX_SEED = 2**32 - 1
+MAX_DEVICES = 65536
 
 
 def _positive(
@@ -364,6 +366,10 @@ class TrainingConfig:
     seed: seeds the initialisation and the train/test split. The noise and the
       sampling draw secret keys from the OS entropy (unless
       ``privacy.reproducible_noise``).
+    devices: devices of the data-parallel mesh: each step's batch (or each
+      physical chunk) is split over them, their clipped sums all-reduced in the
+      accumulate dtype, the noise added once; ``"all"``: every device JAX sees
+      (every process's, in a run of several processes).
     """
 
     steps: int = 300
@@ -376,6 +382,7 @@ class TrainingConfig:
     log_every: int = 10
     checkpoint_every: int = 50
     seed: int = 0
+    devices: int | str = 1
 
     def __post_init__(self):
         _positive("training.steps", self.steps, integer=True)
@@ -396,6 +403,12 @@ class TrainingConfig:
         for name in ("eval_every", "log_every", "checkpoint_every"):
             _positive(f"training.{name}", getattr(self, name), integer=True, allow_zero=True)
         _seed("training.seed", self.seed)
+        if self.devices != "all":
+            if isinstance(self.devices, str):
+                raise ConfigError(
+                    f'training.devices: a number of devices or "all", got {self.devices!r}'
+                )
+            _positive("training.devices", self.devices, integer=True, at_most=MAX_DEVICES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

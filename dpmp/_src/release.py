@@ -51,6 +51,7 @@ __all__ = [
     "epsilon_breakdown",
     "file_inventory",
     "inventory_lines",
+    "mesh_summary",
     "private_diagnostics",
     "private_record",
     "privacy_notes",
@@ -423,6 +424,7 @@ def build_report(
         },
         "audit": audit,
         "sampling": sampling,
+        "mesh": mesh_summary(step.mesh),
         "model": step.model.summary(params),
         "data": step.data.summary(),
         "config": config_dict(config),
@@ -431,6 +433,19 @@ def build_report(
         "finite_params": finite_params,
         # pre-trained on public text, given, or (LoRA) the model's initialisation
         "starting_point": starting_point,
+    }
+
+
+def mesh_summary(mesh) -> dict[str, Any]:
+    """Where the run ran (the public plan's hardware, no data)."""
+    import jax
+
+    devices = [jax.local_devices()[0]] if mesh is None else mesh.devices
+    return {
+        "devices": len(devices),
+        "processes": len({d.process_index for d in devices}),
+        "platform": devices[0].platform,
+        "all_reduce": None if mesh is None else "psum of the clipped sums, accumulate dtype",
     }
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "LOG_FILE",
     "RunDir",
     "RunDirError",
+    "SilentRunDir",
     "locked",
     "atomic_write_text",
     "read_metrics",
@@ -330,3 +331,33 @@ class ProgressBar:
         if self.enabled and self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class SilentRunDir(RunDir):
+    """The run directory as a process other than process 0 of a multi-process run
+    sees it: it reads the checkpoints process 0 writes and writes nothing."""
+
+    def __init__(self, path: str | Path, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.echo = False
+
+    def reset(self) -> None:
+        pass
+
+    def truncate_metrics(self, last_step: int) -> None:
+        pass
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        pass
+
+    def append_private_metrics(self, record: dict[str, Any]) -> None:
+        pass
+
+    def write_private_diagnostics(self, diagnostics: dict[str, Any]) -> None:
+        pass
+
+    def log(self, message: str, *, echo: bool | None = None) -> None:
+        pass
+
+    def write_report(self, report: dict[str, Any]) -> None:
+        pass

@@ -34,15 +34,26 @@ __all__ = [
 ]
 
 
-def chunk_size(config: Config) -> int | None:
-    """The size every padded batch must be a multiple of, or None."""
+def chunk_size(config: Config, devices: int = 1) -> int | None:
+    """The size every padded batch must be a multiple of, or None: the physical
+    batch, or a microbatch on each of ``devices`` devices."""
     t = config.training
-    sizes = [s for s in (t.physical_batch_size, t.microbatch_size) if s]
-    return max(sizes) if sizes else None  # validated: microbatch divides physical
+    unit = (t.microbatch_size or 1) * devices
+    if t.physical_batch_size is None:
+        return unit if unit > 1 else None
+    if t.physical_batch_size % unit:  # microbatch divides physical: validated
+        raise ConfigError(
+            f"training.physical_batch_size: {t.physical_batch_size} does not split over "
+            f"training.devices = {devices} devices"
+            + (f" in microbatches of {t.microbatch_size}" if t.microbatch_size else "")
+            + f"; make it a multiple of {unit}"
+        )
+    return t.physical_batch_size
 
 
-def make_sampler(config: Config, num_train: int, seed: int):
-    """The run's sampler over ``num_train`` examples with the secret ``seed``."""
+def make_sampler(config: Config, num_train: int, seed: int, devices: int = 1):
+    """The run's sampler over ``num_train`` examples with the secret ``seed``, its
+    padded batches split evenly over ``devices`` devices."""
     t = config.training
     # a batch never holds more than every example (a larger physical or micro
     # batch would be padding, allocated)
@@ -50,10 +61,15 @@ def make_sampler(config: Config, num_train: int, seed: int):
         size = getattr(t, name)
         if size is not None and size > num_train:
             raise ConfigError(f"training.{name}: {size} exceeds the {num_train} training examples")
+    unit = chunk_size(config, devices)
     if config.privacy.sampling == "shuffle":
+        if unit and t.expected_batch_size % unit:
+            raise ConfigError(
+                f"training.expected_batch_size: {t.expected_batch_size} shuffled examples "
+                f"per step do not split into batches of {unit}"
+            )
         return ShuffledSampler(num_train, t.expected_batch_size, seed=seed, num_steps=t.steps)
     sampler = PoissonSampler(num_train, t.expected_batch_size, seed=seed, num_steps=t.steps)
-    unit = chunk_size(config)
     if unit and sampler.padded_batch_size % unit:
         padded = -(-sampler.padded_batch_size // unit) * unit
         sampler = PoissonSampler(

@@ -20,6 +20,7 @@ parameters, bit for bit on CPU, and the same epsilon as an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import signal
 import sys
@@ -48,9 +49,10 @@ from dpmp._src.data import Dataset, as_dataset, fingerprint, load_data
 from dpmp._src.models import count_params
 from dpmp._src.preprocess import FeatureStats
 from dpmp._src.private_loss_scale import PrivateDynamicLossScale
-from dpmp._src.run_dir import ProgressBar, RunDir, locked
-from dpmp._src.trainer.batches import gather, input_dtype
+from dpmp._src.run_dir import ProgressBar, RunDir, SilentRunDir, locked
+from dpmp._src.trainer.batches import input_dtype
 from dpmp._src.trainer.evaluate import evaluator
+from dpmp._src.trainer.mesh import is_primary, local, same_everywhere
 from dpmp._src.trainer.plan import noise_plan
 from dpmp._src.trainer.pretrain import params_digest, pretrain
 from dpmp._src.trainer.resume import check_config, check_data, check_model, check_start
@@ -103,6 +105,13 @@ def _log_plan(run: RunDir, step: PrivateStep) -> None:
         f"{p.target_epsilon:g} at delta {p.delta:g} over {t.steps} "
         f"steps, q = {step.sampling_prob:.6g}, accountant {p.accountant})"
     )
+    if step.mesh is not None:
+        where = release.mesh_summary(step.mesh)
+        run.log(
+            f"data-parallel mesh: {where['devices']} {where['platform']} devices in "
+            f"{where['processes']} process(es); each clips its share of the batch, the "
+            "clipped sums are all-reduced in the accumulate dtype, the noise is added once"
+        )
     clip = step.clipping
     run.log(
         f"per-example clipping: {clip['method']} (requested {clip['requested']}"
@@ -177,7 +186,8 @@ def train(
         different data or from other starting parameters.
     """
     config = Config() if config is None else config
-    with locked(out_dir):  # one writer per run directory, before anything changes
+    # one writer per run directory, before anything changes (process 0 of several)
+    with locked(out_dir) if is_primary() else contextlib.nullcontext():
         return _train(config, out_dir, resume, progress, model, loss, data, callback, init_params)
 
 
@@ -223,7 +233,8 @@ def _open_run_dir(
 ) -> tuple[RunDir, tuple[dict[str, Any], Path] | None]:
     """The run directory, and the newest checkpoint's metadata if the run resumes
     (checked against the config before any work)."""
-    run_dir = RunDir(
+    primary = is_primary()
+    run_dir = (RunDir if primary else SilentRunDir)(
         out_dir,
         echo=progress,
         private_note=release.PRIVATE_NOTE,
@@ -232,7 +243,7 @@ def _open_run_dir(
     ckpt_dir = run_dir.path / "checkpoints"
     if not resume:
         run_dir.reset()
-        for _, p in list_checkpoints(ckpt_dir):
+        for _, p in list_checkpoints(ckpt_dir) if primary else ():
             p.unlink()
         return run_dir, None
     found = latest_meta(ckpt_dir)
@@ -352,7 +363,8 @@ class _Run:
         self.sampler = step.sampler
         self.tracker = accounting.BudgetTracker(step.budget)
         self.totals = _new_totals()
-        self.scale_history: list[list[float]] = [[1, float(self.state["loss_scale"].loss_scale)]]
+        first_scale = float(local(self.state["loss_scale"].loss_scale))
+        self.scale_history: list[list[float]] = [[1, first_scale]]
         self.last_eval: dict[str, Any] = {}
         self.completed = 0
         self.stopped: dict[str, Any] | None = None
@@ -379,6 +391,8 @@ class _Run:
         if restored is None:
             return False
         self.state, meta, path = restored
+        if self.step.mesh is not None:
+            self.state = self.step.mesh.put(self.state)
         check_config(meta, self.config, path)
         check_data(meta, self.data_fingerprint, path)
         check_model(meta, self.signature, path)
@@ -413,6 +427,7 @@ class _Run:
         bar = ProgressBar(t.steps, enabled=progress)
         session_start = time.perf_counter()
         self.elapsed_before = float(self.totals["elapsed_s"])
+        same_everywhere(self.completed, "the completed steps (is out_dir shared by every process?)")
         self.stopped = self._stop_reason()
         while self.completed < t.steps and self.stopped is None:
             if interrupt.requested:  # between steps: the state is whole, save it
@@ -456,12 +471,12 @@ class _Run:
     def _advance(self):
         """One private step, accounted; returns its (exact) stats, the epsilon spent and
         the loss scale of the next step."""
-        batch, pad = gather(self.step.data, next(self.sampler))
+        batch, pad = self.step.batch(next(self.sampler))
         s = self.state
         params, opt_state, loss_scale, stats = self.step.step_fn(
             s["params"], batch, pad, s["opt_state"], s["loss_scale"]
         )
-        stats = jax.device_get(stats)
+        stats = local(stats)
         eps = self.tracker.step()  # accounts this step's release(s); never exceeds the target
         self.state = {"params": params, "opt_state": opt_state, "loss_scale": loss_scale}
         self.completed += 1
@@ -473,7 +488,7 @@ class _Run:
         totals["examples"] += int(stats.num_examples)
         if self._private_dynamic:
             totals["noised_overflow"] += float(stats.noised_overflow_count)
-        new_scale = float(loss_scale.loss_scale)
+        new_scale = float(local(loss_scale.loss_scale))
         if new_scale != self.scale_history[-1][1]:
             self.scale_history.append([self.completed + 1, new_scale])
             totals["loss_scale_changes"] += 1
@@ -498,7 +513,7 @@ class _Run:
         )
 
     def _evaluate(self) -> dict[str, Any]:
-        data, params = self.step.data, self.state["params"]
+        data, params = self.step.data, local(self.state["params"])
         train_acc, train_loss = self.evaluate_split(params, data.x_train, data.y_train)  # private
         test_acc, test_loss = self.evaluate_split(params, data.x_test, data.y_test)  # public
         return {
@@ -528,6 +543,8 @@ class _Run:
         }
 
     def _save(self, *, finished: bool) -> None:
+        if not is_primary():  # process 0 writes the checkpoints of a multi-process run
+            return
         stats = self.step.feature_stats
         meta = {  # secret: the sampler's seed, the data fingerprint, exact totals
             "config": release.config_dict(self.config),
@@ -545,7 +562,7 @@ class _Run:
             "finished": finished,
             "stopped_early": self.stopped,
         }
-        save_checkpoint(self.ckpt_dir, step=self.completed, state=self.state, meta=meta)
+        save_checkpoint(self.ckpt_dir, step=self.completed, state=local(self.state), meta=meta)
 
     # ---- the end --------------------------------------------------------------
 
@@ -558,7 +575,7 @@ class _Run:
         saved = list_checkpoints(self.ckpt_dir)
         if not saved or saved[-1][0] != self.completed:
             self._save(finished=True)
-        params = self.state["params"]
+        params = local(self.state["params"])
         report = release.build_report(
             step=self.step,
             tracker=self.tracker,
@@ -570,7 +587,7 @@ class _Run:
             stopped=self.stopped,
             sampler=self.sampler,
             params=params,
-            final_scale=float(self.state["loss_scale"].loss_scale),
+            final_scale=float(local(self.state["loss_scale"].loss_scale)),
             versions=_versions(),
             finite_params=all(
                 bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(params)

@@ -18,11 +18,21 @@ chunks of that many examples, one device call each::
     scale    = adjust_loss_scale(scale, overflow count of the whole batch)
 
 so the compiled memory is set by the chunk, not by the logical batch.
+
+With ``training.devices`` above 1 the batch (or each chunk) is split over a
+data-parallel mesh (``dpmp._src.trainer.mesh``): each device clips its rows,
+the clipped sums are all-reduced in the accumulate dtype, and the noise, the
+update and the loss-scale decision run once, replicated::
+
+    acc      = psum over devices of private_grad(...)(params, rows, static scale, ...)
+    updates  = private_optimizer.update(acc, ...)    # the same draw on every device
+    scale    = adjust_loss_scale(scale, overflow count of all devices)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +59,7 @@ from dpmp._src.preprocess import FeatureStats, standardize
 from dpmp._src.private_loss_scale import PrivateDynamicLossScale
 from dpmp._src.trainer.batches import feature_stats as compute_feature_stats
 from dpmp._src.trainer.batches import gather, make_sampler, physical_chunks
+from dpmp._src.trainer.mesh import RunMesh, make_mesh, shared_keys
 from dpmp._src.trainer.plan import NoisePlan, RunKeys, noise_plan, run_keys
 
 __all__ = [
@@ -90,7 +101,9 @@ class PrivateStep:
       clipping: ``grad_fn.explain(...)`` for this run's batches: the clip
         method requested, the one used, why, and the rule for each parameter.
       feature_stats: the standardisation statistics, or None.
-      keys: the run's ``RunKeys`` (secret unless reproducible).
+      keys: the run's ``RunKeys`` (secret unless reproducible; process 0's in
+        a run of several processes).
+      mesh: the data-parallel ``RunMesh``, or None on one device.
     """
 
     step_fn: Callable
@@ -109,6 +122,27 @@ class PrivateStep:
     clipping: dict[str, Any]
     feature_stats: FeatureStats | None
     keys: RunKeys
+    mesh: RunMesh | None = None
+
+    def batch(self, sampled) -> tuple[Any, Any]:
+        """The ``(batch, is_padding_example)`` arguments of ``step_fn`` for a sampled
+        batch, read from the training data (on a mesh: split over its devices,
+        each process reading only its own rows)."""
+        if self.mesh is None:
+            return gather(self.data, sampled)
+
+        def rows(start, stop):
+            part = slice(start, stop)
+            return gather(
+                self.data,
+                sampled._replace(
+                    indices=sampled.indices[part],
+                    is_padding_example=sampled.is_padding_example[part],
+                ),
+            )
+
+        size = len(sampled.is_padding_example)
+        return self.mesh.put_batch(rows, size, self.config.training.physical_batch_size)
 
     def __iter__(self):  # ``step_fn, example_args = build_private_step(...)``
         return iter((self.step_fn, self.example_args))
@@ -165,30 +199,62 @@ def _one_shot_step(grad_fn, optimizer) -> Callable:
     return jax.jit(private_step)
 
 
-def _chunked_step(grad_fn, optimizer, size: int, acc_shapes) -> tuple[Callable, ...]:
-    """``(step_fn, chunk_fn, apply_fn)`` of a step over physical chunks of ``size``."""
+def _summed(grad_fn) -> Callable:
+    """``sum_fn(params, batch, pad, scale) -> (clipped sum, stats)`` on one device."""
+
+    def sum_fn(params, batch, pad, scale):
+        out = grad_fn(params, batch, loss_scale=scale, is_padding_example=pad)
+        return out.grads, out.stats
+
+    return sum_fn
+
+
+def _static(loss_scale):
+    """The scale every part of a step uses; it is adjusted once, from the whole
+    batch's overflow count, after the parts."""
+    if isinstance(loss_scale, NoOpLossScale | StaticLossScale):
+        return loss_scale
+    return StaticLossScale(loss_scale.loss_scale)
+
+
+def _apply(optimizer, params, grads, opt_state, loss_scale, num_nonfinite):
+    """Noise, update and the next loss scale, from a step's clipped sum."""
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    next_scale, noised = adjust_loss_scale(loss_scale, num_nonfinite)
+    return params, opt_state, next_scale, noised
+
+
+def _whole_step(sum_fn, optimizer) -> Callable:
+    """A step over the whole batch in one call, with the scale adjusted after the sum
+    (a mesh's devices must see one scale)."""
+
+    def private_step(params, batch, is_padding_example, opt_state, loss_scale):
+        grads, stats = sum_fn(params, batch, is_padding_example, _static(loss_scale))
+        params, opt_state, next_scale, noised = _apply(
+            optimizer, params, grads, opt_state, loss_scale, stats.num_nonfinite
+        )
+        return params, opt_state, next_scale, stats._replace(noised_overflow_count=noised)
+
+    return jax.jit(private_step)
+
+
+def _chunked_step(sum_fn, optimizer, chunks: Callable, acc_shapes) -> tuple[Callable, ...]:
+    """``(step_fn, chunk_fn, apply_fn)`` of a step over the physical chunks
+    ``chunks(batch, pad)`` yields."""
 
     @jax.jit
     def chunk_fn(params, chunk, is_padding, loss_scale, acc):
-        # Every chunk of a step uses the step's scale; it is adjusted once, from
-        # the whole batch's overflow count, in apply_fn.
-        out = grad_fn(params, chunk, loss_scale=loss_scale, is_padding_example=is_padding)
-        return jax.tree.map(jnp.add, acc, out.grads), out.stats
+        grads, stats = sum_fn(params, chunk, is_padding, loss_scale)
+        return jax.tree.map(jnp.add, acc, grads), stats
 
-    @jax.jit
-    def apply_fn(params, acc, opt_state, loss_scale, num_nonfinite):
-        updates, opt_state = optimizer.update(acc, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        next_scale, noised = adjust_loss_scale(loss_scale, num_nonfinite)
-        return params, opt_state, next_scale, noised
+    apply_fn = jax.jit(functools.partial(_apply, optimizer))
 
     def step_fn(params, batch, is_padding_example, opt_state, loss_scale):
-        chunk_scale = loss_scale
-        if not isinstance(loss_scale, NoOpLossScale | StaticLossScale):
-            chunk_scale = StaticLossScale(loss_scale.loss_scale)
+        chunk_scale = _static(loss_scale)
         acc = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), acc_shapes)
         parts = []
-        for chunk, pad in physical_chunks(batch, is_padding_example, size):
+        for chunk, pad in chunks(batch, is_padding_example):
             acc, stats = chunk_fn(params, chunk, pad, chunk_scale, acc)
             parts.append(stats)
         stats = combine_stats(parts)
@@ -235,7 +301,8 @@ def build_private_step(
     t = config.training
     if data is None:
         data = load_data(config.data, t.seed)
-    keys = run_keys(config) if keys is None else keys
+    keys = shared_keys(run_keys(config) if keys is None else keys)
+    mesh = make_mesh(config)
     if config.data.standardize != "none":
         if not data.in_memory:
             raise ConfigError(
@@ -255,7 +322,7 @@ def build_private_step(
     if lora:  # the adapters are what trains (init_params have the model's own shapes)
         params_shape = jax.eval_shape(model.init, init_key)
         _check_fits(config, params_shape, trainable=True)
-    sampler = make_sampler(config, data.num_train, keys.sampler_seed)
+    sampler = make_sampler(config, data.num_train, keys.sampler_seed, mesh.size if mesh else 1)
     plan = noise_plan(config, num_train=data.num_train, params_shape=params_shape)
     grad_fn = private_grad(
         model.loss_fn,
@@ -280,23 +347,36 @@ def build_private_step(
         "opt_state": optimizer.init(params),
         "loss_scale": _make_loss_scale(config, keys.loss_scale),
     }
+    if mesh is not None:
+        init_state = mesh.put(init_state)
     batch, pad = gather(data, sampler.batch(0))
+    size = t.physical_batch_size
+    # what one call of private_grad sees: a chunk, or a device's share of it
+    per_call = (size or len(pad)) // (mesh.size if mesh else 1)
+    explained_batch = jax.tree.map(lambda v: jnp.asarray(v[:per_call]), batch)
+    chunk_fn = apply_fn = None
+    if mesh is None:
+        sum_fn = _summed(grad_fn)
+        chunks = functools.partial(physical_chunks, size=size)
+        batch, pad = jax.tree.map(jnp.asarray, (batch, pad))
+    else:
+        sum_fn = mesh.summed(grad_fn)
+        chunks = mesh.chunks
+        batch, pad = mesh.put_batch(lambda a, b: (_rows(batch, a, b), pad[a:b]), len(pad), size)
+    if size is None and mesh is None:
+        step_fn = _one_shot_step(grad_fn, optimizer)
+    elif size is None:
+        step_fn = _whole_step(sum_fn, optimizer)
+    else:
+        acc_shapes = jax.eval_shape(lambda p, b: grad_fn(p, b).grads, params, explained_batch)
+        step_fn, chunk_fn, apply_fn = _chunked_step(sum_fn, optimizer, chunks, acc_shapes)
     example_args = (
         init_state["params"],
-        jax.tree.map(jnp.asarray, batch),
-        jnp.asarray(pad),
+        batch,
+        pad,
         init_state["opt_state"],
         init_state["loss_scale"],
     )
-    chunk_fn = apply_fn = None
-    size = t.physical_batch_size
-    if size is None:
-        step_fn = _one_shot_step(grad_fn, optimizer)
-        explained_batch = example_args[1]
-    else:
-        explained_batch = next(physical_chunks(example_args[1], example_args[2], size))[0]
-        acc_shapes = jax.eval_shape(lambda p, b: grad_fn(p, b).grads, params, explained_batch)
-        step_fn, chunk_fn, apply_fn = _chunked_step(grad_fn, optimizer, size, acc_shapes)
     return PrivateStep(
         step_fn=step_fn,
         example_args=example_args,
@@ -314,7 +394,12 @@ def build_private_step(
         clipping=_explain_clipping(grad_fn, params, explained_batch),
         feature_stats=feature_stats,
         keys=keys,
+        mesh=mesh,
     )
+
+
+def _rows(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    return {k: v[start:stop] for k, v in batch.items()}
 
 
 # What a trained parameter costs beside itself: its gradient sum, and the
@@ -324,7 +409,7 @@ _COPIES = {"adam": 4, "momentum": 3, "sgd": 2}
 
 def _memory_bytes() -> int:
     """The first device's memory (its allocator's limit), or the host's RAM."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -398,6 +483,11 @@ def _explain_clipping(grad_fn, params, batch) -> dict[str, Any]:
         raise ConfigError(f"privacy.clip_method: {e}") from None
 
 
+def _expected_sites(step: PrivateStep) -> tuple[str, ...]:
+    """The sites the step's audit must find: on a mesh, the all-reduce too."""
+    return AUDIT_EXPECT + (() if step.mesh is None else ("all_reduce",))
+
+
 def audit_step(config: Config, data: Dataset | None = None, *, step: PrivateStep | None = None):
     """Precision audit (``dpmp.audit_precision``) of the config's private step."""
     step = build_private_step(config, data) if step is None else step
@@ -407,8 +497,10 @@ def audit_step(config: Config, data: Dataset | None = None, *, step: PrivateStep
         policy=step.policy,
         params_argnums=0,
         batch_argnums=1,
-        expect=AUDIT_EXPECT,
-        name=f"private step ({step.model.name}, {config.policy})",
+        expect=_expected_sites(step),
+        name=f"private step ({step.model.name}, {config.policy}"
+        + ("" if step.mesh is None else f", {step.mesh.size} devices")
+        + ")",
     )
 
 
@@ -443,5 +535,5 @@ def audit_summary(step: PrivateStep) -> dict[str, Any]:
         "violations": [f.to_dict() for f in report.violations],
         "missing": list(report.missing),
         "counts": report.counts(),
-        "expect": list(AUDIT_EXPECT),
+        "expect": list(_expected_sites(step)),
     }

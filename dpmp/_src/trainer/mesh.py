@@ -1,0 +1,262 @@
+"""The devices of a run: a data-parallel mesh, on one host or several.
+
+With ``training.devices`` above 1 (or ``"all"``), every step's padded batch
+(or each physical chunk of it) is split over the one axis ``"data"`` of a
+``jax.sharding.Mesh``::
+
+    on each device (shard_map):  out   = private_grad(...)(params, its rows,
+                                                       static scale, its padding)
+                                 grads = psum(out.grads, "data")   # accumulate dtype
+    replicated (jit):            noise drawn once from the run's key (the same
+                                 value on every device), optax update,
+                                 loss scale adjusted from the global overflow count
+
+Every device clips its own examples (``private_grad`` makes the replicated
+parameters vary over the axis, so no per-example gradient is summed across
+devices before it is clipped); the clipped sums meet in one float32 (the
+accumulate dtype) all-reduce, which the precision audit reads as its
+``all_reduce`` site. Parameters and optimizer state stay replicated. Poisson
+sampling stays one global draw: every process runs the same sampler (same
+secret seed), and each reads only the rows its devices hold.
+
+Several processes (``jax.distributed``): ``initialize`` joins them;
+``shared_keys`` hands every process process 0's secret keys, so the noise and
+the batches are the same everywhere; ``put_batch`` builds each step's global
+batch from the processes' local rows; ``local`` reads a replicated value back
+on this process. Process 0 alone writes the run directory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dpmp._src.clipping import combine_stats
+from dpmp._src.config import Config, ConfigError
+from dpmp._src.entropy import SEED_BITS
+
+__all__ = [
+    "AXIS",
+    "RunMesh",
+    "initialize",
+    "is_primary",
+    "local",
+    "make_mesh",
+    "same_everywhere",
+    "shared_keys",
+]
+
+AXIS = "data"
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
+    """Joins this process to a multi-process run (``jax.distributed.initialize``).
+
+    Without arguments JAX reads the usual environment (a cluster it recognises:
+    SLURM, Open MPI, Kubernetes, TPU pods, or ``JAX_COORDINATOR_ADDRESS``,
+    ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``). On CPU the processes' collectives
+    run over gloo. Must come before anything else uses JAX.
+    """
+    # the CPU backend's collectives across processes (GPU and TPU have their own)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+    )
+
+
+def is_primary() -> bool:
+    """Whether this process writes the run directory (process 0)."""
+    return jax.process_index() == 0
+
+
+class RunMesh:
+    """The run's data-parallel mesh over ``devices`` (one axis, ``"data"``)."""
+
+    def __init__(self, devices: list[Any]):
+        self.devices = list(devices)
+        self.mesh = Mesh(np.array(self.devices), (AXIS,))
+        self.size = len(self.devices)
+        self.replicated = NamedSharding(self.mesh, P())
+        self.split = NamedSharding(self.mesh, P(AXIS))
+
+    def summed(self, grad_fn):
+        """``sum_fn(params, batch, pad, scale) -> (grads, stats)``: each device clips its
+        rows, the clipped sums are all-reduced (in their own dtype, the accumulate
+        dtype), the statistics of the devices combined. ``scale`` must be static over
+        the step (its adjustment needs the global overflow count)."""
+
+        def per_device(params, batch, pad, scale):
+            out = grad_fn(params, batch, loss_scale=scale, is_padding_example=pad)
+            grads = jax.tree.map(lambda g: jax.lax.psum(g, AXIS), out.grads)
+            return grads, jax.tree.map(lambda s: s[None], out.stats)
+
+        sharded = jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(P(), P(AXIS), P(AXIS), P()),
+            out_specs=(P(), P(AXIS)),
+        )
+
+        def sum_fn(params, batch, pad, scale):
+            grads, stacked = sharded(params, batch, pad, scale)
+            return grads, combine_stats(stacked)
+
+        return sum_fn
+
+    def put(self, tree: Any) -> Any:
+        """``tree`` replicated on every device of the mesh: process 0's value, on every
+        process (a state each process built or read for itself must not diverge)."""
+        return jax.tree.map(lambda a: _global(a, self.replicated), _from_primary(tree))
+
+    def put_batch(self, read_rows, size: int, chunk: int | None = None) -> tuple[Any, Any]:
+        """The step's global ``(batch, pad)`` of ``size`` rows, split over the mesh;
+        ``read_rows(start, stop)`` reads rows ``[start, stop)`` of it as ``(batch,
+        pad)`` numpy arrays. Each process reads only the rows its devices hold.
+
+        With physical chunks of ``chunk`` rows the arrays are ``[size // chunk,
+        chunk, ...]``, each chunk split over the devices (``chunks`` yields them)."""
+        chunk = size if chunk is None else chunk
+        index = self.split.addressable_devices_indices_map((chunk,))
+        start = min(s[0].start or 0 for s in index.values())
+        stop = max(chunk if s[0].stop is None else s[0].stop for s in index.values())
+        parts = [read_rows(c + start, c + stop) for c in range(0, size, chunk)]
+        batch, pad = jax.tree.map(lambda *p: np.stack(p), *parts)
+
+        def place(a):  # [chunks, local rows, ...] -> [chunks, chunk, ...] over the mesh
+            lead = (a.shape[0],) if chunk < size else ()
+            a = a if lead else a[0]
+            spec = P(*([None] * len(lead)), AXIS, *([None] * (a.ndim - len(lead) - 1)))
+            shape = (*lead, chunk, *a.shape[len(lead) + 1 :])
+            return jax.make_array_from_process_local_data(NamedSharding(self.mesh, spec), a, shape)
+
+        return jax.tree.map(place, batch), place(pad)
+
+    @staticmethod
+    def chunks(batch: Any, pad: Any):
+        """The physical chunks of a batch ``put_batch`` made (``[chunks, chunk, ...]``)."""
+        for c in range(pad.shape[0]):
+            yield jax.tree.map(lambda v, c=c: v[c], batch), pad[c]
+
+
+def _global(a: Any, sharding: NamedSharding) -> jax.Array:
+    """``a`` (the same on every process) as one array over ``sharding``'s devices."""
+    if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        data = _global(jax.random.key_data(a), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(a))
+    a = np.asarray(a)
+    return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+
+def _from_primary(tree: Any) -> Any:
+    """Process 0's ``tree`` (numpy arrays; PRNG keys stay keys) on every process."""
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    leaves, treedef = jax.tree.flatten(local(tree))
+    is_key = [jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) for a in leaves]
+    raw = [np.asarray(jax.random.key_data(a)) if k else a for a, k in zip(leaves, is_key)]
+    raw = multihost_utils.broadcast_one_to_all(raw)
+    out = [
+        jax.random.wrap_key_data(np.asarray(r), impl=jax.random.key_impl(a)) if k else np.asarray(r)
+        for r, a, k in zip(raw, leaves, is_key)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def same_everywhere(value: int, what: str) -> None:
+    """Every process of a multi-process run must hold the same ``value``: a clear
+    error rather than processes that wait on each other forever."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    try:
+        multihost_utils.assert_equal(np.int64(value), what)
+    except AssertionError as e:
+        raise RuntimeError(f"processes disagree on {what}: {e}") from None
+
+
+def make_mesh(config: Config) -> RunMesh | None:
+    """The run's mesh, or None for one device in one process (no mesh at all)."""
+    wanted = config.training.devices
+    every = jax.devices()
+    if wanted == "all":
+        n = len(every)
+    else:
+        n = int(wanted)
+        if jax.process_count() > 1 and n != len(every):
+            raise ConfigError(
+                f"training.devices: {n}; a run of {jax.process_count()} processes uses every "
+                f'device of every process ({len(every)}): set it to "all"'
+            )
+        if n > len(every):
+            hint = (
+                " (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices)"
+                if every[0].platform == "cpu"
+                else ""
+            )
+            raise ConfigError(
+                f"training.devices: {n}, but JAX sees {len(every)} "
+                f"{every[0].platform} device(s){hint}"
+            )
+    if n == 1 and jax.process_count() == 1:
+        return None
+    return RunMesh(every[:n])
+
+
+def local(tree: Any) -> Any:
+    """A replicated (or single-device) value on this process: numpy arrays (PRNG
+    keys stay keys)."""
+
+    def read(a):
+        if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(a)
+            return jax.random.wrap_key_data(read(jax.random.key_data(a)), impl=impl)
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            return np.asarray(a.addressable_data(0))
+        return np.asarray(a)
+
+    return jax.tree.map(read, tree)
+
+
+def shared_keys(keys):
+    """Process 0's secret ``RunKeys`` on every process (each process draws its own
+    from the OS; only one set may be used). Unchanged in a one-process run."""
+    if jax.process_count() == 1:
+        return keys
+    from jax.experimental import multihost_utils
+
+    words = SEED_BITS // 32
+    noise, scale = (np.asarray(jax.random.key_data(k)) for k in (keys.noise, keys.loss_scale))
+    seeds = np.array(
+        [
+            (s >> (32 * i)) & 0xFFFFFFFF
+            for s in (keys.sampler_seed, keys.standardize_seed)
+            for i in range(words)
+        ],
+        np.uint32,
+    )
+    shared = multihost_utils.broadcast_one_to_all({"noise": noise, "scale": scale, "seeds": seeds})
+    shared = jax.tree.map(np.asarray, shared)
+    s = [int(x) for x in shared["seeds"]]
+    impl = jax.random.key_impl(keys.noise)
+    return type(keys)(
+        noise=jax.random.wrap_key_data(shared["noise"], impl=impl),
+        loss_scale=jax.random.wrap_key_data(shared["scale"], impl=impl),
+        sampler_seed=_join(s[:words]),
+        standardize_seed=_join(s[words:]),
+        reproducible=keys.reproducible,
+    )
+
+
+def _join(words: list[int]) -> int:
+    return sum(w << (32 * i) for i, w in enumerate(words))

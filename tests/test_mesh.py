@@ -1,0 +1,279 @@
+"""The data-parallel mesh (``training.devices``) and multi-process runs.
+
+A step on 4 (forced CPU) devices is checked against the same step on 1 device
+(same keys, same batches): every device clips its own examples, the clipped
+sums meet in one all-reduce in the accumulate dtype and the noise is added
+once, so only the order of the float32 sum differs. The multi-process tests
+start 2 processes on localhost (``jax.distributed`` over gloo).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpmp._src.config import ConfigError, load_config
+from tests._devices import ROOT, run_on_host_devices
+
+_STEPS_MATCH = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from dpmp._src.config import load_config
+from dpmp._src.trainer.step import audit_step, build_private_step
+from dpmp._src.trainer.mesh import local
+
+assert jax.device_count() == 4, jax.devices()
+BASE = ["model.hidden=[32]", "training.expected_batch_size=96", "privacy.reproducible_noise=true",
+        "training.steps=20"]
+
+
+def run(devices, *extra, steps=3):
+    config = load_config(None, BASE + [f"training.devices={devices}", *extra])
+    step = build_private_step(config)
+    s = dict(step.init_state)
+    stats = []
+    for t in range(steps):
+        batch, pad = step.batch(step.sampler.batch(t))
+        s["params"], s["opt_state"], s["loss_scale"], st = step.step_fn(
+            s["params"], batch, pad, s["opt_state"], s["loss_scale"])
+        st = local(st)
+        stats.append([int(st.num_examples), int(st.num_clipped), int(st.num_nonfinite),
+                      float(st.norm_max), float(st.noised_overflow_count)])
+    params = [np.asarray(x, np.float64) for x in jax.tree.leaves(local(s["params"]))]
+    return step, params, stats, float(local(s["loss_scale"]).loss_scale)
+
+
+out = {}
+cases = {
+    "ghost": [],
+    "vmap": ['privacy.clip_method="vmap"'],
+    "chunks": ["training.physical_batch_size=48"],
+    "fp16": ['policy="fp16"', 'loss_scale.kind="private_dynamic"', "loss_scale.initial=16777216.0",
+             "loss_scale.period=1", "loss_scale.count_noise_stddev=8.0"],
+}
+for name, extra in cases.items():
+    if name not in CASES:
+        continue
+    one, p1, s1, scale1 = run(1, *extra)
+    four, p4, s4, scale4 = run(4, *extra)
+    out[name] = {
+        "max_diff": max(float(np.abs(a - b).max()) for a, b in zip(p1, p4)),
+        "max_param": max(float(np.abs(a).max()) for a in p1),
+        "stats_1": s1, "stats_4": s4, "scale_1": scale1, "scale_4": scale4,
+        "sigma_1": one.noise_multiplier, "sigma_4": four.noise_multiplier,
+        "method_4": four.clipping["method"], "mesh_4": four.mesh.size,
+        "padded_4": four.sampler.padded_batch_size,
+    }
+    if name == "ghost":
+        out["audit"] = audit_step(four.config, step=four).to_dict()
+if "ghost" not in CASES:
+    print("JSON" + json.dumps(out))
+    raise SystemExit
+
+# the same step with the clipped sums all-reduced in bfloat16: the audit flags it
+from dpmp._src.trainer.step import _whole_step
+from dpmp._src.audit import audit_precision
+step = run(4, steps=0)[0]
+def half_sums(*args, **kwargs):
+    got = step.grad_fn(*args, **kwargs)
+    return got._replace(grads=jax.tree.map(lambda g: g.astype(jnp.bfloat16), got.grads))
+bad = _whole_step(step.mesh.summed(half_sums), step.optimizer)
+out["bf16_psum"] = audit_precision(bad, *step.example_args, policy=step.policy,
+                                   params_argnums=0, batch_argnums=1).to_dict()
+print("JSON" + json.dumps(out))
+"""
+
+
+def _steps_match(tmp_path, cases: tuple[str, ...]) -> dict:
+    """Runs ``cases`` on 1 and on 4 devices and checks that they agree: the
+    parameters within float32 rounding, the same counts, sigma and loss scale."""
+    source = f"CASES = {cases!r}\n" + _STEPS_MATCH
+    got = run_on_host_devices(tmp_path, "mesh_steps.py", source, timeout=300)
+    for name in cases:
+        case = got[name]
+        assert case["mesh_4"] == 4 and case["padded_4"] % 4 == 0, case
+        assert case["max_diff"] <= 1e-5 * case["max_param"], (name, case)
+        assert case["sigma_1"] == case["sigma_4"]
+        for a, b in zip(case["stats_1"], case["stats_4"]):
+            assert a[:3] == b[:3], (name, case)  # examples, clipped, overflowed
+            assert a[3] == pytest.approx(b[3], rel=1e-5)  # the largest norm
+        assert case["scale_1"] == case["scale_4"]
+        assert case["method_4"] == {"vmap": "vmap"}.get(name, "ghost")
+    return got
+
+
+@pytest.mark.slow
+def test_four_devices_train_as_one_with_vmap_chunks_and_fp16(tmp_path):
+    """Per-example (vmap) clipping, physical chunks split over the devices, and an
+    fp16 private dynamic loss scale whose decision reads the global overflow count."""
+    got = _steps_match(tmp_path, ("vmap", "chunks", "fp16"))
+    assert any(s[2] > 0 for s in got["fp16"]["stats_1"]), got["fp16"]
+    assert got["fp16"]["scale_4"] < 2**24, got["fp16"]  # backed off, the same on 1 device
+
+
+def test_four_devices_train_as_one(tmp_path):
+    """Ghost clipping on 4 devices trains as on 1; the audit of the 4-device step
+    reads float32 all-reduces and flags the same step with bfloat16 ones."""
+    got = _steps_match(tmp_path, ("ghost",))
+    audit = got["audit"]
+    reduces = [f for f in audit["findings"] if f["kind"] == "all_reduce"]
+    assert audit["ok"] and reduces, audit
+    assert all(f["ok"] and f["out_dtype"] == "f32" for f in reduces)
+    bad = got["bf16_psum"]
+    flagged = [f for f in bad["findings"] if f["kind"] == "all_reduce" and not f["ok"]]
+    assert not bad["ok"] and flagged and all(f["out_dtype"] == "bf16" for f in flagged)
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (0, "must be finite and > 0"),
+        (-2, "must be finite and > 0"),
+        (10**11, "at most"),
+        ("two", 'a number of devices or "all"'),
+        (1.5, "must be an integer"),
+    ],
+)
+def test_training_devices_is_checked(value, words):
+    text = json.dumps(value) if isinstance(value, str) else str(value)
+    with pytest.raises(ConfigError, match="training.devices") as e:
+        load_config(None, [f"training.devices={text}"])
+    assert words in str(e.value)
+
+
+def test_more_devices_than_jax_sees_is_one_line():
+    import jax
+
+    from dpmp._src.trainer.mesh import make_mesh
+
+    config = load_config(None, [f"training.devices={jax.device_count() + 1}"])
+    with pytest.raises(ConfigError, match=r"training.devices: \d+, but JAX sees") as e:
+        make_mesh(config)
+    assert "xla_force_host_platform_device_count" in str(e.value)
+    assert make_mesh(load_config(None, ['training.devices="all"'])) is None  # one CPU device
+
+
+def test_a_batch_that_does_not_split_over_the_devices_is_refused():
+    from dpmp._src.trainer.batches import make_sampler
+
+    config = load_config(None, ["training.physical_batch_size=50", "training.devices=4"])
+    with pytest.raises(ConfigError, match="physical_batch_size: 50 does not split over"):
+        make_sampler(config, 1000, 0, devices=4)
+    config = load_config(None, ["training.expected_batch_size=50"])
+    assert make_sampler(config, 1000, 0, devices=4).padded_batch_size % 4 == 0
+
+
+# ---- several processes ----------------------------------------------------------
+
+_FREE_PORT = """
+import socket
+s = socket.socket(); s.bind(("localhost", 0)); print(s.getsockname()[1]); s.close()
+"""
+
+
+def _port() -> int:
+    return int(subprocess.check_output([sys.executable, "-c", _FREE_PORT], text=True))
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+_SETTINGS = [
+    "--set", "privacy.reproducible_noise=true",
+    "--set", "training.steps=24",
+    "--set", "training.checkpoint_every=4",
+    "--set", "training.eval_every=0",
+]  # fmt: skip
+
+
+def _dpmp(out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "dpmp.cli", "train", "--out", str(out), "--quiet",
+            *_SETTINGS, *args]  # fmt: skip
+
+
+def _processes(out: Path, port: int) -> list[subprocess.Popen]:
+    return [
+        subprocess.Popen(
+            _dpmp(
+                out,
+                "--set",
+                'training.devices="all"',
+                "--coordinator",
+                f"localhost:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ),  # fmt: skip
+            env=_env(1),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+
+
+def _params(out: Path) -> list[np.ndarray]:
+    newest = sorted((out / "checkpoints").glob("checkpoint_*.npz"))[-1]
+    with np.load(newest) as f:
+        return [f[k].astype(np.float64) for k in sorted(f) if f[k].dtype.kind == "f"]
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_and_resume_together(tmp_path):
+    """2 processes on localhost (1 CPU device each) train the default config as one
+    process on 2 devices does: the same parameters within float32 rounding, the
+    same epsilon. Killed both (SIGKILL) after a checkpoint and started again, they
+    resume together and end where an uninterrupted run ends."""
+    single = tmp_path / "single"
+    run = subprocess.run(
+        _dpmp(single, "--set", "training.devices=2"), env=_env(2), cwd=ROOT,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+
+    together = tmp_path / "together"
+    procs = _processes(together, _port())
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "process 1 of 2: done" in outs[1]
+    a = json.loads((single / "report.json").read_text())
+    b = json.loads((together / "report.json").read_text())
+    assert b["mesh"] == {**a["mesh"], "processes": 2}
+    assert a["epsilon"] == b["epsilon"] and a["noise_multiplier"] == b["noise_multiplier"]
+    scale = max(np.abs(x).max() for x in _params(single))
+    diff = max(np.abs(x - y).max() for x, y in zip(_params(single), _params(together)))
+    assert diff <= 1e-5 * scale, diff
+
+    # killed both after a checkpoint, then started again: they resume together
+    killed = tmp_path / "killed"
+    procs = _processes(killed, _port())
+    deadline = time.monotonic() + 240
+    while not list((killed / "checkpoints").glob("checkpoint_00000008.npz")):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.communicate()
+    assert not (killed / "report.json").exists()  # killed part-way
+    procs = _processes(killed, _port())
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    log = (killed / "train.log").read_text()
+    assert "resumed from checkpoint_" in log
+    resumed = json.loads((killed / "report.json").read_text())
+    assert resumed["epsilon"] == b["epsilon"] and resumed["steps"] == 24
+    diff = max(np.abs(x - y).max() for x, y in zip(_params(together), _params(killed)))
+    assert diff <= 1e-5 * scale, diff
