@@ -8,7 +8,9 @@ After some steps it records the largest parameter difference to the 1-device
 run (and to the chunked one), relative to the largest parameter, so that the
 mesh's difference can be read against what reordering the same float32 sum
 does on one device. Also the
-epsilon of each and the median step time. Prints JSON.
+epsilon of each and the median step time. Then, for a wider MLP (hidden
+1024, 1024), the compiled per-device memory of the step with the state
+replicated and sharded (``training.shard_params``). Prints JSON.
 
 Run on CPU with forced devices::
 
@@ -53,6 +55,25 @@ def train(overrides: list[str], steps: int) -> tuple[list[list[np.ndarray]], flo
     return kept, step.noise_multiplier, statistics.median(times[1:])
 
 
+WIDE = ["model.hidden=[1024,1024]"]
+
+
+def memory(devices: int) -> dict[str, dict[str, float]]:
+    """Per-device MB of the compiled step (arguments: parameters, optimizer state
+    and the batch; temporaries) with the state replicated and sharded."""
+    out = {}
+    for name, shard in (("replicated", "false"), ("sharded", "true")):
+        overrides = [*WIDE, f"training.devices={devices}", f"training.shard_params={shard}"]
+        config = load_config("configs/default.toml", overrides)
+        step = build_private_step(config)
+        m = step.step_fn.lower(*step.example_args).compile().memory_analysis()
+        out[name] = {
+            "argument_mb": m.argument_size_in_bytes / 1e6,
+            "temp_mb": m.temp_size_in_bytes / 1e6,
+        }
+    return out
+
+
 def relative_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     scale = max(float(np.abs(x).max()) for x in a)
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b)) / scale
@@ -91,6 +112,7 @@ def main() -> None:
             }
             for name, (kept, sigma, seconds) in results.items()
         },
+        "memory_per_device_mlp_1024x1024": memory(args.devices),
     }
     text = json.dumps(out, indent=2)
     print(text)

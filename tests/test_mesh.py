@@ -54,13 +54,14 @@ cases = {
     "ghost": [],
     "vmap": ['privacy.clip_method="vmap"'],
     "chunks": ["training.physical_batch_size=48"],
+    "fsdp": ["training.shard_params=true", "model.hidden=[64]"],
     "fp16": ['policy="fp16"', 'loss_scale.kind="private_dynamic"', "loss_scale.initial=16777216.0",
              "loss_scale.period=1", "loss_scale.count_noise_stddev=8.0"],
 }
 for name, extra in cases.items():
     if name not in CASES:
         continue
-    one, p1, s1, scale1 = run(1, *extra)
+    one, p1, s1, scale1 = run(1, *[e for e in extra if "shard_params" not in e])
     four, p4, s4, scale4 = run(4, *extra)
     out[name] = {
         "max_diff": max(float(np.abs(a - b).max()) for a, b in zip(p1, p4)),
@@ -69,6 +70,14 @@ for name, extra in cases.items():
         "sigma_1": one.noise_multiplier, "sigma_4": four.noise_multiplier,
         "method_4": four.clipping["method"], "mesh_4": four.mesh.size,
         "padded_4": four.sampler.padded_batch_size,
+        # bytes of parameters and optimizer state each device holds, against the whole
+        "state_share": sum(
+            x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(four.init_state)
+            if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        ) / sum(
+            x.nbytes for x in jax.tree.leaves(four.init_state)
+            if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        ),
     }
     if name == "ghost":
         out["audit"] = audit_step(four.config, step=four).to_dict()
@@ -118,9 +127,13 @@ def test_four_devices_train_as_one_with_vmap_chunks_and_fp16(tmp_path):
 
 
 def test_four_devices_train_as_one(tmp_path):
-    """Ghost clipping on 4 devices trains as on 1; the audit of the 4-device step
-    reads float32 all-reduces and flags the same step with bfloat16 ones."""
-    got = _steps_match(tmp_path, ("ghost",))
+    """Ghost clipping on 4 devices trains as on 1, with the state replicated and
+    sharded (FSDP: each device then holds about a quarter of it); the audit of the
+    4-device step reads float32 all-reduces and flags the same step with bfloat16
+    ones."""
+    got = _steps_match(tmp_path, ("ghost", "fsdp"))
+    assert got["ghost"]["state_share"] == 1.0
+    assert 0.25 <= got["fsdp"]["state_share"] < 0.3, got["fsdp"]  # the 10 biases stay whole
     audit = got["audit"]
     reduces = [f for f in audit["findings"] if f["kind"] == "all_reduce"]
     assert audit["ok"] and reduces, audit
@@ -201,20 +214,12 @@ def _dpmp(out: Path, *args: str) -> list[str]:
             *_SETTINGS, *args]  # fmt: skip
 
 
-def _processes(out: Path, port: int) -> list[subprocess.Popen]:
+def _processes(out: Path, port: int, *args: str) -> list[subprocess.Popen]:
+    """2 processes of one run on localhost, 1 CPU device each."""
+    joined = ["--set", 'training.devices="all"', "--coordinator", f"localhost:{port}"]
     return [
         subprocess.Popen(
-            _dpmp(
-                out,
-                "--set",
-                'training.devices="all"',
-                "--coordinator",
-                f"localhost:{port}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-            ),  # fmt: skip
+            _dpmp(out, *joined, "--num-processes", "2", "--process-id", str(i), *args),
             env=_env(1),
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -223,6 +228,9 @@ def _processes(out: Path, port: int) -> list[subprocess.Popen]:
         )
         for i in range(2)
     ]
+
+
+FSDP = ("--set", "training.shard_params=true")
 
 
 def _params(out: Path) -> list[np.ndarray]:
@@ -235,7 +243,8 @@ def _params(out: Path) -> list[np.ndarray]:
 def test_two_processes_train_as_one_and_resume_together(tmp_path):
     """2 processes on localhost (1 CPU device each) train the default config as one
     process on 2 devices does: the same parameters within float32 rounding, the
-    same epsilon. Killed both (SIGKILL) after a checkpoint and started again, they
+    same epsilon; so do they with the state sharded over them (gathered for the
+    checkpoints). Killed both (SIGKILL) after a checkpoint and started again, they
     resume together and end where an uninterrupted run ends."""
     single = tmp_path / "single"
     run = subprocess.run(
@@ -257,9 +266,17 @@ def test_two_processes_train_as_one_and_resume_together(tmp_path):
     diff = max(np.abs(x - y).max() for x, y in zip(_params(single), _params(together)))
     assert diff <= 1e-5 * scale, diff
 
-    # killed both after a checkpoint, then started again: they resume together
+    # the same with the parameters and optimizer state sharded over the 2 processes
+    sharded = tmp_path / "sharded"
+    procs = _processes(sharded, _port(), *FSDP)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    diff = max(np.abs(x - y).max() for x, y in zip(_params(single), _params(sharded)))
+    assert diff <= 1e-5 * scale, diff
+
+    # sharded, killed both after a checkpoint, then started again: they resume together
     killed = tmp_path / "killed"
-    procs = _processes(killed, _port())
+    procs = _processes(killed, _port(), *FSDP)
     deadline = time.monotonic() + 240
     while not list((killed / "checkpoints").glob("checkpoint_00000008.npz")):
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
@@ -268,7 +285,7 @@ def test_two_processes_train_as_one_and_resume_together(tmp_path):
         p.send_signal(signal.SIGKILL)
         p.communicate()
     assert not (killed / "report.json").exists()  # killed part-way
-    procs = _processes(killed, _port())
+    procs = _processes(killed, _port(), *FSDP)
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     log = (killed / "train.log").read_text()

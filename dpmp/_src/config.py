@@ -370,6 +370,12 @@ class TrainingConfig:
       physical chunk) is split over them, their clipped sums all-reduced in the
       accumulate dtype, the noise added once; ``"all"``: every device JAX sees
       (every process's, in a run of several processes).
+    shard_params: shard the parameters and the optimizer state over the mesh
+      (FSDP-style; needs more than one device): each leaf is split along its
+      largest dimension the device count divides, gathered whole for each
+      step's forward and backward passes (so every per-example norm is complete
+      before clipping), and the clipped sums are reduce-scattered in the
+      accumulate dtype.
     """
 
     steps: int = 300
@@ -383,6 +389,7 @@ class TrainingConfig:
     checkpoint_every: int = 50
     seed: int = 0
     devices: int | str = 1
+    shard_params: bool = False
 
     def __post_init__(self):
         _positive("training.steps", self.steps, integer=True)
@@ -409,6 +416,10 @@ class TrainingConfig:
                     f'training.devices: a number of devices or "all", got {self.devices!r}'
                 )
             _positive("training.devices", self.devices, integer=True, at_most=MAX_DEVICES)
+        if not isinstance(self.shard_params, bool):
+            raise ConfigError(
+                f"training.shard_params: must be true or false, got {self.shard_params!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -107,8 +107,11 @@ def _time(fns: dict[str, tuple[Callable, tuple]], repeats: int) -> dict[str, flo
 
 
 def _with_policy(config: Config, policy: str) -> Config:
-    """``config`` under ``policy``, one-shot (validated: a bad policy is a ConfigError)."""
-    t = dataclasses.replace(config.training, physical_batch_size=None)
+    """``config`` under ``policy``, one-shot on one device (validated: a bad policy is a
+    ConfigError): the costs compared are those of one device's step."""
+    t = dataclasses.replace(
+        config.training, physical_batch_size=None, devices=1, shard_params=False
+    )
     return dataclasses.replace(config, policy=policy, training=t)
 
 

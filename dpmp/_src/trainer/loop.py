@@ -52,7 +52,7 @@ from dpmp._src.private_loss_scale import PrivateDynamicLossScale
 from dpmp._src.run_dir import ProgressBar, RunDir, SilentRunDir, locked
 from dpmp._src.trainer.batches import input_dtype
 from dpmp._src.trainer.evaluate import evaluator
-from dpmp._src.trainer.mesh import is_primary, local, same_everywhere
+from dpmp._src.trainer.mesh import is_primary, local, primary_first, same_everywhere
 from dpmp._src.trainer.plan import noise_plan
 from dpmp._src.trainer.pretrain import params_digest, pretrain
 from dpmp._src.trainer.resume import check_config, check_data, check_model, check_start
@@ -271,7 +271,10 @@ def _starting_point(
             )
         if progress:  # the log is not open yet: say it now on stderr too
             print("public pre-training (not private, no epsilon)...", file=sys.stderr)
-        made = pretrain(config, run_dir.path, log=told.append, progress=progress)
+        # in a run of several processes, the others reuse what process 0 saved
+        made = primary_first(
+            lambda: pretrain(config, run_dir.path, log=told.append, progress=progress)
+        )
         return made.params, {"source": "pretrained on public text (no epsilon)", **made.info}
     if init_params is None:
         return None, None
@@ -367,6 +370,7 @@ class _Run:
         self.scale_history: list[list[float]] = [[1, first_scale]]
         self.last_eval: dict[str, Any] = {}
         self.completed = 0
+        self.saved_step: int | None = None  # the step of the newest checkpoint
         self.stopped: dict[str, Any] | None = None
         self.elapsed_before = 0.0  # seconds trained before this session (a resumed run)
 
@@ -392,7 +396,7 @@ class _Run:
             return False
         self.state, meta, path = restored
         if self.step.mesh is not None:
-            self.state = self.step.mesh.put(self.state)
+            self.state = self.step.mesh.put(self.state, self.step.state_shardings)
         check_config(meta, self.config, path)
         check_data(meta, self.data_fingerprint, path)
         check_model(meta, self.signature, path)
@@ -409,7 +413,7 @@ class _Run:
         self.totals.update(meta["totals"])
         self.scale_history = [list(x) for x in meta["loss_scale_history"]]
         self.last_eval = dict(meta.get("last_eval", {}))
-        self.completed = int(meta["step"])
+        self.completed = self.saved_step = int(meta["step"])
         self.run_dir.truncate_metrics(self.completed)
         self.run_dir.log(
             f"resumed from {path.name} (step {self.completed}, epsilon {self.tracker.spent():.4f})"
@@ -543,6 +547,8 @@ class _Run:
         }
 
     def _save(self, *, finished: bool) -> None:
+        state = local(self.state)  # every process: sharded state is gathered collectively
+        self.saved_step = self.completed
         if not is_primary():  # process 0 writes the checkpoints of a multi-process run
             return
         stats = self.step.feature_stats
@@ -562,7 +568,7 @@ class _Run:
             "finished": finished,
             "stopped_early": self.stopped,
         }
-        save_checkpoint(self.ckpt_dir, step=self.completed, state=local(self.state), meta=meta)
+        save_checkpoint(self.ckpt_dir, step=self.completed, state=state, meta=meta)
 
     # ---- the end --------------------------------------------------------------
 
@@ -572,8 +578,7 @@ class _Run:
             self.run_dir.log("STOPPED EARLY: " + self.stopped["reason"], echo=True)
         if self.last_eval.get("step") != self.completed:  # zero steps, or a finished run
             self.last_eval = self._evaluate()
-        saved = list_checkpoints(self.ckpt_dir)
-        if not saved or saved[-1][0] != self.completed:
+        if self.saved_step != self.completed:  # not from the files: process 0 may still write
             self._save(finished=True)
         params = local(self.state["params"])
         report = release.build_report(

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -46,6 +47,7 @@ __all__ = [
     "is_primary",
     "local",
     "make_mesh",
+    "primary_first",
     "same_everywhere",
     "shared_keys",
 ]
@@ -87,22 +89,37 @@ class RunMesh:
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P(AXIS))
 
-    def summed(self, grad_fn):
+    def summed(self, grad_fn, specs: Any = None):
         """``sum_fn(params, batch, pad, scale) -> (grads, stats)``: each device clips its
         rows, the clipped sums are all-reduced (in their own dtype, the accumulate
         dtype), the statistics of the devices combined. ``scale`` must be static over
-        the step (its adjustment needs the global overflow count)."""
+        the step (its adjustment needs the global overflow count).
+
+        With ``specs`` (``param_specs``: sharded parameters) each device first
+        gathers the whole parameters, so that it computes every per-example
+        gradient, and so every per-example norm, in full before clipping; the
+        clipped sums are then reduce-scattered (``psum_scatter``, accumulate dtype),
+        each device keeping the shard it owns."""
+
+        def gather(params):
+            if specs is None:
+                return params
+            return jax.tree.map(_gathered, params, specs, is_leaf=_is_spec)
+
+        def reduce(grads):
+            if specs is None:
+                return jax.tree.map(lambda g: jax.lax.psum(g, AXIS), grads)
+            return jax.tree.map(_scattered, grads, specs, is_leaf=_is_spec)
 
         def per_device(params, batch, pad, scale):
-            out = grad_fn(params, batch, loss_scale=scale, is_padding_example=pad)
-            grads = jax.tree.map(lambda g: jax.lax.psum(g, AXIS), out.grads)
-            return grads, jax.tree.map(lambda s: s[None], out.stats)
+            out = grad_fn(gather(params), batch, loss_scale=scale, is_padding_example=pad)
+            return reduce(out.grads), jax.tree.map(lambda s: s[None], out.stats)
 
         sharded = jax.shard_map(
             per_device,
             mesh=self.mesh,
-            in_specs=(P(), P(AXIS), P(AXIS), P()),
-            out_specs=(P(), P(AXIS)),
+            in_specs=(P() if specs is None else specs, P(AXIS), P(AXIS), P()),
+            out_specs=(P() if specs is None else specs, P(AXIS)),
         )
 
         def sum_fn(params, batch, pad, scale):
@@ -111,10 +128,46 @@ class RunMesh:
 
         return sum_fn
 
-    def put(self, tree: Any) -> Any:
-        """``tree`` replicated on every device of the mesh: process 0's value, on every
-        process (a state each process built or read for itself must not diverge)."""
-        return jax.tree.map(lambda a: _global(a, self.replicated), _from_primary(tree))
+    def param_specs(self, shapes: Any) -> Any:
+        """Where each parameter lives when they are sharded (FSDP): split over the
+        devices along its largest dimension they divide; replicated if none does."""
+
+        def spec(leaf):
+            dims = [d for d, n in enumerate(leaf.shape) if n % self.size == 0]
+            if not dims:
+                return P()
+            d = max(dims, key=lambda d: leaf.shape[d])
+            return P(*([None] * d), AXIS)
+
+        return jax.tree.map(spec, shapes)
+
+    def state_shardings(self, state: dict[str, Any], specs: Any = None) -> dict[str, Any]:
+        """The sharding of every leaf of a run's state: replicated, or with ``specs``
+        (``param_specs``) the parameters sharded, and every optimizer slot of a
+        parameter's shape (Adam's moments) sharded as that parameter is."""
+        if specs is None:
+            return jax.tree.map(lambda _: self.replicated, state)
+        by_shape = {}
+        for leaf, spec in zip(
+            jax.tree.leaves(state["params"]), jax.tree.leaves(specs, is_leaf=_is_spec)
+        ):
+            by_shape.setdefault(tuple(leaf.shape), spec)
+        named = lambda spec: NamedSharding(self.mesh, spec)  # noqa: E731
+        out = jax.tree.map(lambda _: self.replicated, state)
+        out["params"] = jax.tree.map(named, specs, is_leaf=_is_spec)
+        out["opt_state"] = jax.tree.map(
+            lambda a: named(by_shape.get(tuple(jnp.shape(a)), P())), state["opt_state"]
+        )
+        return out
+
+    def put(self, tree: Any, shardings: Any = None) -> Any:
+        """``tree`` on the devices of the mesh (replicated, or as ``shardings`` says):
+        process 0's value, on every process (a state each process built or read for
+        itself must not diverge)."""
+        tree = _from_primary(tree)
+        if shardings is None:
+            return jax.tree.map(lambda a: _global(a, self.replicated), tree)
+        return jax.tree.map(_global, tree, shardings)
 
     def put_batch(self, read_rows, size: int, chunk: int | None = None) -> tuple[Any, Any]:
         """The step's global ``(batch, pad)`` of ``size`` rows, split over the mesh;
@@ -144,6 +197,26 @@ class RunMesh:
         """The physical chunks of a batch ``put_batch`` made (``[chunks, chunk, ...]``)."""
         for c in range(pad.shape[0]):
             yield jax.tree.map(lambda v, c=c: v[c], batch), pad[c]
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def _axis_dim(spec: P) -> int | None:
+    return None if AXIS not in spec else tuple(spec).index(AXIS)
+
+
+def _gathered(shard: jax.Array, spec: P) -> jax.Array:
+    d = _axis_dim(spec)
+    return shard if d is None else jax.lax.all_gather(shard, AXIS, axis=d, tiled=True)
+
+
+def _scattered(grad: jax.Array, spec: P) -> jax.Array:
+    d = _axis_dim(spec)
+    if d is None:
+        return jax.lax.psum(grad, AXIS)
+    return jax.lax.psum_scatter(grad, AXIS, scatter_dimension=d, tiled=True)
 
 
 def _global(a: Any, sharding: NamedSharding) -> jax.Array:
@@ -185,6 +258,21 @@ def same_everywhere(value: int, what: str) -> None:
         raise RuntimeError(f"processes disagree on {what}: {e}") from None
 
 
+def primary_first(work):
+    """``work()`` on process 0, then on the others (which may reuse what it wrote in
+    the shared run directory); just ``work()`` in a one-process run."""
+    if jax.process_count() == 1:
+        return work()
+    from jax.experimental import multihost_utils
+
+    if is_primary():
+        done = work()
+        multihost_utils.sync_global_devices("dpmp: process 0 first")
+        return done
+    multihost_utils.sync_global_devices("dpmp: process 0 first")
+    return work()
+
+
 def make_mesh(config: Config) -> RunMesh | None:
     """The run's mesh, or None for one device in one process (no mesh at all)."""
     wanted = config.training.devices
@@ -214,15 +302,21 @@ def make_mesh(config: Config) -> RunMesh | None:
 
 
 def local(tree: Any) -> Any:
-    """A replicated (or single-device) value on this process: numpy arrays (PRNG
-    keys stay keys)."""
+    """A value of the mesh, whole, on this process: numpy arrays (PRNG keys stay
+    keys). Sharded arrays of several processes are gathered: every process must
+    call this on the same tree."""
 
     def read(a):
         if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
             impl = jax.random.key_impl(a)
             return jax.random.wrap_key_data(read(jax.random.key_data(a)), impl=impl)
         if isinstance(a, jax.Array) and not a.is_fully_addressable:
-            return np.asarray(a.addressable_data(0))
+            if a.is_fully_replicated:
+                return np.asarray(a.addressable_data(0))
+            from jax.experimental import multihost_utils
+
+            # a collective: every process must read the same tree at the same time
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
         return np.asarray(a)
 
     return jax.tree.map(read, tree)

@@ -104,6 +104,8 @@ class PrivateStep:
       keys: the run's ``RunKeys`` (secret unless reproducible; process 0's in
         a run of several processes).
       mesh: the data-parallel ``RunMesh``, or None on one device.
+      state_shardings: on a mesh, the sharding of every leaf of ``init_state``
+        (replicated, or the parameters and their optimizer slots sharded).
     """
 
     step_fn: Callable
@@ -123,6 +125,7 @@ class PrivateStep:
     feature_stats: FeatureStats | None
     keys: RunKeys
     mesh: RunMesh | None = None
+    state_shardings: Any = None
 
     def batch(self, sampled) -> tuple[Any, Any]:
         """The ``(batch, is_padding_example)`` arguments of ``step_fn`` for a sampled
@@ -239,9 +242,9 @@ def _whole_step(sum_fn, optimizer) -> Callable:
     return jax.jit(private_step)
 
 
-def _chunked_step(sum_fn, optimizer, chunks: Callable, acc_shapes) -> tuple[Callable, ...]:
+def _chunked_step(sum_fn, optimizer, chunks: Callable, zeros: Callable) -> tuple[Callable, ...]:
     """``(step_fn, chunk_fn, apply_fn)`` of a step over the physical chunks
-    ``chunks(batch, pad)`` yields."""
+    ``chunks(batch, pad)`` yields; ``zeros()`` is the empty sum."""
 
     @jax.jit
     def chunk_fn(params, chunk, is_padding, loss_scale, acc):
@@ -252,7 +255,7 @@ def _chunked_step(sum_fn, optimizer, chunks: Callable, acc_shapes) -> tuple[Call
 
     def step_fn(params, batch, is_padding_example, opt_state, loss_scale):
         chunk_scale = _static(loss_scale)
-        acc = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), acc_shapes)
+        acc = zeros()
         parts = []
         for chunk, pad in chunks(batch, is_padding_example):
             acc, stats = chunk_fn(params, chunk, pad, chunk_scale, acc)
@@ -303,6 +306,12 @@ def build_private_step(
         data = load_data(config.data, t.seed)
     keys = shared_keys(run_keys(config) if keys is None else keys)
     mesh = make_mesh(config)
+    if t.shard_params and mesh is None:
+        raise ConfigError(
+            "training.shard_params: shards over a mesh of several devices; set "
+            'training.devices to more than 1 (or "all" with several devices)'
+        )
+    shards = mesh.size if t.shard_params else 1
     if config.data.standardize != "none":
         if not data.in_memory:
             raise ConfigError(
@@ -317,11 +326,11 @@ def build_private_step(
     init_key = jax.random.split(jax.random.key(t.seed), 3)[0]
     lora = bool(config.model.lora_rank)
     params_shape = jax.eval_shape(model.init, init_key)
-    _check_fits(config, params_shape, trainable=not lora)
+    _check_fits(config, params_shape, trainable=not lora, shards=shards)
     model = _starting_point(config, model, init_params, params_shape, init_key)
     if lora:  # the adapters are what trains (init_params have the model's own shapes)
         params_shape = jax.eval_shape(model.init, init_key)
-        _check_fits(config, params_shape, trainable=True)
+        _check_fits(config, params_shape, trainable=True, shards=shards)
     sampler = make_sampler(config, data.num_train, keys.sampler_seed, mesh.size if mesh else 1)
     plan = noise_plan(config, num_train=data.num_train, params_shape=params_shape)
     grad_fn = private_grad(
@@ -347,8 +356,11 @@ def build_private_step(
         "opt_state": optimizer.init(params),
         "loss_scale": _make_loss_scale(config, keys.loss_scale),
     }
+    specs = mesh.param_specs(params_shape) if t.shard_params else None
+    state_shardings = None
     if mesh is not None:
-        init_state = mesh.put(init_state)
+        state_shardings = mesh.state_shardings(init_state, specs)
+        init_state = mesh.put(init_state, state_shardings)
     batch, pad = gather(data, sampler.batch(0))
     size = t.physical_batch_size
     # what one call of private_grad sees: a chunk, or a device's share of it
@@ -360,7 +372,7 @@ def build_private_step(
         chunks = functools.partial(physical_chunks, size=size)
         batch, pad = jax.tree.map(jnp.asarray, (batch, pad))
     else:
-        sum_fn = mesh.summed(grad_fn)
+        sum_fn = mesh.summed(grad_fn, specs)
         chunks = mesh.chunks
         batch, pad = mesh.put_batch(lambda a, b: (_rows(batch, a, b), pad[a:b]), len(pad), size)
     if size is None and mesh is None:
@@ -369,7 +381,12 @@ def build_private_step(
         step_fn = _whole_step(sum_fn, optimizer)
     else:
         acc_shapes = jax.eval_shape(lambda p, b: grad_fn(p, b).grads, params, explained_batch)
-        step_fn, chunk_fn, apply_fn = _chunked_step(sum_fn, optimizer, chunks, acc_shapes)
+        acc_shardings = None if mesh is None else state_shardings["params"]
+        zeros = jax.jit(
+            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), acc_shapes),
+            out_shardings=acc_shardings,
+        )
+        step_fn, chunk_fn, apply_fn = _chunked_step(sum_fn, optimizer, chunks, zeros)
     example_args = (
         init_state["params"],
         batch,
@@ -395,6 +412,7 @@ def build_private_step(
         feature_stats=feature_stats,
         keys=keys,
         mesh=mesh,
+        state_shardings=state_shardings,
     )
 
 
@@ -415,13 +433,14 @@ def _memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _check_fits(config: Config, shapes: Any, *, trainable: bool) -> None:
+def _check_fits(config: Config, shapes: Any, *, trainable: bool, shards: int = 1) -> None:
     """Refuses parameters (with their gradients and optimizer state when
-    ``trainable``) that cannot fit in memory, from shapes alone: a typo such as
-    ``model.dim = 100000000000`` is one line, not an out-of-memory crash."""
+    ``trainable``, split over ``shards`` devices) that cannot fit in memory, from
+    shapes alone: a typo such as ``model.dim = 100000000000`` is one line, not an
+    out-of-memory crash."""
     count, need = count_params(shapes), count_bytes(shapes)
     if trainable:
-        need *= _COPIES.get(config.training.optimizer, 4)
+        need = need * _COPIES.get(config.training.optimizer, 4) // shards
     limit = _memory_bytes()
     if need <= limit:
         return
