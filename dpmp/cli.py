@@ -374,8 +374,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--distributed",
         action="store_true",
-        help="join a multi-process run described by the environment (SLURM, Open MPI, "
-        "Kubernetes, TPU pods, or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)",
+        help="join a multi-process run described by the environment: a cluster JAX "
+        "recognises (SLURM, Open MPI, mpi4py, Kubernetes, Cloud TPU), with "
+        "JAX_COORDINATOR_ADDRESS or the flags below for what it does not give",
     )
     d.add_argument(
         "--coordinator", metavar="HOST:PORT", help="process 0's address (implies --distributed)"
@@ -525,7 +526,15 @@ def _join(distributed: dict | None) -> None:
     if distributed is not None:
         from dpmp._src.trainer.mesh import initialize
 
-        initialize(**distributed)
+        try:
+            initialize(**distributed)
+        except ValueError as e:
+            raise _UsageError(
+                str(e).replace(
+                    "the coordinator's HOST:PORT, the number of processes and this process's index",
+                    "--coordinator, --num-processes and --process-id",
+                )
+            ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

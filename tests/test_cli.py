@@ -707,6 +707,48 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, delay_s):
             pass
 
 
+_GC_INTERRUPT = """
+import gc, os, signal, sys
+from dpmp import cli
+from dpmp._src.trainer import loop
+
+build = loop._build_step
+
+
+def interrupted_in_a_gc_callback(*args, **kwargs):
+    def callback(phase, info):
+        gc.callbacks.remove(callback)
+        os.kill(os.getpid(), signal.SIGINT)  # delivered while the callback runs
+
+    gc.callbacks.append(callback)
+    gc.collect()
+    return build(*args, **kwargs)
+
+
+loop._build_step = interrupted_in_a_gc_callback
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_that_python_swallows_in_a_gc_callback_still_stops_the_run(tmp_path):
+    """Python ignores a KeyboardInterrupt raised inside a garbage-collector callback
+    (JAX registers one): the run printed "Exception ignored in: <function
+    _xla_gc_callback ...>" and trained to its end. It is remembered and stops the
+    run before its first step: one line, status 130, a checkpoint of step 0."""
+    script = tmp_path / "gc_interrupt.py"
+    script.write_text(_GC_INTERRUPT)
+    out = tmp_path / "run"
+    argv = [sys.executable, str(script), "train", "--out", str(out), "--quiet"]
+    argv += ["--set", "training.steps=2"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"dpmp train: interrupted after step 0 of 2; a checkpoint of that step is in "
+        f"{out / 'checkpoints'}: run again in the same directory to resume"
+    ]
+    assert not (out / "report.json").exists()
+
+
 @pytest.mark.parametrize(
     "setting, needle",
     [

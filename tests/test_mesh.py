@@ -294,3 +294,56 @@ def test_two_processes_train_as_one_and_resume_together(tmp_path):
     assert resumed["epsilon"] == b["epsilon"] and resumed["steps"] == 24
     diff = max(np.abs(x - y).max() for x, y in zip(_params(together), _params(killed)))
     assert diff <= 1e-5 * scale, diff
+
+
+def test_joining_without_a_coordinator_is_one_line(tmp_path):
+    """``--distributed`` outside any cluster, and a process index past the count, are
+    one-line usage errors naming the flags."""
+    run = subprocess.run(
+        [sys.executable, "-m", "dpmp.cli", "train", "--distributed", "--out", str(tmp_path)],
+        env=_env(1), cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--coordinator, --num-processes and --process-id" in lines[0]
+
+    from dpmp import cli
+
+    args = ["train", "--num-processes", "2", "--process-id", "2", "--out", str(tmp_path)]
+    assert cli.main(args) == 2
+
+
+_SHARED_KEYS = """
+import json, sys
+from dpmp._src.trainer.mesh import initialize
+initialize(f"localhost:{sys.argv[1]}", 2, int(sys.argv[2]))
+import jax, numpy as np
+from dpmp._src.config import load_config
+from dpmp._src.trainer.mesh import shared_keys
+from dpmp._src.trainer.plan import run_keys
+
+own = run_keys(load_config(None))  # fresh OS entropy, different in each process
+got = shared_keys(own)
+data = lambda k: np.asarray(jax.random.key_data(k)).tolist()
+row = lambda k: [data(k.noise), data(k.loss_scale), str(k.sampler_seed), str(k.standardize_seed)]
+print("JSON" + json.dumps({"own": row(own), "got": row(got)}))
+"""
+
+
+def test_every_process_uses_process_0s_secret_keys(tmp_path):
+    """Each process draws its own keys from the OS; the run uses process 0's,
+    handed to every process (the noise and the batches must be the same on all)."""
+    script = tmp_path / "keys.py"
+    script.write_text(_SHARED_KEYS)
+    port = str(_port())
+    procs = [
+        subprocess.Popen([sys.executable, str(script), port, str(i)], env=_env(1), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    first, second = (json.loads(out.split("JSON", 1)[1]) for out, _ in outs)
+    assert first["own"] != second["own"]  # fresh entropy in each process
+    assert first["got"] == first["own"] == second["got"]
+    assert int(first["got"][2]) >= 2**64  # 128-bit seeds survive the trip whole

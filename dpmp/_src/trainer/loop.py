@@ -188,7 +188,10 @@ def train(
     config = Config() if config is None else config
     # one writer per run directory, before anything changes (process 0 of several)
     with locked(out_dir) if is_primary() else contextlib.nullcontext():
-        return _train(config, out_dir, resume, progress, model, loss, data, callback, init_params)
+        with _RememberedInterrupt():
+            return _train(
+                config, out_dir, resume, progress, model, loss, data, callback, init_params
+            )
 
 
 def _train(config, out_dir, resume, progress, model, loss, data, callback, init_params):
@@ -320,13 +323,45 @@ class RunInterrupted(KeyboardInterrupt):
     message says how to resume."""
 
 
+class _RememberedInterrupt:
+    """Ctrl-C before the loop raises KeyboardInterrupt at once, as usual, and is
+    also remembered: Python ignores an exception raised inside a garbage-collector
+    callback (it printed "Exception ignored in: <function _xla_gc_callback ...>"
+    and the run trained to its end), so a remembered one stops the run before its
+    first step (``_DeferredInterrupt``), and Python's "Exception ignored"
+    traceback of it is not printed. Only in the main thread."""
+
+    pressed = False  # since the innermost one was entered
+
+    def _handler(self, signum, frame):
+        _RememberedInterrupt.pressed = True
+        raise KeyboardInterrupt
+
+    def _unraisable(self, info):
+        if not isinstance(info.exc_value, KeyboardInterrupt):  # remembered, said later
+            self._previous_hook(info)
+
+    def __enter__(self):
+        self._previous = None
+        _RememberedInterrupt.pressed = False
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            sys.unraisablehook = self._previous_hook
+
+
 class _DeferredInterrupt:
     """Holds a Ctrl-C (SIGINT) until the step in progress is done, so that the run
     stops at a whole state; a second Ctrl-C interrupts at once. Only in the main
     thread (elsewhere Python delivers no signal)."""
 
     def __init__(self):
-        self.requested = False
+        self.requested = _RememberedInterrupt.pressed  # one Python swallowed before
         self._previous = None
 
     def _handler(self, signum, frame):

@@ -19,11 +19,17 @@ accumulate dtype) all-reduce, which the precision audit reads as its
 sampling stays one global draw: every process runs the same sampler (same
 secret seed), and each reads only the rows its devices hold.
 
+With ``training.shard_params`` the parameters and optimizer state are sharded
+instead (``param_specs``, ``state_shardings``): each device gathers the whole
+parameters for its passes, so every per-example norm is complete before it is
+clipped, and the clipped sums are reduce-scattered (``psum_scatter``) to the
+devices that own them; noise and update run on the shards.
+
 Several processes (``jax.distributed``): ``initialize`` joins them;
 ``shared_keys`` hands every process process 0's secret keys, so the noise and
 the batches are the same everywhere; ``put_batch`` builds each step's global
-batch from the processes' local rows; ``local`` reads a replicated value back
-on this process. Process 0 alone writes the run directory.
+batch from the processes' local rows; ``local`` reads a value of the mesh back
+whole on this process. Process 0 alone writes the run directory.
 """
 
 from __future__ import annotations
@@ -62,16 +68,26 @@ def initialize(
 ) -> None:
     """Joins this process to a multi-process run (``jax.distributed.initialize``).
 
-    Without arguments JAX reads the usual environment (a cluster it recognises:
-    SLURM, Open MPI, Kubernetes, TPU pods, or ``JAX_COORDINATOR_ADDRESS``,
-    ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``). On CPU the processes' collectives
-    run over gloo. Must come before anything else uses JAX.
+    What is not given JAX reads from the environment: a cluster it recognises
+    (SLURM, Open MPI, mpi4py, Kubernetes, Cloud TPU) and
+    ``JAX_COORDINATOR_ADDRESS``. On CPU the processes' collectives run over gloo.
+    Must come before anything else uses JAX.
+
+    Raises:
+      ValueError: what is missing, naming the arguments that give it.
     """
     # the CPU backend's collectives across processes (GPU and TPU have their own)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
-    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+        )
+    except (ValueError, TypeError) as e:  # JAX names its own arguments
+        raise ValueError(
+            f"joining the processes: {e} (give the coordinator's HOST:PORT, the number of "
+            "processes and this process's index, or run under a cluster JAX recognises: "
+            "SLURM, Open MPI, mpi4py, Kubernetes, Cloud TPU)"
+        ) from None
 
 
 def is_primary() -> bool:
