@@ -878,7 +878,9 @@ class Analyzer:
             outs = []
             for k, (v, av) in enumerate(zip(eqn.invars, ins, strict=False)):
                 if av.has(GRAD) and _is_float(_dtype(v)) and not av.has(_NORM_LINE):
-                    axes = tuple(eqn.params.get("axes", ()))
+                    # psum names its axes "axes"; psum_scatter (reduce_scatter) "axis_name"
+                    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+                    axes = tuple(axes) if isinstance(axes, tuple | list) else (axes,)
                     per_example = bool(av.bax) and not av.has(CLIPPED | REDUCED)
                     self._record(
                         ("all_reduce", loc, k),
