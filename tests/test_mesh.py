@@ -347,3 +347,23 @@ def test_every_process_uses_process_0s_secret_keys(tmp_path):
     assert first["own"] != second["own"]  # fresh entropy in each process
     assert first["got"] == first["own"] == second["got"]
     assert int(first["got"][2]) >= 2**64  # 128-bit seeds survive the trip whole
+
+
+def test_processes_with_different_configs_refuse_to_train(tmp_path):
+    """Two processes given different configs (here, steps) both stop with one line
+    before any step, rather than train on different plans."""
+    port = _port()
+    joined = ["--set", 'training.devices="all"', "--coordinator", f"localhost:{port}"]
+    procs = [
+        subprocess.Popen(
+            _dpmp(tmp_path / "run", *joined, "--num-processes", "2", "--process-id", str(i),
+                  "--set", f"training.steps={24 + i}"),
+            env=_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 2, err
+        assert "dpmp train: error: processes disagree on the config" in err
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -21,6 +21,7 @@ parameters, bit for bit on CPU, and the same epsilon as an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
+import json
 import platform
 import signal
 import sys
@@ -199,6 +200,9 @@ def _train(config, out_dir, resume, progress, model, loss, data, callback, init_
     run_dir, found = _open_run_dir(config, out_dir, resume=resume, progress=progress)
     data = as_dataset(load_data(config.data, config.training.seed) if data is None else data)
     data_fingerprint = fingerprint(data)
+    # several processes must train one config on one data set (each reads its own rows)
+    same_everywhere(json.dumps(release.config_dict(config), sort_keys=True), "the config")
+    same_everywhere(data_fingerprint, "the training data (every process must read the same)")
     saved_stats = None
     if found is not None:
         check_data(found[0], data_fingerprint, found[1])

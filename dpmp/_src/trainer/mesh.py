@@ -261,17 +261,24 @@ def _from_primary(tree: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
-def same_everywhere(value: int, what: str) -> None:
-    """Every process of a multi-process run must hold the same ``value``: a clear
-    error rather than processes that wait on each other forever."""
+def same_everywhere(value: int | str, what: str) -> None:
+    """Every process of a multi-process run must hold the same ``value`` (an int32,
+    or text compared by 31 bits of its sha256): a clear error on every process rather than
+    processes that train on different things, or wait on each other forever."""
     if jax.process_count() == 1:
         return
+    import hashlib
+
     from jax.experimental import multihost_utils
 
+    if isinstance(value, str):  # 31 bits: JAX gathers int32 unless x64 is enabled
+        value = int.from_bytes(hashlib.sha256(value.encode()).digest()[:4], "little") >> 1
     try:
-        multihost_utils.assert_equal(np.int64(value), what)
-    except AssertionError as e:
-        raise RuntimeError(f"processes disagree on {what}: {e}") from None
+        multihost_utils.assert_equal(np.int32(value), what)
+    except AssertionError:
+        raise ValueError(
+            f"processes disagree on {what} (process {jax.process_index()} of {jax.process_count()})"
+        ) from None
 
 
 def primary_first(work):

@@ -131,21 +131,7 @@ class PrivateStep:
         """The ``(batch, is_padding_example)`` arguments of ``step_fn`` for a sampled
         batch, read from the training data (on a mesh: split over its devices,
         each process reading only its own rows)."""
-        if self.mesh is None:
-            return gather(self.data, sampled)
-
-        def rows(start, stop):
-            part = slice(start, stop)
-            return gather(
-                self.data,
-                sampled._replace(
-                    indices=sampled.indices[part],
-                    is_padding_example=sampled.is_padding_example[part],
-                ),
-            )
-
-        size = len(sampled.is_padding_example)
-        return self.mesh.put_batch(rows, size, self.config.training.physical_batch_size)
+        return _step_batch(self.data, sampled, self.mesh, self.config.training.physical_batch_size)
 
     def __iter__(self):  # ``step_fn, example_args = build_private_step(...)``
         return iter((self.step_fn, self.example_args))
@@ -200,6 +186,41 @@ def _one_shot_step(grad_fn, optimizer) -> Callable:
         return params, opt_state, out.loss_scale, out.stats
 
     return jax.jit(private_step)
+
+
+def _step_batch(data: Dataset, sampled, mesh: RunMesh | None, chunk: int | None):
+    """``PrivateStep.batch``: numpy arrays on one device, global arrays on a mesh."""
+    if mesh is None:
+        return gather(data, sampled)
+
+    def rows(start, stop):
+        part = slice(start, stop)
+        indices, pad = sampled.indices[part], sampled.is_padding_example[part]
+        return gather(data, sampled._replace(indices=indices, is_padding_example=pad))
+
+    return mesh.put_batch(rows, len(sampled.is_padding_example), chunk)
+
+
+def _step_functions(grad_fn, optimizer, mesh, specs, size, acc_shapes) -> tuple[Callable, ...]:
+    """``(step_fn, chunk_fn, apply_fn)``: one device or a mesh (its parameters
+    replicated, or sharded as ``specs`` say), the batch whole or in physical chunks
+    of ``size`` (``chunk_fn`` and ``apply_fn`` are None without chunks)."""
+    if mesh is None and size is None:
+        return _one_shot_step(grad_fn, optimizer), None, None
+    sum_fn = _summed(grad_fn) if mesh is None else mesh.summed(grad_fn, specs)
+    if size is None:
+        return _whole_step(sum_fn, optimizer), None, None
+    if mesh is None:
+        chunks = functools.partial(physical_chunks, size=size)
+        shardings = None
+    else:
+        chunks = mesh.chunks
+        shardings = mesh.state_shardings({"params": acc_shapes, "opt_state": ()}, specs)["params"]
+    zeros = jax.jit(
+        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), acc_shapes),
+        out_shardings=shardings,
+    )
+    return _chunked_step(sum_fn, optimizer, chunks, zeros)
 
 
 def _summed(grad_fn) -> Callable:
@@ -361,32 +382,14 @@ def build_private_step(
     if mesh is not None:
         state_shardings = mesh.state_shardings(init_state, specs)
         init_state = mesh.put(init_state, state_shardings)
-    batch, pad = gather(data, sampler.batch(0))
     size = t.physical_batch_size
+    first = sampler.batch(0)
     # what one call of private_grad sees: a chunk, or a device's share of it
-    per_call = (size or len(pad)) // (mesh.size if mesh else 1)
-    explained_batch = jax.tree.map(lambda v: jnp.asarray(v[:per_call]), batch)
-    chunk_fn = apply_fn = None
-    if mesh is None:
-        sum_fn = _summed(grad_fn)
-        chunks = functools.partial(physical_chunks, size=size)
-        batch, pad = jax.tree.map(jnp.asarray, (batch, pad))
-    else:
-        sum_fn = mesh.summed(grad_fn, specs)
-        chunks = mesh.chunks
-        batch, pad = mesh.put_batch(lambda a, b: (_rows(batch, a, b), pad[a:b]), len(pad), size)
-    if size is None and mesh is None:
-        step_fn = _one_shot_step(grad_fn, optimizer)
-    elif size is None:
-        step_fn = _whole_step(sum_fn, optimizer)
-    else:
-        acc_shapes = jax.eval_shape(lambda p, b: grad_fn(p, b).grads, params, explained_batch)
-        acc_shardings = None if mesh is None else state_shardings["params"]
-        zeros = jax.jit(
-            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), acc_shapes),
-            out_shardings=acc_shardings,
-        )
-        step_fn, chunk_fn, apply_fn = _chunked_step(sum_fn, optimizer, chunks, zeros)
+    per_call = (size or len(first.indices)) // (mesh.size if mesh else 1)
+    explained_batch = jax.tree.map(lambda v: jnp.asarray(v[:per_call]), gather(data, first)[0])
+    acc_shapes = jax.eval_shape(lambda p, b: grad_fn(p, b).grads, params, explained_batch)
+    step_fn, chunk_fn, apply_fn = _step_functions(grad_fn, optimizer, mesh, specs, size, acc_shapes)
+    batch, pad = jax.tree.map(jnp.asarray, _step_batch(data, first, mesh, size))
     example_args = (
         init_state["params"],
         batch,
@@ -414,10 +417,6 @@ def build_private_step(
         mesh=mesh,
         state_shardings=state_shardings,
     )
-
-
-def _rows(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
-    return {k: v[start:stop] for k, v in batch.items()}
 
 
 # What a trained parameter costs beside itself: its gradient sum, and the
