@@ -273,6 +273,7 @@ def test_two_processes_train_as_one_and_resume_together(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs
     diff = max(np.abs(x - y).max() for x, y in zip(_params(single), _params(sharded)))
     assert diff <= 1e-5 * scale, diff
+    assert json.loads((sharded / "report.json").read_text())["mesh"]["sharded_params"] is True
 
     # sharded, killed both after a checkpoint, then started again: they resume together
     killed = tmp_path / "killed"

@@ -569,7 +569,7 @@ PUBLIC_REPORT_KEYS = {
         "starting_point",  # pre-trained on public text, or given (and then the caller's)
         "mesh",
     },
-    "mesh": {"devices", "processes", "platform", "all_reduce"},
+    "mesh": {"devices", "processes", "platform", "sharded_params", "all_reduce"},
     "noise": {"sampler", "noised_coordinates", "epsilon_residual"},
     "overflow": {
         "privatized", "count_releases", "count_noise_stddev", "epsilon_cost",

@@ -424,7 +424,7 @@ def build_report(
         },
         "audit": audit,
         "sampling": sampling,
-        "mesh": mesh_summary(step.mesh),
+        "mesh": mesh_summary(step.mesh, sharded=config.training.shard_params),
         "model": step.model.summary(params),
         "data": step.data.summary(),
         "config": config_dict(config),
@@ -436,16 +436,18 @@ def build_report(
     }
 
 
-def mesh_summary(mesh) -> dict[str, Any]:
+def mesh_summary(mesh, *, sharded: bool = False) -> dict[str, Any]:
     """Where the run ran (the public plan's hardware, no data)."""
     import jax
 
     devices = [jax.local_devices()[0]] if mesh is None else mesh.devices
+    reduce = "psum_scatter (parameters sharded)" if sharded else "psum"
     return {
         "devices": len(devices),
         "processes": len({d.process_index for d in devices}),
         "platform": devices[0].platform,
-        "all_reduce": None if mesh is None else "psum of the clipped sums, accumulate dtype",
+        "sharded_params": sharded,
+        "all_reduce": None if mesh is None else f"{reduce} of the clipped sums, accumulate dtype",
     }
 
 

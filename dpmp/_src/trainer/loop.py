@@ -107,11 +107,12 @@ def _log_plan(run: RunDir, step: PrivateStep) -> None:
         f"steps, q = {step.sampling_prob:.6g}, accountant {p.accountant})"
     )
     if step.mesh is not None:
-        where = release.mesh_summary(step.mesh)
+        where = release.mesh_summary(step.mesh, sharded=t.shard_params)
         run.log(
             f"data-parallel mesh: {where['devices']} {where['platform']} devices in "
             f"{where['processes']} process(es); each clips its share of the batch, the "
             "clipped sums are all-reduced in the accumulate dtype, the noise is added once"
+            + ("; parameters and optimizer state sharded" if t.shard_params else "")
         )
     clip = step.clipping
     run.log(
