@@ -154,7 +154,7 @@ def train(
       resume: continue from the newest checkpoint in ``out_dir`` (its config
         must match, apart from the eval/log/checkpoint periods, and so must the
         data); with False an existing run there is replaced.
-      progress: draw a progress bar and echo log lines on stderr.
+      progress: draw a progress bar and echo log lines on stderr (process 0 only).
       model: the model to train instead of ``config.model``: a flax linen
         module, a flax nnx module, an Equinox module, an ``(init, apply)`` pair
         of functions of a params pytree, or a ``dpmp`` ``Model``
@@ -171,7 +171,9 @@ def train(
         private dynamic loss scale ``noised_overflow`` and
         ``noised_overflow_total``, and on evaluation steps ``test_accuracy``
         and ``test_loss``. Exact training statistics are written to
-        ``private/metrics.jsonl`` on logging steps, never passed here.
+        ``private/metrics.jsonl`` on logging steps, never passed here. In a
+        run of several processes every process calls it with the same numbers
+        (log from ``jax.process_index() == 0`` to log once).
       init_params: parameters to start from, in the structure of the model's
         own (pre-trained ones: they must not come from the private data, or
         the run is not private); with ``model.lora_rank`` the frozen base of
@@ -198,6 +200,7 @@ def train(
 
 def _train(config, out_dir, resume, progress, model, loss, data, callback, init_params):
     started = time.perf_counter()
+    progress = progress and is_primary()  # one progress bar for a run of several processes
     run_dir, found = _open_run_dir(config, out_dir, resume=resume, progress=progress)
     data = as_dataset(load_data(config.data, config.training.seed) if data is None else data)
     data_fingerprint = fingerprint(data)
