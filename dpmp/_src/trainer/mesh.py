@@ -235,13 +235,24 @@ def _scattered(grad: jax.Array, spec: P) -> jax.Array:
     return jax.lax.psum_scatter(grad, AXIS, scatter_dimension=d, tiled=True)
 
 
+def _unwrapped(a: Any) -> tuple[Any, Any]:
+    """``(array, impl)``: a PRNG key array as its key data and its implementation
+    (``_rewrapped`` makes it a key again); any other value as itself and None."""
+    if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(a), jax.random.key_impl(a)
+    return a, None
+
+
+def _rewrapped(data: Any, impl: Any) -> Any:
+    return data if impl is None else jax.random.wrap_key_data(data, impl=impl)
+
+
 def _global(a: Any, sharding: NamedSharding) -> jax.Array:
     """``a`` (the same on every process) as one array over ``sharding``'s devices."""
-    if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-        data = _global(jax.random.key_data(a), sharding)
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(a))
-    a = np.asarray(a)
-    return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+    data, impl = _unwrapped(a)
+    data = np.asarray(data)
+    placed = jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
+    return _rewrapped(placed, impl)
 
 
 def _from_primary(tree: Any) -> Any:
@@ -250,14 +261,10 @@ def _from_primary(tree: Any) -> Any:
         return tree
     from jax.experimental import multihost_utils
 
-    leaves, treedef = jax.tree.flatten(local(tree))
-    is_key = [jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) for a in leaves]
-    raw = [np.asarray(jax.random.key_data(a)) if k else a for a, k in zip(leaves, is_key)]
-    raw = multihost_utils.broadcast_one_to_all(raw)
-    out = [
-        jax.random.wrap_key_data(np.asarray(r), impl=jax.random.key_impl(a)) if k else np.asarray(r)
-        for r, a, k in zip(raw, leaves, is_key)
-    ]
+    leaves, treedef = jax.tree.flatten(tree)
+    unwrapped = [_unwrapped(a) for a in leaves]
+    sent = multihost_utils.broadcast_one_to_all([_whole(data) for data, _ in unwrapped])
+    out = [_rewrapped(np.asarray(r), impl) for r, (_, impl) in zip(sent, unwrapped)]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -330,19 +337,22 @@ def local(tree: Any) -> Any:
     call this on the same tree."""
 
     def read(a):
-        if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            impl = jax.random.key_impl(a)
-            return jax.random.wrap_key_data(read(jax.random.key_data(a)), impl=impl)
-        if isinstance(a, jax.Array) and not a.is_fully_addressable:
-            if a.is_fully_replicated:
-                return np.asarray(a.addressable_data(0))
-            from jax.experimental import multihost_utils
-
-            # a collective: every process must read the same tree at the same time
-            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-        return np.asarray(a)
+        data, impl = _unwrapped(a)
+        return _rewrapped(_whole(data), impl)
 
     return jax.tree.map(read, tree)
+
+
+def _whole(a: Any) -> np.ndarray:
+    """An array (not a key) of the mesh as one numpy array on this process."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        if a.is_fully_replicated:
+            return np.asarray(a.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        # a collective: every process must read the same tree at the same time
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return np.asarray(a)
 
 
 def shared_keys(keys):
@@ -350,25 +360,19 @@ def shared_keys(keys):
     from the OS; only one set may be used). Unchanged in a one-process run."""
     if jax.process_count() == 1:
         return keys
-    from jax.experimental import multihost_utils
-
     words = SEED_BITS // 32
-    noise, scale = (np.asarray(jax.random.key_data(k)) for k in (keys.noise, keys.loss_scale))
-    seeds = np.array(
-        [
-            (s >> (32 * i)) & 0xFFFFFFFF
-            for s in (keys.sampler_seed, keys.standardize_seed)
-            for i in range(words)
-        ],
-        np.uint32,
+    seeds = [
+        (s >> (32 * i)) & 0xFFFFFFFF
+        for s in (keys.sampler_seed, keys.standardize_seed)
+        for i in range(words)
+    ]
+    shared = _from_primary(
+        {"noise": keys.noise, "scale": keys.loss_scale, "seeds": np.array(seeds, np.uint32)}
     )
-    shared = multihost_utils.broadcast_one_to_all({"noise": noise, "scale": scale, "seeds": seeds})
-    shared = jax.tree.map(np.asarray, shared)
     s = [int(x) for x in shared["seeds"]]
-    impl = jax.random.key_impl(keys.noise)
     return type(keys)(
-        noise=jax.random.wrap_key_data(shared["noise"], impl=impl),
-        loss_scale=jax.random.wrap_key_data(shared["scale"], impl=impl),
+        noise=shared["noise"],
+        loss_scale=shared["scale"],
         sampler_seed=_join(s[:words]),
         standardize_seed=_join(s[words:]),
         reproducible=keys.reproducible,
