@@ -192,13 +192,22 @@ def train(
     config = Config() if config is None else config
     # one writer per run directory, before anything changes (process 0 of several)
     with locked(out_dir) if is_primary() else contextlib.nullcontext():
-        with _RememberedInterrupt():
+        with _Interrupts() as interrupts:
             return _train(
-                config, out_dir, resume, progress, model, loss, data, callback, init_params
+                config,
+                out_dir,
+                resume,
+                progress,
+                model,
+                loss,
+                data,
+                callback,
+                init_params,
+                interrupts,
             )
 
 
-def _train(config, out_dir, resume, progress, model, loss, data, callback, init_params):
+def _train(config, out_dir, resume, progress, model, loss, data, callback, init_params, interrupts):
     started = time.perf_counter()
     progress = progress and is_primary()  # one progress bar for a run of several processes
     run_dir, found = _open_run_dir(config, out_dir, resume=resume, progress=progress)
@@ -235,7 +244,7 @@ def _train(config, out_dir, resume, progress, model, loss, data, callback, init_
     audit = audit_summary(step)
     verdict = {True: "ok", False: "VIOLATIONS", None: "error"}[audit["ok"]]
     run_dir.log(f"precision audit of the step: {verdict}")
-    run.loop(callback, progress=progress)
+    run.loop(callback, progress=progress, interrupts=interrupts)
     return run.finish(audit, started)
 
 
@@ -331,27 +340,40 @@ class RunInterrupted(KeyboardInterrupt):
     message says how to resume."""
 
 
-class _RememberedInterrupt:
-    """Ctrl-C before the loop raises KeyboardInterrupt at once, as usual, and is
-    also remembered: Python ignores an exception raised inside a garbage-collector
-    callback (it printed "Exception ignored in: <function _xla_gc_callback ...>"
-    and the run trained to its end), so a remembered one stops the run before its
-    first step (``_DeferredInterrupt``), and Python's "Exception ignored"
-    traceback of it is not printed. Only in the main thread."""
+class _Interrupts:
+    """Ctrl-C (SIGINT) during a run. It raises KeyboardInterrupt at once, except
+    inside ``held()`` (the loop), where the first is held until the step in
+    progress is done, so that the run stops at a whole state; a second interrupts
+    at once. Every one is remembered in ``requested``: Python ignores an exception
+    raised inside a garbage-collector callback (JAX registers one; it printed
+    "Exception ignored in: <function _xla_gc_callback ...>" and the run trained to
+    its end), so one swallowed before the loop stops the run before its first
+    step, and Python's "Exception ignored" traceback of it is not printed. Only
+    in the main thread (elsewhere Python delivers no signal)."""
 
-    pressed = False  # since the innermost one was entered
+    def __init__(self):
+        self.requested = False
+        self._holding = False
+        self._previous = None
 
     def _handler(self, signum, frame):
-        _RememberedInterrupt.pressed = True
-        raise KeyboardInterrupt
+        again, self.requested = self.requested, True
+        if again or not self._holding:
+            raise KeyboardInterrupt
 
     def _unraisable(self, info):
-        if not isinstance(info.exc_value, KeyboardInterrupt):  # remembered, said later
+        if not isinstance(info.exc_value, KeyboardInterrupt):  # remembered in requested
             self._previous_hook(info)
 
+    @contextlib.contextmanager
+    def held(self):
+        self._holding = True
+        try:
+            yield self
+        finally:
+            self._holding = False
+
     def __enter__(self):
-        self._previous = None
-        _RememberedInterrupt.pressed = False
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handler)
             self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
@@ -361,30 +383,6 @@ class _RememberedInterrupt:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             sys.unraisablehook = self._previous_hook
-
-
-class _DeferredInterrupt:
-    """Holds a Ctrl-C (SIGINT) until the step in progress is done, so that the run
-    stops at a whole state; a second Ctrl-C interrupts at once. Only in the main
-    thread (elsewhere Python delivers no signal)."""
-
-    def __init__(self):
-        self.requested = _RememberedInterrupt.pressed  # one Python swallowed before
-        self._previous = None
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 class _Run:
@@ -465,11 +463,11 @@ class _Run:
 
     # ---- the loop -------------------------------------------------------------
 
-    def loop(self, callback, *, progress: bool) -> None:
-        with _DeferredInterrupt() as interrupt:
-            self._loop(callback, progress=progress, interrupt=interrupt)
+    def loop(self, callback, *, progress: bool, interrupts: _Interrupts) -> None:
+        with interrupts.held():
+            self._loop(callback, progress=progress, interrupts=interrupts)
 
-    def _loop(self, callback, *, progress: bool, interrupt: _DeferredInterrupt) -> None:
+    def _loop(self, callback, *, progress: bool, interrupts: _Interrupts) -> None:
         t = self.config.training
         bar = ProgressBar(t.steps, enabled=progress)
         session_start = time.perf_counter()
@@ -477,7 +475,7 @@ class _Run:
         same_everywhere(self.completed, "the completed steps (is out_dir shared by every process?)")
         self.stopped = self._stop_reason()
         while self.completed < t.steps and self.stopped is None:
-            if interrupt.requested:  # between steps: the state is whole, save it
+            if interrupts.requested:  # between steps: the state is whole, save it
                 bar.close()
                 self._save(finished=False)
                 message = (
