@@ -178,16 +178,6 @@ def _make_loss_scale(config: Config, key) -> Any:
     )
 
 
-def _one_shot_step(grad_fn, optimizer) -> Callable:
-    def private_step(params, batch, is_padding_example, opt_state, loss_scale):
-        out = grad_fn(params, batch, loss_scale=loss_scale, is_padding_example=is_padding_example)
-        updates, opt_state = optimizer.update(out.grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, out.loss_scale, out.stats
-
-    return jax.jit(private_step)
-
-
 def _step_batch(data: Dataset, sampled, mesh: RunMesh | None, chunk: int | None):
     """``PrivateStep.batch``: numpy arrays on one device, global arrays on a mesh."""
     if mesh is None:
@@ -205,8 +195,6 @@ def _step_functions(grad_fn, optimizer, mesh, specs, size, acc_shapes) -> tuple[
     """``(step_fn, chunk_fn, apply_fn)``: one device or a mesh (its parameters
     replicated, or sharded as ``specs`` say), the batch whole or in physical chunks
     of ``size`` (``chunk_fn`` and ``apply_fn`` are None without chunks)."""
-    if mesh is None and size is None:
-        return _one_shot_step(grad_fn, optimizer), None, None
     sum_fn = _summed(grad_fn) if mesh is None else mesh.summed(grad_fn, specs)
     if size is None:
         return _whole_step(sum_fn, optimizer), None, None
@@ -251,7 +239,7 @@ def _apply(optimizer, params, grads, opt_state, loss_scale, num_nonfinite):
 
 def _whole_step(sum_fn, optimizer) -> Callable:
     """A step over the whole batch in one call, with the scale adjusted after the sum
-    (a mesh's devices must see one scale)."""
+    (so that a mesh's devices see one scale, and the adjustment reads their total)."""
 
     def private_step(params, batch, is_padding_example, opt_state, loss_scale):
         grads, stats = sum_fn(params, batch, is_padding_example, _static(loss_scale))
