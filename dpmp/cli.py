@@ -527,14 +527,9 @@ def _join(distributed: dict | None) -> None:
         from dpmp._src.trainer.mesh import initialize
 
         try:
-            initialize(**distributed)
+            initialize(**distributed, named="--coordinator, --num-processes and --process-id")
         except ValueError as e:
-            raise _UsageError(
-                str(e).replace(
-                    "the coordinator's HOST:PORT, the number of processes and this process's index",
-                    "--coordinator, --num-processes and --process-id",
-                )
-            ) from None
+            raise _UsageError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

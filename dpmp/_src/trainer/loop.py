@@ -53,7 +53,13 @@ from dpmp._src.private_loss_scale import PrivateDynamicLossScale
 from dpmp._src.run_dir import ProgressBar, RunDir, SilentRunDir, locked
 from dpmp._src.trainer.batches import input_dtype
 from dpmp._src.trainer.evaluate import evaluator
-from dpmp._src.trainer.mesh import is_primary, local, primary_first, same_everywhere
+from dpmp._src.trainer.mesh import (
+    is_primary,
+    local,
+    on_this_process,
+    primary_first,
+    same_everywhere,
+)
 from dpmp._src.trainer.plan import noise_plan
 from dpmp._src.trainer.pretrain import params_digest, pretrain
 from dpmp._src.trainer.resume import check_config, check_data, check_model, check_start
@@ -558,7 +564,8 @@ class _Run:
         )
 
     def _evaluate(self) -> dict[str, Any]:
-        data, params = self.step.data, local(self.state["params"])
+        # no host round trip in a one-process run (evaluation comes every eval_every steps)
+        data, params = self.step.data, on_this_process(self.state["params"])
         train_acc, train_loss = self.evaluate_split(params, data.x_train, data.y_train)  # private
         test_acc, test_loss = self.evaluate_split(params, data.x_test, data.y_test)  # public
         return {

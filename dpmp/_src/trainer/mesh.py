@@ -53,6 +53,7 @@ __all__ = [
     "is_primary",
     "local",
     "make_mesh",
+    "on_this_process",
     "primary_first",
     "same_everywhere",
     "shared_keys",
@@ -65,6 +66,8 @@ def initialize(
     coordinator: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    *,
+    named: str = "coordinator, num_processes and process_id",
 ) -> None:
     """Joins this process to a multi-process run (``jax.distributed.initialize``).
 
@@ -74,7 +77,8 @@ def initialize(
     Must come before anything else uses JAX.
 
     Raises:
-      ValueError: what is missing, naming the arguments that give it.
+      ValueError: what is missing, naming the arguments that give it (``named``:
+        how the caller names them).
     """
     # the CPU backend's collectives across processes (GPU and TPU have their own)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -84,9 +88,8 @@ def initialize(
         )
     except (ValueError, TypeError) as e:  # JAX names its own arguments
         raise ValueError(
-            f"joining the processes: {e} (give the coordinator's HOST:PORT, the number of "
-            "processes and this process's index, or run under a cluster JAX recognises: "
-            "SLURM, Open MPI, mpi4py, Kubernetes, Cloud TPU)"
+            f"joining the processes: {e} (give {named}, or run under a cluster JAX "
+            "recognises: SLURM, Open MPI, mpi4py, Kubernetes, Cloud TPU)"
         ) from None
 
 
@@ -329,6 +332,13 @@ def make_mesh(config: Config) -> RunMesh | None:
     if n == 1 and jax.process_count() == 1:
         return None
     return RunMesh(every[:n])
+
+
+def on_this_process(tree: Any) -> Any:
+    """``tree`` as a jitted function of this process alone can take it: unchanged in
+    a one-process run (its devices are all here), else gathered whole (``local``:
+    every process must call this on the same tree)."""
+    return tree if jax.process_count() == 1 else local(tree)
 
 
 def local(tree: Any) -> Any:
