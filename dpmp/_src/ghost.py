@@ -191,6 +191,68 @@ def _bind(eqn, invals, **overrides):
     return out if eqn.primitive.multiple_results else [out]
 
 
+# Per example, every value keeps the batch axis of 1 the model was traced with, so
+# under ``vmap`` XLA:CPU sees shapes like (B, 1, T, D). Its YNNPACK fusions of a
+# product and a reduction over such a shape run 15-20x slower than over
+# (B, T, D) (jaxlib 0.10.2: 5.2 ms against 0.33 ms for one (256, 1, 64, 64)
+# product summed over tokens), and the backward of layer norms, softmax and every
+# per-example scale or bias gradient is made of them: 60% of the ghost ViT step
+# in benchmarks/clipping.py. The replay therefore emits reductions and broadcasts
+# on operands with their size-1 axes reshaped away, and makes an elementwise
+# operation's implicit size-1 broadcasting explicit that way, so that their
+# transposes are squeezed too. Reshapes and broadcasts are exact: the values are
+# those of the traced model.
+_REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod"))
+_ELEMENTWISE = frozenset(
+    (
+        "add", "sub", "mul", "div", "max", "min", "pow", "rem", "atan2", "nextafter",
+        "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "select_n",
+    )
+)  # fmt: skip
+
+
+def _squeezed(x):
+    """``x`` without its size-1 axes, and the kept axes' positions."""
+    keep = tuple(i for i, n in enumerate(jnp.shape(x)) if n != 1)
+    return x.reshape(tuple(jnp.shape(x)[i] for i in keep)), keep
+
+
+def _broadcast(x, shape, dims):
+    """``lax.broadcast_in_dim(x, shape, dims)`` emitted without size-1 axes."""
+    x, keep = _squeezed(x)
+    out_keep = [i for i, n in enumerate(shape) if n != 1]
+    where = {axis: k for k, axis in enumerate(out_keep)}
+    dims_sq = tuple(where[dims[i]] for i in keep)
+    out = lax.broadcast_in_dim(x, tuple(shape[i] for i in out_keep), dims_sq)
+    return out.reshape(shape)
+
+
+def _replay_bind(eqn, invals):
+    """``_bind`` for the batched replays, with size-1 axes kept out of reductions and
+    broadcasts (see above)."""
+    name = eqn.primitive.name
+    if name in _REDUCTIONS and 1 in jnp.shape(invals[0]):
+        (x,) = invals
+        axes = set(eqn.params["axes"])
+        x, keep = _squeezed(x)
+        axes_sq = tuple(k for k, i in enumerate(keep) if i in axes)
+        (out,) = _bind(eqn, [x], axes=axes_sq) if axes_sq else [x]
+        return [out.reshape(eqn.outvars[0].aval.shape)]
+    if name == "broadcast_in_dim" and len(invals) == 1:
+        p = eqn.params
+        return [_broadcast(invals[0], tuple(p["shape"]), tuple(p["broadcast_dimensions"]))]
+    if name in _ELEMENTWISE:
+        shapes = [jnp.shape(v) for v in invals]
+        full = eqn.outvars[0].aval.shape
+        if any(len(s) == len(full) and s != tuple(full) for s in shapes):
+            dims = tuple(range(len(full)))
+            invals = [
+                _broadcast(v, tuple(full), dims) if len(s) == len(full) and s != tuple(full) else v
+                for v, s in zip(invals, shapes)
+            ]
+    return _bind(eqn, invals)
+
+
 def _call_jaxpr(eqn):
     sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     if isinstance(sub, jax_core.ClosedJaxpr):
@@ -422,7 +484,7 @@ def _forward(plan: GhostPlan, perturb, leaves, layers):
         invals = [_read(env, v) for v in eqn.invars]
         k = by_eqn.get(i)
         if k is None:
-            outs = _bind(eqn, invals)
+            outs = _replay_bind(eqn, invals)
         elif plan.taps[k].mode == "example":
             tap = plan.taps[k]
             outs = [layers[k](invals[tap.pos], leaves[tap.leaf], invals[1 - tap.pos], perturb[k])]
@@ -454,7 +516,7 @@ def _example_layer(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
     def apply(w, act):
         ins = [None, None]
         ins[tap.pos], ins[1 - tap.pos] = w, act
-        return _bind(eqn, ins)[0]
+        return _replay_bind(eqn, ins)[0]
 
     @jax.custom_vjp
     def layer(w, p, act, delta):
@@ -479,7 +541,7 @@ def _replay_chain(plan: GhostPlan, tap: _Tap, p):
     for i in tap.chain:
         e = plan.jaxpr.jaxpr.eqns[i]
         if e.primitive.name != "convert_element_type":
-            (p,) = _bind(e, [p])
+            (p,) = _replay_bind(e, [p])
     return p
 
 
@@ -497,7 +559,7 @@ def _site(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
         ins = [None, None]
         ins[tap.pos] = x
         ins[1 - tap.pos] = act  # for a gather: the indices (the parameter is operand 0)
-        (out,) = _bind(e, ins, **over)
+        (out,) = _bind(e, ins, **over) if over else _replay_bind(e, ins)
         return out
 
     return site
