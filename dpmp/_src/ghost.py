@@ -977,10 +977,16 @@ def ghost_clipped_sum(
 
     scaled, vjp_fn, (losses, acts) = jax.vjp(batched, perturb, has_aux=True)
     (grads_out,) = vjp_fn(jnp.ones_like(scaled))
-    # One materialised copy of every x_i and g_i, read by both the norms and the sum:
-    # XLA may otherwise keep a half-precision value unrounded inside one fusion
-    # (``xla_allow_excess_precision``) and rounded in another, and the bound on each
-    # clipped contribution would hold for a slightly different vector than is summed.
+    # The norms and the sum must read the same x_i and g_i: XLA may keep a
+    # half-precision value unrounded inside one fusion (``xla_allow_excess_precision``)
+    # and rounded in another, and the bound on each clipped contribution would then
+    # hold for a slightly different vector than is summed. The barrier stops CSE from
+    # merging these values with other copies, but it does not materialise them:
+    # XLA:CPU removes barriers right after CSE (its ``cse_barrier_expander`` pass,
+    # jaxlib 0.10.2), before fusion, which may recompute a value inside each consumer.
+    # There every consumer runs the same elementwise code without fast-math, and
+    # tests/test_ghost.py checks the half-precision bound on CPU; the sums read the
+    # operands of a ``cond``, which are materialised. On GPUs it is unverified.
     acts, grads_out = lax.optimization_barrier((acts, grads_out))
     acts32 = [None if a is None else _cast_act(a, clip_dtype) for a in acts]
     p32 = [params_leaves[t.leaf].astype(clip_dtype) for t in plan.taps]
