@@ -100,6 +100,7 @@ __all__ = [
     "aval",
     "ghost_clipped_sum",
     "plan_ghost",
+    "replayed",
     "vary_like",
     "weighted_example_sum",
 ]
@@ -251,6 +252,32 @@ def _replay_bind(eqn, invals):
                 for v, s in zip(invals, shapes)
             ]
     return _bind(eqn, invals)
+
+
+def replayed(fn: Callable) -> Callable:
+    """``fn`` (arrays in, a pytree of arrays out), evaluated equation by equation
+    from its jaxpr (``jit`` calls inlined) with :func:`_replay_bind`.
+
+    The same values; for a per-example function under ``vmap`` (the per-example
+    gradients of ``method="vmap"``) its reductions and broadcasts then leave out
+    the batch axis of 1.
+    """
+
+    def run(*args):
+        leaves, tree = jax.tree.flatten(args)
+        avals = [aval(x) for x in leaves]
+        traced = jax.make_jaxpr(lambda *ls: fn(*jax.tree.unflatten(tree, ls)), return_shape=True)
+        closed, out_shape = traced(*avals)
+        flat = jax.make_jaxpr(lambda *a: _inline(closed.jaxpr, closed.consts, *a))(*avals)
+        env = dict(zip(flat.jaxpr.constvars, flat.consts))
+        env.update(zip(flat.jaxpr.invars, leaves))
+        for eqn in flat.jaxpr.eqns:
+            outs = _replay_bind(eqn, [_read(env, v) for v in eqn.invars])
+            env.update(zip(eqn.outvars, outs))
+        outs = [_read(env, v) for v in flat.jaxpr.outvars]
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return run
 
 
 def _call_jaxpr(eqn):
