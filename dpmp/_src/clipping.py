@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import optax
 
 from dpmp._src import ghost as ghost_lib
+from dpmp._src import replay
 from dpmp._src.casting import cast_tree
 from dpmp._src.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from dpmp._src.policy import Policy
@@ -381,8 +382,8 @@ def private_grad(
 
         def scaled_loss(p):
             # Replayed, so that XLA:CPU sees no batch axis of 1 in its reductions
-            # (see dpmp._src.ghost: 15-20x slower product-and-reduce fusions).
-            loss32 = ghost_lib.replayed(example_loss)(p, others, *example)
+            # (see dpmp._src.replay: 15-20x slower product-and-reduce fusions).
+            loss32 = replay.replayed(example_loss)(p, others, *example)
             return loss32 * s, loss32
 
         grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
@@ -488,7 +489,7 @@ def private_grad(
         # per-example gradients of a replicated value across devices BEFORE they
         # are clipped: each "example" would mix examples of every device. The
         # clipped sums stay per device; psum them as usual.
-        diff_params = ghost_lib.vary_like(diff_params, batch_args)
+        diff_params = replay.vary_like(diff_params, batch_args)
         plan = chooser.choose(diff_params, others, batch_args)
         sums, (norms, finite, losses) = summed_fn(plan)(
             diff_params, s, others, is_padding_example, *batch_args
@@ -542,7 +543,7 @@ class _MethodChooser:
     def _key(self, params, others, batch_args):
         def sig(tree):
             leaves, treedef = jax.tree.flatten(tree)
-            avals = [ghost_lib.aval(x) for x in leaves]
+            avals = [replay.aval(x) for x in leaves]
             # Inside shard_map a plan is traced with the mesh axes each leaf varies over.
             return treedef, tuple(
                 (a.shape, str(a.dtype), str(getattr(a, "manual_axis_type", None))) for a in avals
@@ -557,7 +558,7 @@ class _MethodChooser:
         key = self._key(params, others, batch_args)
         if key not in self._cache:
             example = tuple(
-                jax.tree.map(lambda x: ghost_lib.aval(x, drop_batch=True), b) for b in batch_args
+                jax.tree.map(lambda x: replay.aval(x, drop_batch=True), b) for b in batch_args
             )
             try:
                 plan = ghost_lib.plan_ghost(self.example_loss, params, others, example)

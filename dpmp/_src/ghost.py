@@ -53,7 +53,9 @@ layer a zero per-example "perturbation" whose cotangent its backward defines
 as the per-example parameter gradient (a ``custom_vjp``); the gradient of the
 summed, loss-scaled per-example losses with respect to the perturbations is
 ``g_i`` or the layer's per-example gradient for every layer and example, from
-one backward pass that computes no batch parameter gradients.
+one backward pass that computes no batch parameter gradients. The other
+equations are re-emitted by :func:`dpmp._src.replay.replay_bind`, which keeps
+the batch axis of 1 out of reductions (XLA:CPU runs those 15-20x slower).
 
 Precision. The forward pass and the output gradients stay in the compute
 dtype; the activations and output gradients are cast to the clip dtype and
@@ -91,17 +93,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import source_info_util
 from jax.extend import core as jax_core
+
+from dpmp._src.replay import aval, bind, inline, read, replay_bind, vary_like
 
 __all__ = [
     "GhostPlan",
     "Unsupported",
-    "aval",
     "ghost_clipped_sum",
     "plan_ghost",
-    "replayed",
-    "vary_like",
     "weighted_example_sum",
 ]
 
@@ -122,7 +122,6 @@ _LAYOUT = frozenset(
 _BIJECTIVE = frozenset(
     ("convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p")
 )
-_CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
 _HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 _CONV_CHUNK = 64  # examples per step when convolution norms are taken from image patches
 _CANCELLATION = 64.0  # a ghost layer's norm is at least sum_t |x_t| |g_t| / 64 (_certified)
@@ -174,136 +173,7 @@ class GhostPlan:
         ]
 
 
-# ---- tracing and flattening ----------------------------------------------------------
-
-
-def _read(env, v):
-    return v.val if isinstance(v, jax_core.Literal) else env[v]
-
-
-def _bind(eqn, invals, **overrides):
-    """Re-emit one equation (as ``jax.core.eval_jaxpr`` does), keeping its source info."""
-    params = dict(eqn.params, **overrides) if overrides else eqn.params
-    bind_params = eqn.primitive.get_bind_params(params)
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
-        with eqn.ctx.manager:
-            out = eqn.primitive.bind(*invals, **bind_params)
-    return out if eqn.primitive.multiple_results else [out]
-
-
-# Per example, every value keeps the batch axis of 1 the model was traced with, so
-# under ``vmap`` XLA:CPU sees shapes like (B, 1, T, D). Its YNNPACK fusions of a
-# product and a reduction over such a shape run 15-20x slower than over
-# (B, T, D) (jaxlib 0.10.2: 5.2 ms against 0.33 ms for one (256, 1, 64, 64)
-# product summed over tokens), and the backward of layer norms, softmax and every
-# per-example scale or bias gradient is made of them: 60% of the ghost ViT step
-# in benchmarks/clipping.py. The replay therefore emits reductions and broadcasts
-# on operands with their size-1 axes reshaped away, and makes an elementwise
-# operation's implicit size-1 broadcasting explicit that way, so that their
-# transposes are squeezed too. Reshapes and broadcasts are exact: the values are
-# those of the traced model.
-_REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod"))
-_ELEMENTWISE = frozenset(
-    (
-        "add", "sub", "mul", "div", "max", "min", "pow", "rem", "atan2", "nextafter",
-        "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "select_n",
-    )
-)  # fmt: skip
-
-
-def _squeezed(x):
-    """``x`` without its size-1 axes, and the kept axes' positions."""
-    keep = tuple(i for i, n in enumerate(jnp.shape(x)) if n != 1)
-    return x.reshape(tuple(jnp.shape(x)[i] for i in keep)), keep
-
-
-def _broadcast(x, shape, dims):
-    """``lax.broadcast_in_dim(x, shape, dims)`` emitted without size-1 axes."""
-    x, keep = _squeezed(x)
-    out_keep = [i for i, n in enumerate(shape) if n != 1]
-    where = {axis: k for k, axis in enumerate(out_keep)}
-    dims_sq = tuple(where[dims[i]] for i in keep)
-    out = lax.broadcast_in_dim(x, tuple(shape[i] for i in out_keep), dims_sq)
-    return out.reshape(shape)
-
-
-def _replay_bind(eqn, invals):
-    """``_bind`` for the batched replays, with size-1 axes kept out of reductions and
-    broadcasts (see above)."""
-    name = eqn.primitive.name
-    if name in _REDUCTIONS and 1 in jnp.shape(invals[0]):
-        (x,) = invals
-        axes = set(eqn.params["axes"])
-        x, keep = _squeezed(x)
-        axes_sq = tuple(k for k, i in enumerate(keep) if i in axes)
-        (out,) = _bind(eqn, [x], axes=axes_sq) if axes_sq else [x]
-        return [out.reshape(eqn.outvars[0].aval.shape)]
-    if name == "broadcast_in_dim" and len(invals) == 1:
-        p = eqn.params
-        return [_broadcast(invals[0], tuple(p["shape"]), tuple(p["broadcast_dimensions"]))]
-    if name in _ELEMENTWISE:
-        shapes = [jnp.shape(v) for v in invals]
-        full = eqn.outvars[0].aval.shape
-        if any(len(s) == len(full) and s != tuple(full) for s in shapes):
-            dims = tuple(range(len(full)))
-            invals = [
-                _broadcast(v, tuple(full), dims) if len(s) == len(full) and s != tuple(full) else v
-                for v, s in zip(invals, shapes)
-            ]
-    return _bind(eqn, invals)
-
-
-def replayed(fn: Callable) -> Callable:
-    """``fn`` (arrays in, a pytree of arrays out), evaluated equation by equation
-    from its jaxpr (``jit`` calls inlined) with :func:`_replay_bind`.
-
-    The same values; for a per-example function under ``vmap`` (the per-example
-    gradients of ``method="vmap"``) its reductions and broadcasts then leave out
-    the batch axis of 1.
-    """
-
-    def run(*args):
-        leaves, tree = jax.tree.flatten(args)
-        avals = [aval(x) for x in leaves]
-        traced = jax.make_jaxpr(lambda *ls: fn(*jax.tree.unflatten(tree, ls)), return_shape=True)
-        closed, out_shape = traced(*avals)
-        flat = jax.make_jaxpr(lambda *a: _inline(closed.jaxpr, closed.consts, *a))(*avals)
-        env = dict(zip(flat.jaxpr.constvars, flat.consts))
-        env.update(zip(flat.jaxpr.invars, leaves))
-        for eqn in flat.jaxpr.eqns:
-            outs = _replay_bind(eqn, [_read(env, v) for v in eqn.invars])
-            env.update(zip(eqn.outvars, outs))
-        outs = [_read(env, v) for v in flat.jaxpr.outvars]
-        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-
-    return run
-
-
-def _call_jaxpr(eqn):
-    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if isinstance(sub, jax_core.ClosedJaxpr):
-        return sub.jaxpr, sub.consts
-    return sub, ()
-
-
-def _inline(jaxpr, consts, *args):
-    """Evaluate ``jaxpr`` with every ``jit`` call inlined (traced, this flattens it)."""
-    env = {}
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        invals = [_read(env, v) for v in eqn.invars]
-        if eqn.primitive.name in _CALLS:
-            sub, sub_consts = _call_jaxpr(eqn)
-            outs = _inline(sub, sub_consts, *invals)
-        else:
-            outs = _bind(eqn, invals)
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
-    return [_read(env, v) for v in jaxpr.outvars]
+# ---- the plan ------------------------------------------------------------------------
 
 
 def _is_float(dtype) -> bool:
@@ -333,7 +203,7 @@ def plan_ghost(example_loss: Callable, params, others, example) -> GhostPlan:
 
     avals = [aval(x) for x in (*p_leaves, *o_leaves, *e_leaves)]
     traced = jax.make_jaxpr(flat_loss)(*avals)
-    flat = jax.make_jaxpr(lambda *a: _inline(traced.jaxpr, traced.consts, *a))(*avals)
+    flat = jax.make_jaxpr(lambda *a: inline(traced.jaxpr, traced.consts, *a))(*avals)
     taps, unused = _find_taps(flat.jaxpr, len(p_leaves), paths)
     return GhostPlan(flat, tuple(taps), tuple(unused))
 
@@ -508,20 +378,20 @@ def _forward(plan: GhostPlan, perturb, leaves, layers):
         env[v] = a
     acts = [None] * len(plan.taps)
     for i, eqn in enumerate(jaxpr.eqns):
-        invals = [_read(env, v) for v in eqn.invars]
+        invals = [read(env, v) for v in eqn.invars]
         k = by_eqn.get(i)
         if k is None:
-            outs = _replay_bind(eqn, invals)
+            outs = replay_bind(eqn, invals)
         elif plan.taps[k].mode == "example":
             tap = plan.taps[k]
             outs = [layers[k](invals[tap.pos], leaves[tap.leaf], invals[1 - tap.pos], perturb[k])]
         else:
             tap = plan.taps[k]
             acts[k] = invals[1 - tap.pos]
-            outs = [_bind(eqn, invals)[0] + perturb[k]]
+            outs = [bind(eqn, invals)[0] + perturb[k]]
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
-    (loss,) = [_read(env, v) for v in jaxpr.outvars]
+    (loss,) = [read(env, v) for v in jaxpr.outvars]
     return loss, tuple(acts)
 
 
@@ -543,7 +413,7 @@ def _example_layer(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
     def apply(w, act):
         ins = [None, None]
         ins[tap.pos], ins[1 - tap.pos] = w, act
-        return _replay_bind(eqn, ins)[0]
+        return replay_bind(eqn, ins)[0]
 
     @jax.custom_vjp
     def layer(w, p, act, delta):
@@ -568,7 +438,7 @@ def _replay_chain(plan: GhostPlan, tap: _Tap, p):
     for i in tap.chain:
         e = plan.jaxpr.jaxpr.eqns[i]
         if e.primitive.name != "convert_element_type":
-            (p,) = _replay_bind(e, [p])
+            (p,) = replay_bind(e, [p])
     return p
 
 
@@ -586,7 +456,7 @@ def _site(plan: GhostPlan, tap: _Tap, dtype) -> Callable:
         ins = [None, None]
         ins[tap.pos] = x
         ins[1 - tap.pos] = act  # for a gather: the indices (the parameter is operand 0)
-        (out,) = _bind(e, ins, **over) if over else _replay_bind(e, ins)
+        (out,) = bind(e, ins, **over) if over else replay_bind(e, ins)
         return out
 
     return site
@@ -1131,51 +1001,3 @@ def ghost_clipped_sum(
     for leaf in plan.unused:
         sums[leaf] = jnp.zeros(jnp.shape(params_leaves[leaf]), sum_dtype)
     return sums, norms, finite, losses
-
-
-def vary_like(x, refs):
-    """``x`` (a pytree) cast to vary over every mesh axis some leaf of ``refs``
-    varies over; unchanged outside ``shard_map``."""
-    axes = set()
-    for r in jax.tree.leaves(refs):
-        typ = _manual_type(r)
-        if typ is not None:
-            axes |= set(typ[0].varying)
-    if not axes:
-        return x
-    return jax.tree.map(lambda leaf: _vary(leaf, axes), x)
-
-
-def _vary(x, axes):
-    typ = _manual_type(x)
-    missing = axes - set(typ[0].varying if typ is not None else ())
-    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
-
-
-def aval(x, *, drop_batch: bool = False) -> jax.ShapeDtypeStruct:
-    """Shape and dtype of an array, tracer, ``ShapeDtypeStruct`` or Python scalar
-    (inside ``shard_map`` also its manual axis type and sharding)."""
-    shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
-    dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
-    shape = shape[1:] if drop_batch else shape
-    typ = _manual_type(x)
-    if typ is None:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    mat, sharding = typ
-    if drop_batch:
-        sharding = sharding.update(spec=jax.sharding.PartitionSpec(*sharding.spec[1:]))
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=mat)
-
-
-def _manual_type(x):
-    """Inside ``shard_map``: the mesh axes ``x`` varies over (with its sharding on
-    the abstract mesh), so that a plan is traced with the types it is replayed on."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        mat = getattr(x, "manual_axis_type", None)
-        return None if mat is None or mat.empty else (mat, x.sharding)
-    try:
-        typ = jax.typeof(x)
-        mat = typ.mat
-    except (TypeError, AttributeError):
-        return None
-    return None if mat.empty else (mat, typ.sharding)
