@@ -37,3 +37,18 @@ def test_replay_keeps_size_one_axes_out_of_reductions():
 
     assert unit_reductions(_unit_axis_model)  # traced as it is, it reduces over (B, 1, ...)
     assert not unit_reductions(replay.replayed(_unit_axis_model))
+
+
+def test_replay_keeps_weak_types():
+    """A Python scalar stays weakly typed: a bf16 product with it stays bf16, as in
+    the function itself (traced as a strong float32 it would be computed in float32)."""
+
+    def f(x, t):
+        return jnp.sum(jnp.tanh(x * t))
+
+    x = jax.random.normal(jax.random.key(0), (4, 3), jnp.bfloat16)
+    want = jax.vmap(lambda xi: f(xi, 2.5))(x)
+    got = jax.vmap(lambda xi: replay.replayed(f)(xi, 2.5))(x)
+    assert got.dtype == want.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert replay.aval(2.5).weak_type and not replay.aval(x).weak_type

@@ -190,18 +190,34 @@ def _vary(x, axes):
 
 
 def aval(x, *, drop_batch: bool = False) -> jax.ShapeDtypeStruct:
-    """Shape and dtype of an array, tracer, ``ShapeDtypeStruct`` or Python scalar
-    (inside ``shard_map`` also its manual axis type and sharding)."""
+    """Shape, dtype and weak type of an array, tracer, ``ShapeDtypeStruct`` or
+    Python scalar (inside ``shard_map`` also its manual axis type and sharding).
+
+    The weak type matters: a Python float traced as a strong float32 would turn
+    a bf16 product into a float32 one.
+    """
     shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
     dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
     shape = shape[1:] if drop_batch else shape
+    weak = _weak_type(x)
     typ = manual_type(x)
     if typ is None:
-        return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
     mat, sharding = typ
     if drop_batch:
         sharding = sharding.update(spec=jax.sharding.PartitionSpec(*sharding.spec[1:]))
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=mat)
+    return jax.ShapeDtypeStruct(
+        shape, dtype, sharding=sharding, weak_type=weak, manual_axis_type=mat
+    )
+
+
+def _weak_type(x) -> bool:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return bool(x.weak_type)
+    try:
+        return bool(jax.typeof(x).weak_type)
+    except (TypeError, AttributeError):
+        return False
 
 
 def manual_type(x):
