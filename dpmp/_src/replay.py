@@ -95,6 +95,8 @@ def replay_bind(eqn, invals):
     """:func:`bind` for the batched replays, with size-1 axes kept out of reductions
     and broadcasts (see the module docstring)."""
     name = eqn.primitive.name
+    if eqn.params.get("out_sharding") is not None or eqn.params.get("sharding") is not None:
+        return bind(eqn, invals)  # an explicit output sharding names the original axes
     if name in _REDUCTIONS and 1 in jnp.shape(invals[0]):
         (x,) = invals
         axes = set(eqn.params["axes"])
