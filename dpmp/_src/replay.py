@@ -12,7 +12,7 @@ over such a shape run 15-20x slower than over (B, T, D) (jaxlib 0.10.2: 5.2 ms
 against 0.33 ms for one (256, 1, 64, 64) product summed over tokens), and the
 backward of layer norms, softmax and every per-example scale or bias gradient
 is made of them: 60% of the ghost ViT step of benchmarks/clipping.py, and a
-third of its vmap step. :func:`replay_bind` therefore emits reductions and
+quarter of its vmap step. :func:`replay_bind` therefore emits reductions and
 broadcasts on operands with their size-1 axes reshaped away, and makes an
 elementwise operation's implicit size-1 broadcasting explicit that way, so that
 their transposes are squeezed too. Reshapes and broadcasts are exact: the
@@ -34,12 +34,9 @@ from jax._src import source_info_util
 from jax.extend import core as jax_core
 
 __all__ = [
-    "CALLS",
     "aval",
     "bind",
-    "call_jaxpr",
     "inline",
-    "manual_type",
     "read",
     "replay_bind",
     "replayed",
@@ -47,7 +44,7 @@ __all__ = [
 ]
 
 # Calls inlined when a function is flattened.
-CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
+_CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
 
 
 def read(env, v):
@@ -145,7 +142,7 @@ def replayed(fn: Callable) -> Callable:
     return run
 
 
-def call_jaxpr(eqn):
+def _call_jaxpr(eqn):
     """The jaxpr and consts a call equation (``jit`` and the like) evaluates."""
     sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     if isinstance(sub, jax_core.ClosedJaxpr):
@@ -162,8 +159,8 @@ def inline(jaxpr, consts, *args):
         env[v] = a
     for eqn in jaxpr.eqns:
         invals = [read(env, v) for v in eqn.invars]
-        if eqn.primitive.name in CALLS:
-            sub, sub_consts = call_jaxpr(eqn)
+        if eqn.primitive.name in _CALLS:
+            sub, sub_consts = _call_jaxpr(eqn)
             outs = inline(sub, sub_consts, *invals)
         else:
             outs = bind(eqn, invals)
@@ -177,7 +174,7 @@ def vary_like(x, refs):
     varies over; unchanged outside ``shard_map``."""
     axes = set()
     for r in jax.tree.leaves(refs):
-        typ = manual_type(r)
+        typ = _manual_type(r)
         if typ is not None:
             axes |= set(typ[0].varying)
     if not axes:
@@ -186,7 +183,7 @@ def vary_like(x, refs):
 
 
 def _vary(x, axes):
-    typ = manual_type(x)
+    typ = _manual_type(x)
     missing = axes - set(typ[0].varying if typ is not None else ())
     return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
@@ -202,7 +199,7 @@ def aval(x, *, drop_batch: bool = False) -> jax.ShapeDtypeStruct:
     dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
     shape = shape[1:] if drop_batch else shape
     weak = _weak_type(x)
-    typ = manual_type(x)
+    typ = _manual_type(x)
     if typ is None:
         return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
     mat, sharding = typ
@@ -222,7 +219,7 @@ def _weak_type(x) -> bool:
         return False
 
 
-def manual_type(x):
+def _manual_type(x):
     """Inside ``shard_map``: the mesh axes ``x`` varies over (with its sharding on
     the abstract mesh), so that a plan is traced with the types it is replayed on."""
     if isinstance(x, jax.ShapeDtypeStruct):
