@@ -623,6 +623,9 @@ _CONVS = {
     ),
     "cropped": ((8, 6, 2), (2, 2, 2, 2), dict(window_strides=(1, 2), padding=((-1, 1), (0, 0)))),
     "patchify": ((8, 8, 3), (4, 4, 3, 2), dict(window_strides=(4, 4), padding="VALID")),
+    # 8 input features x 3 > _ROW_FEATURES: one kernel offset at a time (the others,
+    # with 2-3 features, take a row of offsets at once)
+    "many_features": ((5, 4, 8), (3, 3, 8, 2), dict(window_strides=(1, 1), padding="SAME")),
 }
 
 

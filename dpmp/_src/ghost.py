@@ -124,6 +124,13 @@ _BIJECTIVE = frozenset(
 )
 _HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 _CONV_CHUNK = 64  # examples per step when convolution norms are taken from image patches
+# A convolution with few input features (I) gives each kernel offset's contraction an
+# [I, O] output that XLA:CPU computes far below matmul speed (RGB input: 9 offsets of
+# [3, 16] took 24 ms of the 87 ms ghost step of benchmarks/clipping.py's CNN). Up to
+# this many rows, the offsets along the last kernel dim are contracted together
+# ([k, I, O]): that CNN's ghost step 1.17x -> 1.02x the non-private one (f32) at the
+# same temp memory; at I k = 48 (its second convolution) it was slower and larger.
+_ROW_FEATURES = 16
 _CANCELLATION = 64.0  # a ghost layer's norm is at least sum_t |x_t| |g_t| / 64 (_certified)
 # The Gram bound's terms grow like (T^2 + K + N) u in the worst case (the bound of
 # gamma_K E_K, with E_K up to T times the norm): past 5% (T above ~900 tokens in
@@ -502,6 +509,8 @@ def _conv_kernel_grad(eqn, x, g, dtype):
     one slice, the size of the output times the input features, exists at a
     time: image patches, or all slices unrolled, hold them all (+44 MB on the
     CNN of benchmarks/clipping.py at batch 256, 2/3 of its non-private step's).
+    With few input features the loop takes a row of offsets at a time (the last
+    kernel dim's, ``_ROW_FEATURES``), so that each contraction has k I rows.
     """
     p = eqn.params
     dn = p["dimension_numbers"]
@@ -533,13 +542,39 @@ def _conv_kernel_grad(eqn, x, g, dtype):
             xs, g, ((x_c, g_c), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
         )
 
+    def one_row(start):  # the offsets that differ only in the last kernel index, at once
+        d_last, k_last, dil = sp_in[-1], window[-1], p["rhs_dilation"][-1]
+        begin = [jnp.asarray(0, jnp.int32)] * x.ndim
+        for s, d in enumerate(sp_in):
+            begin[d] = start[s]
+        span = list(size)
+        span[d_last] += (k_last - 1) * dil
+        xr = lax.dynamic_slice(xp, begin, span)
+        slices = []
+        for j in range(k_last):
+            lo = [0] * x.ndim
+            lo[d_last] = j * dil
+            slices.append(lax.slice(xr, lo, [a + n for a, n in zip(lo, size)], strides))
+        contract = tuple(c + 1 for c in x_c)
+        return lax.dot_general(  # [k_last, I, O]
+            jnp.stack(slices),
+            g,
+            ((contract, g_c), ((), ())),
+            precision=_HIGHEST,
+            preferred_element_type=dtype,
+        )
+
     starts = np.array(list(np.ndindex(*window)), np.int32) * np.array(p["rhs_dilation"], np.int32)
     starts = starts.reshape(-1, len(window))
     reach = [(k - 1) * r + 1 for k, r in zip(window, p["rhs_dilation"])]
+    features = x.shape[dn.lhs_spec[1]]
     if all(k <= st for k, st in zip(reach, p["window_strides"])):
         # Windows that do not overlap (patch embeddings): the slices together are no
         # larger than the input, and unrolled they need no loop and no gather.
         per_offset = jnp.stack([one_offset(start) for start in starts])
+    elif features * window[-1] <= _ROW_FEATURES:
+        rows = lax.map(one_row, jnp.asarray(starts[:: window[-1]]))
+        per_offset = rows.reshape((-1,) + rows.shape[2:])
     else:
         per_offset = lax.map(one_offset, jnp.asarray(starts))
     kio = per_offset.reshape(window + per_offset.shape[1:])  # [k..., I, O]
