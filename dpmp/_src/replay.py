@@ -105,14 +105,14 @@ def replay_bind(eqn, invals):
         p = eqn.params
         return [_broadcast(invals[0], tuple(p["shape"]), tuple(p["broadcast_dimensions"]))]
     if name in _ELEMENTWISE:
-        shapes = [jnp.shape(v) for v in invals]
-        full = eqn.outvars[0].aval.shape
-        if any(len(s) == len(full) and s != tuple(full) for s in shapes):
+        full = tuple(eqn.outvars[0].aval.shape)
+
+        def implicit(v):  # same rank, some size-1 axis broadcast
+            return len(jnp.shape(v)) == len(full) and tuple(jnp.shape(v)) != full
+
+        if any(map(implicit, invals)):
             dims = tuple(range(len(full)))
-            invals = [
-                _broadcast(v, tuple(full), dims) if len(s) == len(full) and s != tuple(full) else v
-                for v, s in zip(invals, shapes)
-            ]
+            invals = [_broadcast(v, full, dims) if implicit(v) else v for v in invals]
     return bind(eqn, invals)
 
 
@@ -127,16 +127,9 @@ def replayed(fn: Callable) -> Callable:
 
     def run(*args):
         leaves, tree = jax.tree.flatten(args)
-        avals = [aval(x) for x in leaves]
         traced = jax.make_jaxpr(lambda *ls: fn(*jax.tree.unflatten(tree, ls)), return_shape=True)
-        closed, out_shape = traced(*avals)
-        flat = jax.make_jaxpr(lambda *a: inline(closed.jaxpr, closed.consts, *a))(*avals)
-        env = dict(zip(flat.jaxpr.constvars, flat.consts))
-        env.update(zip(flat.jaxpr.invars, leaves))
-        for eqn in flat.jaxpr.eqns:
-            outs = replay_bind(eqn, [read(env, v) for v in eqn.invars])
-            env.update(zip(eqn.outvars, outs))
-        outs = [read(env, v) for v in flat.jaxpr.outvars]
+        closed, out_shape = traced(*[aval(x) for x in leaves])
+        outs = inline(closed.jaxpr, closed.consts, *leaves, emit=replay_bind)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return run
@@ -150,8 +143,9 @@ def _call_jaxpr(eqn):
     return sub, ()
 
 
-def inline(jaxpr, consts, *args):
-    """Evaluate ``jaxpr`` with every ``jit`` call inlined (traced, this flattens it)."""
+def inline(jaxpr, consts, *args, emit: Callable = bind):
+    """Evaluate ``jaxpr`` with every ``jit`` call inlined (traced, this flattens it),
+    each other equation re-emitted by ``emit`` (:func:`bind` or :func:`replay_bind`)."""
     env = {}
     for v, c in zip(jaxpr.constvars, consts):
         env[v] = c
@@ -161,9 +155,9 @@ def inline(jaxpr, consts, *args):
         invals = [read(env, v) for v in eqn.invars]
         if eqn.primitive.name in _CALLS:
             sub, sub_consts = _call_jaxpr(eqn)
-            outs = inline(sub, sub_consts, *invals)
+            outs = inline(sub, sub_consts, *invals, emit=emit)
         else:
-            outs = bind(eqn, invals)
+            outs = emit(eqn, invals)
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(env, v) for v in jaxpr.outvars]
