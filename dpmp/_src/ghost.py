@@ -529,54 +529,45 @@ def _conv_kernel_grad(eqn, x, g, dtype):
     x_c = (dn.lhs_spec[0], *sp_in)  # batch and spatial dims, contracted
     g_c = (dn.out_spec[0], *dn.out_spec[2:])
 
-    def one_offset(start):  # start: the offset times the kernel dilation, per spatial dim
-        begin = [0] * x.ndim
-        for s, d in enumerate(sp_in):
-            begin[d] = start[s]
-        if isinstance(start, np.ndarray):  # a static offset: one strided slice
-            xs = lax.slice(xp, begin, [b + n for b, n in zip(begin, size)], strides)
-        else:  # inside the loop (under vmap a gather)
-            xs = lax.dynamic_slice(xp, [jnp.asarray(b, jnp.int32) for b in begin], size)
-            xs = lax.slice(xs, [0] * x.ndim, xs.shape, strides)
-        return lax.dot_general(  # [I, O]
-            xs, g, ((x_c, g_c), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
+    def contract(xs, lead=0):  # [lead dims..., I, O]
+        dims = tuple(c + lead for c in x_c)
+        return lax.dot_general(
+            xs, g, ((dims, g_c), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
         )
 
-    def one_row(start):  # the offsets that differ only in the last kernel index, at once
-        d_last, k_last, dil = sp_in[-1], window[-1], p["rhs_dilation"][-1]
+    def static_offset(start):  # start: the offset times the kernel dilation, per spatial dim
+        begin = [0] * x.ndim
+        for s, d in enumerate(sp_in):
+            begin[d] = int(start[s])
+        return contract(lax.slice(xp, begin, [b + n for b, n in zip(begin, size)], strides))
+
+    def run_of_offsets(start, k):  # the k offsets from ``start`` along the last kernel dim
+        d_last, dil = sp_in[-1], p["rhs_dilation"][-1]
         begin = [jnp.asarray(0, jnp.int32)] * x.ndim
         for s, d in enumerate(sp_in):
             begin[d] = start[s]
         span = list(size)
-        span[d_last] += (k_last - 1) * dil
-        xr = lax.dynamic_slice(xp, begin, span)
+        span[d_last] += (k - 1) * dil
+        xr = lax.dynamic_slice(xp, begin, span)  # under vmap a gather
         slices = []
-        for j in range(k_last):
+        for j in range(k):
             lo = [0] * x.ndim
             lo[d_last] = j * dil
             slices.append(lax.slice(xr, lo, [a + n for a, n in zip(lo, size)], strides))
-        contract = tuple(c + 1 for c in x_c)
-        return lax.dot_general(  # [k_last, I, O]
-            jnp.stack(slices),
-            g,
-            ((contract, g_c), ((), ())),
-            precision=_HIGHEST,
-            preferred_element_type=dtype,
-        )
+        return contract(jnp.stack(slices), lead=1)  # [k, I, O]
 
     starts = np.array(list(np.ndindex(*window)), np.int32) * np.array(p["rhs_dilation"], np.int32)
     starts = starts.reshape(-1, len(window))
     reach = [(k - 1) * r + 1 for k, r in zip(window, p["rhs_dilation"])]
-    features = x.shape[dn.lhs_spec[1]]
     if all(k <= st for k, st in zip(reach, p["window_strides"])):
         # Windows that do not overlap (patch embeddings): the slices together are no
         # larger than the input, and unrolled they need no loop and no gather.
-        per_offset = jnp.stack([one_offset(start) for start in starts])
-    elif features * window[-1] <= _ROW_FEATURES:
-        rows = lax.map(one_row, jnp.asarray(starts[:: window[-1]]))
-        per_offset = rows.reshape((-1,) + rows.shape[2:])
+        per_offset = jnp.stack([static_offset(start) for start in starts])
     else:
-        per_offset = lax.map(one_offset, jnp.asarray(starts))
+        # Few input features: a row of offsets per contraction (``_ROW_FEATURES``).
+        k = window[-1] if x.shape[dn.lhs_spec[1]] * window[-1] <= _ROW_FEATURES else 1
+        runs = lax.map(lambda start: run_of_offsets(start, k), jnp.asarray(starts[::k]))
+        per_offset = runs.reshape((-1,) + runs.shape[2:])
     kio = per_offset.reshape(window + per_offset.shape[1:])  # [k..., I, O]
     dims = (*dn.rhs_spec[2:], dn.rhs_spec[1], dn.rhs_spec[0])  # the kernel dim of each axis
     return jnp.transpose(kio, np.argsort(dims))
