@@ -95,7 +95,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jax_core
 
-from dpmp._src.replay import aval, bind, inline, read, replay_bind, vary_like
+from dpmp._src.replay import aval, bind, inline, replay_bind, vary_like
 
 __all__ = [
     "GhostPlan",
@@ -377,28 +377,20 @@ def _forward(plan: GhostPlan, perturb, leaves, layers):
     layer's own gradient as the cotangent of ``perturb[k]``.
     """
     jaxpr = plan.jaxpr.jaxpr
-    by_eqn = {t.eqn: k for k, t in enumerate(plan.taps)}
-    env = {}
-    for v, c in zip(jaxpr.constvars, plan.jaxpr.consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, leaves):
-        env[v] = a
+    by_eqn = {id(jaxpr.eqns[t.eqn]): k for k, t in enumerate(plan.taps)}
     acts = [None] * len(plan.taps)
-    for i, eqn in enumerate(jaxpr.eqns):
-        invals = [read(env, v) for v in eqn.invars]
-        k = by_eqn.get(i)
+
+    def emit(eqn, invals):
+        k = by_eqn.get(id(eqn))
         if k is None:
-            outs = replay_bind(eqn, invals)
-        elif plan.taps[k].mode == "example":
-            tap = plan.taps[k]
-            outs = [layers[k](invals[tap.pos], leaves[tap.leaf], invals[1 - tap.pos], perturb[k])]
-        else:
-            tap = plan.taps[k]
-            acts[k] = invals[1 - tap.pos]
-            outs = [bind(eqn, invals)[0] + perturb[k]]
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
-    (loss,) = [read(env, v) for v in jaxpr.outvars]
+            return replay_bind(eqn, invals)
+        tap = plan.taps[k]
+        if tap.mode == "example":
+            return [layers[k](invals[tap.pos], leaves[tap.leaf], invals[1 - tap.pos], perturb[k])]
+        acts[k] = invals[1 - tap.pos]
+        return [bind(eqn, invals)[0] + perturb[k]]
+
+    (loss,) = inline(jaxpr, plan.jaxpr.consts, *leaves, emit=emit)
     return loss, tuple(acts)
 
 

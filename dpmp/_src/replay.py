@@ -37,7 +37,6 @@ __all__ = [
     "aval",
     "bind",
     "inline",
-    "read",
     "replay_bind",
     "replayed",
     "vary_like",
@@ -47,7 +46,7 @@ __all__ = [
 _CALLS = frozenset(("jit", "pjit", "closed_call", "core_call"))
 
 
-def read(env, v):
+def _read(env, v):
     """The value of a jaxpr variable or literal."""
     return v.val if isinstance(v, jax_core.Literal) else env[v]
 
@@ -152,7 +151,7 @@ def inline(jaxpr, consts, *args, emit: Callable = bind):
     for v, a in zip(jaxpr.invars, args):
         env[v] = a
     for eqn in jaxpr.eqns:
-        invals = [read(env, v) for v in eqn.invars]
+        invals = [_read(env, v) for v in eqn.invars]
         if eqn.primitive.name in _CALLS:
             sub, sub_consts = _call_jaxpr(eqn)
             outs = inline(sub, sub_consts, *invals, emit=emit)
@@ -160,7 +159,7 @@ def inline(jaxpr, consts, *args, emit: Callable = bind):
             outs = emit(eqn, invals)
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
-    return [read(env, v) for v in jaxpr.outvars]
+    return [_read(env, v) for v in jaxpr.outvars]
 
 
 def vary_like(x, refs):
