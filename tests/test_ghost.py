@@ -187,6 +187,42 @@ def test_ghost_equals_vmap_with_an_overflowed_example():
     np.testing.assert_allclose(got, _flat(padded.grads), rtol=1e-6, atol=1e-7)
 
 
+class _ReluMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for width in (256, 256, 256):
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(10)(x)
+
+
+def test_ghost_step_needs_the_non_private_steps_memory_on_dense_layers():
+    """Compiled temp memory of the float32 ghost step of a ReLU MLP is within 10% of
+    the non-private step's: each dense layer's x_i and g_i are zeroed where dropped,
+    weighted and contracted in place, and freed layer by layer from the output back.
+    (Weighting inside a ``cond`` per layer, whose branches cannot overwrite their
+    operands, needed 1.27x here.)"""
+    model = _ReluMLP()
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(128, 196)), jnp.float32),
+        "y": jnp.asarray(rng.integers(0, 10, size=128), jnp.int32),
+    }
+    params = model.init(jax.random.key(0), batch["x"][:1])["params"]
+
+    def loss(p, b):
+        logits = model.apply({"params": p}, b["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    def temp_bytes(fn):
+        compiled = jax.jit(fn).lower(params, batch).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    ghost = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="f32", method="ghost")
+    nonprivate = temp_bytes(jax.grad(loss))
+    private = temp_bytes(lambda p, b: ghost(p, b).grads)
+    assert private <= 1.1 * nonprivate, (private, nonprivate)
+
+
 def test_ghost_equals_vmap_with_an_overflow_inside_a_per_example_layer():
     """An inf pixel overflows the convolutions, whose per-example kernel gradients are
     formed inside the backward pass: both methods drop exactly that example."""

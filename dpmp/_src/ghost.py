@@ -583,6 +583,21 @@ def weighted_example_sum(x, factor, keep, dtype):
     return jnp.sum(jnp.where(keep, contrib, jnp.zeros_like(contrib)), axis=0)
 
 
+def _kept_rows(x, keep):
+    """``x`` with the rows (leading axis) of examples not kept set to exactly 0."""
+    rows = keep.reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(rows, x, jnp.zeros_like(x))
+
+
+def _after(keep, before):
+    """``keep``, made to read ``before`` (the sum done just before) without changing:
+    a scheduling dependency (see the ordering note in :func:`ghost_clipped_sum`)."""
+    if before is None or not before.size:
+        return keep
+    b = before.ravel()[0]
+    return keep & (jnp.isnan(b) | ~jnp.isnan(b))
+
+
 def _weighted_examples(x, factor, dtype):
     """``factor_i x_i`` per example in ``dtype`` (a non-finite ``x_i`` stays non-finite)."""
     shape = (-1,) + (1,) * (x.ndim - 1)
@@ -723,23 +738,15 @@ def _sq_norm_conv(eqn, a, g, dtype):
     return _gram(pm.reshape(-1, pm.shape[-1]), gm.reshape(-1, gm.shape[-1]), dtype)
 
 
-def _sum_dot(plan: GhostPlan, tap: _Tap, a, g, p, factor):
-    """sum_i w_i x_i^T g_i for a dense layer: ONE contraction over examples and tokens.
-
-    The weights scale the smaller of the two operands (every entry finite).
-    """
+def _sum_dot(plan: GhostPlan, tap: _Tap, a, g, p):
+    """sum_i x_i^T g_i for a dense layer (weights already in ``g``), laid out as the
+    parameter leaf ``p``: ONE contraction over examples and tokens, in ``a``'s dtype."""
     eqn = plan.jaxpr.jaxpr.eqns[tap.eqn]
     am, gm = jax.vmap(lambda a_, g_: _dot_operands(eqn, tap.pos, a_, g_))(a, g)
-    t = am.shape[1]
-    w = jnp.repeat(factor.astype(p.dtype), t)  # one weight per example and token
     am = am.reshape(-1, am.shape[-1])  # [B T, K]: examples and tokens contracted together
     gm = gm.reshape(-1, gm.shape[-1])
-    if gm.shape[1] <= am.shape[1]:
-        gm = gm * w[:, None]
-    else:
-        am = am * w[:, None]
     kn = lax.dot_general(
-        am, gm, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=p.dtype
+        am, gm, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=a.dtype
     )
     _, pull = jax.vjp(lambda q: _replay_chain(plan, tap, q), p)
     (out,) = pull(_kn_to_operand(eqn, tap.pos, kn).astype(p.dtype))
@@ -900,8 +907,8 @@ def ghost_clipped_sum(
     # XLA:CPU removes barriers right after CSE (its ``cse_barrier_expander`` pass,
     # jaxlib 0.10.2), before fusion, which may recompute a value inside each consumer.
     # There every consumer runs the same elementwise code without fast-math, and
-    # tests/test_ghost.py checks the half-precision bound on CPU; the sums read the
-    # operands of a ``cond``, which are materialised. On GPUs it is unverified.
+    # tests/test_ghost.py checks the half-precision bound on CPU. On GPUs it is
+    # unverified.
     acts, grads_out = lax.optimization_barrier((acts, grads_out))
     acts32 = [None if a is None else _cast_act(a, clip_dtype) for a in acts]
     p32 = [params_leaves[t.leaf].astype(clip_dtype) for t in plan.taps]
@@ -947,27 +954,32 @@ def ghost_clipped_sum(
     # measured again and weighted by c_i min(1, n_ik / n'_ik) for the bound to
     # hold. Built and measured that way it kept more on XLA:CPU: the second pass
     # keeps the pre-activations its ReLU masks need as well as the activations the
-    # sums need (6,305,056 B against this path's 5,261,016 B, both measured before
-    # the certified norms added 4 KB, for the float32 MLP
-    # of benchmarks/clipping.py).)
+    # sums need: 6,305,056 B of compiled temp memory for the float32 MLP of
+    # benchmarks/clipping.py, where this path needs 4,212,496 B.)
     #
-    # Every kept example's x_i and g_i are finite (its squared norm is), so when
-    # every squared norm is finite the weights alone do the dropping: a padded
-    # example's factor is exactly 0 and its values are finite. Otherwise the
-    # non-finite entries (dropped examples' only) are zero-filled first, since
-    # inf * 0 is NaN. A ``cond`` per layer picks the route, so the usual step
-    # copies no activation and no gradient: the weights scale the smaller operand
-    # of the contraction, or enter it (per-example gradients) as a vector.
+    # Every kept example's x_i and g_i are finite (its squared norm is); a dropped
+    # example's may not be, and inf * 0 is NaN, so its rows are set to exactly 0
+    # with ``where`` before they are weighted or contracted.
     #
-    # Order. Each layer's branch test also reads the sum of the layer summed just
-    # before it (a sum that is not finite picks the zero-filled route, which
-    # gives the same sum from finite inputs). That data dependency makes XLA sum
-    # the layers one after another from the output back to the input, and each
-    # layer's x_i and g_i are freed as soon as its own sum is done; left to
-    # itself, XLA:CPU schedules the sums input-first and keeps every layer's
-    # values until the last one (float32 MLP: 6,304,280 B without the
-    # dependency, 5,261,016 B with it, before the certified norms' 4 KB; the
-    # non-private step takes 4,194,304 B).
+    # Dense ghost layers (the bulk of the values kept): ``where(kept, x)`` and
+    # ``where(kept, c * g)``, then one contraction. Each is the last reader of x_i
+    # and g_i, so XLA writes both in place and the step keeps no copy of either
+    # (float32 MLP of benchmarks/clipping.py: 4,212,496 B of compiled temp memory
+    # against the non-private step's 4,194,304 B; 5,265,112 B when a ``cond``
+    # chose between the weights alone and zero-filled copies: a conditional's
+    # branches cannot overwrite its operands, so each branch added its copies).
+    # Other per-example gradients and bias-like layers are weighted inside a
+    # ``cond`` (:func:`_weighted_example_dot` takes the weights as a vector, no
+    # copy), which zero-fills only when some squared norm is not finite.
+    #
+    # Order. Layers are summed from the output back to the input (in the plan's
+    # equation order: a bias after its kernel's product comes first, so the
+    # kernel's contraction is the last reader of g_i), and each layer's sum reads
+    # the one summed just before it (:func:`_after`, a dependency that changes no
+    # value). That makes XLA free each layer's x_i and g_i as soon as its own sum
+    # is done; left to itself, XLA:CPU schedules the sums input-first and keeps
+    # every layer's values until the last one (float32 MLP: 8,177,360 B without
+    # the dependency).
     all_finite = finite.all()
 
     def zero_filled(x):
@@ -977,8 +989,15 @@ def ghost_clipped_sum(
 
     sums = [None] * len(params_leaves)
     before = None  # the sum done just before this one
-    for k in reversed(range(len(plan.taps))):
+    for k in sorted(range(len(plan.taps)), key=lambda k: plan.taps[k].eqn, reverse=True):
         tap, g, a, p = plan.taps[k], grads_out[k], acts32[k], p32[k]
+        if tap.mode == "ghost" and tap.rule == "dot":
+            rows = _after(keep, before)
+            wg = _kept_rows(_weighted_examples(unscale(g), factor, sum_dtype), rows)
+            x = _kept_rows(a.astype(sum_dtype), rows)
+            sums[tap.leaf] = _sum_dot(plan, tap, x, wg, p.astype(sum_dtype))
+            before = sums[tap.leaf]
+            continue
 
         def clipped_sum(a, g, tap=tap, p=p, formed=k in formed):
             """sum_i factor_i (this layer's gradient from x_i, g_i); every entry finite."""
@@ -990,8 +1009,6 @@ def ghost_clipped_sum(
             p = p.astype(sum_dtype)
             if _is_float(a.dtype):
                 a = a.astype(sum_dtype)
-            if tap.rule == "dot":
-                return _sum_dot(plan, tap, a, g.astype(sum_dtype), p, factor)
             wg = _weighted_examples(g, factor, sum_dtype)
             site = _site(plan, tap, sum_dtype)
             _, pull = jax.vjp(lambda q: jax.vmap(site, (None, 0))(q, a), p)
@@ -1001,7 +1018,7 @@ def ghost_clipped_sum(
             operands = (None, formed.pop(k))
         else:
             operands = (None, g) if tap.mode == "example" else (a, g)
-        if tap.mode == "example" or tap.rule in ("dot", "generic"):
+        if tap.mode == "example" or tap.rule == "generic":
             fast = all_finite
             if before is not None and before.size:
                 fast = fast & jnp.isfinite(before.ravel()[0])
