@@ -202,18 +202,31 @@ def train(
             return _train(
                 config,
                 out_dir,
-                resume,
-                progress,
-                model,
-                loss,
-                data,
-                callback,
-                init_params,
                 interrupts,
+                resume=resume,
+                progress=progress,
+                model=model,
+                loss=loss,
+                data=data,
+                callback=callback,
+                init_params=init_params,
             )
 
 
-def _train(config, out_dir, resume, progress, model, loss, data, callback, init_params, interrupts):
+def _train(
+    config: Config,
+    out_dir: str | Path,
+    interrupts: _Interrupts,
+    *,
+    resume: bool,
+    progress: bool,
+    model: Any,
+    loss: Callable | None,
+    data: Any,
+    callback: Callable | None,
+    init_params: Any,
+) -> dict[str, Any]:
+    """:func:`train` once the run directory is locked (arguments as there)."""
     started = time.perf_counter()
     progress = progress and is_primary()  # one progress bar for a run of several processes
     run_dir, found = _open_run_dir(config, out_dir, resume=resume, progress=progress)
