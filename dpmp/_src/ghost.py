@@ -578,9 +578,7 @@ def weighted_example_sum(x, factor, keep, dtype):
     Examples not kept add exactly zero: ``where``, not a multiply by 0, since an
     overflowed example's ``inf * 0`` would be NaN.
     """
-    contrib = _weighted_examples(x, factor, dtype)
-    keep = keep.reshape((-1,) + (1,) * (x.ndim - 1))
-    return jnp.sum(jnp.where(keep, contrib, jnp.zeros_like(contrib)), axis=0)
+    return jnp.sum(_kept_rows(_weighted_examples(x, factor, dtype), keep), axis=0)
 
 
 def _kept_rows(x, keep):
