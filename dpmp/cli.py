@@ -262,11 +262,20 @@ def _cmd_budget(args) -> int:
         if args.num_examples <= 0:
             raise _UsageError(f"--num-examples: must be > 0, got {args.num_examples}")
         q = args.batch_size / args.num_examples
+    if (args.params is None) == (not args.exact_gaussian):
+        raise _UsageError(
+            "give --params N (the trainable parameters noised each step: the snapped "
+            "noise's residual is accounted) or --exact-gaussian (an idealised exact "
+            "sampler), exactly one"
+        )
+    if args.params is not None and args.params < 1:
+        raise _UsageError(f"--params: must be >= 1, got {args.params}")
     common = dict(
         sampling_prob=q,
         delta=args.delta,
         accountant=args.accountant,
         count_noise_stddev=args.count_noise_stddev,
+        noised_coordinates=args.params,
     )
     if (args.noise_multiplier is None) == (args.target_epsilon is None):
         raise _UsageError("give exactly one of --noise-multiplier or --target-epsilon")
@@ -280,6 +289,7 @@ def _cmd_budget(args) -> int:
             "epsilon": br.total,
             "epsilon_dpsgd": br.dpsgd,
             "epsilon_counts": br.counts,
+            "epsilon_noise_residual": br.noise_residual,
             "noise_multiplier": args.noise_multiplier,
             "steps": args.steps,
         }
@@ -296,7 +306,13 @@ def _cmd_budget(args) -> int:
             "target_epsilon": args.target_epsilon,
             "steps": args.steps,
         }
-    result.update(sampling_prob=q, delta=args.delta, accountant=args.accountant)
+    result.update(
+        sampling_prob=q,
+        delta=args.delta,
+        accountant=args.accountant,
+        noised_coordinates=args.params,
+        noise="exact Gaussian (idealised)" if args.exact_gaussian else "snapped (dpmp's)",
+    )
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -436,7 +452,8 @@ def _parser() -> argparse.ArgumentParser:
         "budget",
         help="epsilon for a plan, or the noise multiplier for a target epsilon",
         description="With --noise-multiplier: the epsilon the plan spends. With "
-        "--target-epsilon: the noise multiplier that spends exactly that.",
+        "--target-epsilon: the noise multiplier that spends exactly that. --params N "
+        "accounts dpmp's snapped noise on N parameters (its residual included).",
     )
     p.add_argument("--noise-multiplier", type=float, metavar="SIGMA")
     p.add_argument("--target-epsilon", type=float, metavar="EPS")
@@ -451,6 +468,18 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         metavar="S",
         help="include a noised overflow count released every step (private dynamic loss scale)",
+    )
+    p.add_argument(
+        "--params",
+        type=int,
+        metavar="N",
+        help="trainable parameters (coordinates noised each step): the snapped noise's "
+        "floating-point residual is accounted for them",
+    )
+    p.add_argument(
+        "--exact-gaussian",
+        action="store_true",
+        help="account an exact Gaussian sampler instead (an idealisation: no residual)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_budget)

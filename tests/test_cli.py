@@ -10,6 +10,7 @@ import dp_accounting
 import numpy as np
 import pytest
 
+import dpmp
 from dpmp import cli
 
 
@@ -45,6 +46,7 @@ def test_budget_epsilon_matches_dp_accounting(capsys):
                 "50000",
                 "--accountant",
                 "rdp",
+                "--exact-gaussian",
                 "--json",
             ]
         )
@@ -69,6 +71,7 @@ def test_budget_calibration_hits_target(capsys):
                 "224",
                 "--sampling-prob",
                 "0.178",
+                "--exact-gaussian",
                 "--json",
             ]
         )
@@ -85,16 +88,51 @@ def test_budget_calibration_hits_target(capsys):
     assert acc.get_epsilon(1e-5) == pytest.approx(2.0, rel=0.01)
 
 
+def test_budget_with_params_accounts_the_snapped_noise(capsys):
+    """``--params N``: the epsilon of dpmp's snapped noise on N parameters, as the
+    library gives it, above the exact Gaussian's by the residual; a calibration to a
+    target keeps the residual within it."""
+    plan = ["--steps", "5000", "--sampling-prob", "0.01", "--accountant", "rdp", "--json"]
+    assert cli.main(["budget", "--noise-multiplier", "1", "--params", "125000000", *plan]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expect = dpmp.accounting.epsilon(
+        noise_multiplier=1.0,
+        sampling_prob=0.01,
+        steps=5000,
+        delta=1e-5,
+        accountant="rdp",
+        noised_coordinates=125_000_000,
+    )
+    assert out["epsilon"] == pytest.approx(expect, rel=1e-9)
+    assert 0 < out["epsilon_noise_residual"] < 0.01 and out["noised_coordinates"] == 125_000_000
+    assert cli.main(["budget", "--target-epsilon", "4", "--params", "125000000", *plan]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 3.99 < out["epsilon"] <= 4.0
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [
         (["budget", "--steps", "3"], "--sampling-prob"),
-        (["budget", "--sampling-prob", "0.1", "--steps", "3"], "exactly one"),
+        (["budget", "--sampling-prob", "0.1", "--steps", "3", "--params", "9"], "exactly one"),
         (
-            ["budget", "--sampling-prob", "2", "--noise-multiplier", "1", "--steps", "3"],
+            ["budget", "--sampling-prob", "0.1", "--noise-multiplier", "1", "--steps", "3"],
+            "--params",
+        ),
+        (
+            ["budget", "--sampling-prob", "0.1", "--noise-multiplier", "1", "--steps", "3"]
+            + ["--params", "0"],
+            "--params: must be >= 1",
+        ),
+        (
+            ["budget", "--sampling-prob", "2", "--noise-multiplier", "1", "--steps", "3"]
+            + ["--exact-gaussian"],
             "sampling_prob",
         ),
-        (["budget", "--sampling-prob", "0.1", "--noise-multiplier", "1"], "--steps"),
+        (
+            ["budget", "--sampling-prob", "0.1", "--noise-multiplier", "1", "--params", "9"],
+            "--steps",
+        ),
         (
             [
                 "budget",
@@ -106,6 +144,8 @@ def test_budget_calibration_hits_target(capsys):
                 "3",
                 "--delta",
                 "1.5",
+                "--params",
+                "9",
             ],
             "delta",
         ),
@@ -538,7 +578,7 @@ def test_report_errors(capsys, tmp_path):
     ],
 )
 def test_budget_argument_errors(argv, needles, capsys):
-    assert cli.main(["budget", *argv]) == 2
+    assert cli.main(["budget", "--exact-gaussian", *argv]) == 2
     assert_one_line_error(capsys, "budget", *needles)
 
 
@@ -581,6 +621,8 @@ def test_a_closed_pipe_stops_quietly():
             "256",
             "--num-examples",
             "1437",
+            "--params",
+            "19210",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -769,11 +811,12 @@ def test_sizes_beyond_the_data_or_the_machine_are_one_line_before_any_allocation
 
 
 def test_the_memory_check_counts_parameters_gradients_and_adam_state(capsys, monkeypatch):
-    """The default MLP (64-256-10: 19,210 float32 parameters, by hand) needs 4
-    copies of them with Adam: refused below that many bytes, built above."""
+    """The default MLP (64-256-10: 19,210 float32 parameters, by hand) needs 7
+    copies of them with Adam (the parameters, their clipped sum, two moments, and
+    the new parameters and moments): refused below that many bytes, built above."""
     from dpmp._src.trainer import step
 
-    need = 4 * 4 * (64 * 256 + 256 + 256 * 10 + 10)
+    need = 7 * 4 * (64 * 256 + 256 + 256 * 10 + 10)
     monkeypatch.setattr(step, "_memory_bytes", lambda: need - 1)
     assert cli.main(["audit", "--set", "training.steps=2"]) == 2
     assert_one_line_error(capsys, "audit", "model.hidden = [256]: 19,210 parameters")

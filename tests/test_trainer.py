@@ -241,7 +241,9 @@ def test_run_stops_at_the_last_step_within_budget(digits, tmp_path, monkeypatch)
     common = dict(noise_multiplier=0.9, sampling_prob=64 / 1437, delta=1e-5)
     tracking = dict(common, value_discretization_interval=accounting.TRACKING_DISCRETIZATION)
     assert (
-        accounting.epsilon(steps=n, **tracking) <= 2.0 < accounting.epsilon(steps=n + 1, **tracking)
+        accounting.epsilon(noised_coordinates=None, steps=n, **tracking)
+        <= 2.0
+        < accounting.epsilon(noised_coordinates=None, steps=n + 1, **tracking)
     )
     assert report["epsilon_tracked"] <= 2.0
     assert "STOPPED EARLY" in (tmp_path / "train.log").read_text()
@@ -567,9 +569,10 @@ PUBLIC_REPORT_KEYS = {
         "loss_scale", "standardize", "clipping", "audit", "sampling", "model", "data",
         "config", "versions", "num_params", "finite_params", "noise",
         "starting_point",  # pre-trained on public text, or given (and then the caller's)
-        "mesh",
+        "mesh", "delta_parts",
     },
     "mesh": {"devices", "processes", "platform", "sharded_params", "all_reduce"},
+    "delta_parts": {"accountant", "truncation_reserved", "note"},
     "noise": {"sampler", "noised_coordinates", "epsilon_residual"},
     "overflow": {
         "privatized", "count_releases", "count_noise_stddev", "epsilon_cost",

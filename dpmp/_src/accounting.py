@@ -57,15 +57,19 @@ Formal Guarantees:
     count to move by 2 where a substitution moves it by at most 1).
   * Poisson-sampled batches that were truncated to a fixed size are not
     described by these events; see ``dpmp.PoissonSampler`` for the bound.
-  * The events assume exactly Gaussian noise. With ``noised_coordinates``
-    (what the trainer passes), every epsilon here covers the noise dpmp
-    actually draws, ``dpmp.snapped_gaussian``: ``noise_residual`` bounds its
-    deviation per grid cell and composes it over every coordinate and step.
+  * The events assume exactly Gaussian noise. Every function here takes
+    ``noised_coordinates`` (the trainable parameter count; required, no silent
+    default), so that each epsilon covers the noise dpmp actually draws,
+    ``dpmp.snapped_gaussian``: ``noise_residual`` bounds its deviation from
+    the Gaussian per grid cell and composes it over the run, concentrated
+    within each step (it grows like the square root of the coordinates).
+    ``noised_coordinates=None`` accounts an exact Gaussian sampler instead.
 
 Reference point: De et al. 2022 ("Unlocking high-accuracy differentially
 private image classification through scale"), CIFAR-10 with q = 4096/50000,
 sigma = 10, 875 steps, delta = 1e-5, reports epsilon = 1; this module gives
-0.9877 with RDP and 0.9028 with PLD.
+0.9877 with RDP and 0.9028 with PLD for exact Gaussian noise, and 0.9879 with
+RDP for dpmp's snapped noise on its 2.75M parameters.
 """
 
 from __future__ import annotations
@@ -92,6 +96,9 @@ __all__ = [
     "NEIGHBORING_RELATIONS",
     "NEIGHBOURING_RELATION_NOTE",
     "REPORT_DISCRETIZATION",
+    "REQUIRED",
+    "RESIDUAL_DELTA_SHARE",
+    "SNAP_TAIL",
     "TRACKING_DISCRETIZATION",
     "BudgetExceededError",
     "BudgetTracker",
@@ -448,34 +455,37 @@ SNAP_CELLS_PER_STDDEV = (32, 64)
 # on |z| <= 8 and on 8 < |z| <= 11: the largest measured against a 40-digit
 # mpmath reference are 6.2e-16 and 2.1e-14; these bounds are 6x and 5x that.
 SNAP_NDTRI_REL_ERROR = ((8.0, 4e-15), (11.0, 1e-13))
-# The sampler's uniforms reach down to 2**-97: |z| up to 11.3. Its cells
-# within SNAP_TAIL of the mean are accurate; the rest of the mass is delta.
-SNAP_TAIL = 11.0
+# The sampler's uniforms are exact (to a relative 2^-51) down to 2^-77, |z| =
+# 10.01; below, its last 2^-77 of mass is drawn in [2^-78, 2^-77). Cells within
+# SNAP_TAIL of the mean are accurate; the rest of the mass is delta.
+SNAP_TAIL = 9.9
+_SNAP_CORE = SNAP_NDTRI_REL_ERROR[0][0]  # cells within 8 stddevs: the bulk of the bound
 _U_REL = 2.0**-51  # relative spacing of the sampler's uniforms and its float64 arithmetic
+# The share of delta the residual's own failure events may take (its concentration
+# and its count of tail coordinates, each half of it): small enough that asking the
+# accountant for epsilon at the delta it leaves costs ~1e-7 epsilon.
+RESIDUAL_DELTA_SHARE = 1e-6
 
 
 class NoiseResidual(NamedTuple):
     """What the drawn noise costs beyond the exact Gaussian the accountant assumes.
 
     Attributes:
-      epsilon: added to the accountant's epsilon (``2 E`` in the derivation).
-      log_ratio: ``E``, the largest log-ratio of drawn to exact probability of
-        any output in the good set, summed over all coordinates of the run.
-      delta_tail: ``delta_G``, the probability that any coordinate falls outside
-        the good set (under the drawn or the exact noise).
+      epsilon: added to the accountant's epsilon (``2 lambda`` in the derivation).
+      log_ratio: ``lambda``, the bound on the log-ratio of drawn to exact
+        likelihood of the run's outputs (under either neighbour) outside a set
+        of probability ``delta_tail``.
+      delta_tail: ``beta``, the probability of that set: added to delta.
     """
 
     epsilon: float
     log_ratio: float
     delta_tail: float
 
-    def ideal_delta(self, delta: float, epsilon_bound: float) -> float:
+    def ideal_delta(self, delta: float) -> float:
         """The delta to ask the exact mechanism's accountant for, so that the drawn
-        noise is ``(epsilon + self.epsilon, delta)``-DP; ``epsilon_bound`` is an
-        upper bound of the accountant's epsilon at that delta."""
-        e = self.log_ratio
-        tail = self.delta_tail * (1.0 + math.exp(min(epsilon_bound + e, 700.0)))
-        return math.exp(-e) * (delta - tail)
+        noise is ``(epsilon + self.epsilon, delta)``-DP: ``e^-lambda (delta - beta)``."""
+        return math.exp(-self.log_ratio) * (delta - self.delta_tail)
 
 
 def _cell_log_ratio(reach: float, rel_error: float) -> float:
@@ -504,28 +514,36 @@ def _outside_mass(reach: float, coordinates: int, t_max: float) -> float:
     return math.exp(min(log_tail + log_spread, 700.0))
 
 
-def _tail_count(mu: float, most: int, log_target: float) -> tuple[int, float]:
-    """Fewest k <= most with log(mu^(k+1) / (k+1)!) <= log_target (the Poisson-binomial
-    bound on more than k of ``most`` events of total mean ``mu``), and that log."""
+def _tail_count(mu: float, log_target: float) -> int:
+    """Fewest k with P(N > k) <= exp(log_target) for a count N of events whose
+    conditional probabilities, given everything before, sum to at most ``mu``
+    (a sum of adaptively chosen Bernoullis): Chernoff's
+    P(N >= a) <= e^-mu (e mu / a)^a for a > mu (E e^(s N) <= e^(mu (e^s - 1))
+    holds for such sums, a supermartingale argument)."""
+    if mu <= 0:
+        return 0
 
-    def log_term(k: int) -> float:
-        return -math.inf if mu <= 0 or k >= most else (k + 1) * math.log(mu) - math.lgamma(k + 2)
+    def log_tail(a: int) -> float:  # log P(N >= a)
+        return -mu + a * (1.0 + math.log(mu) - math.log(a))
 
-    if log_term(0) <= log_target:
-        return 0, log_term(0)
-    # log_term rises until k ~ mu, then falls: search from there.
-    low = min(int(mu), most)
-    high = low + 1
-    while log_term(high) > log_target:
-        low, high = high, min(2 * high + 1, most)
-    while high - low > 1:
+    if mu < 1 and log_tail(1) <= log_target:
+        return 0
+    low, high = max(1, math.floor(mu)), max(2, 2 * math.ceil(mu))
+    while log_tail(high) > log_target:
+        low, high = high, 2 * high
+    while high - low > 1:  # log_tail falls for a > mu
         mid = (low + high) // 2
-        low, high = (mid, high) if log_term(mid) > log_target else (low, mid)
-    return high, log_term(high)
+        low, high = (mid, high) if log_tail(mid) > log_target else (low, mid)
+    return high - 1
 
 
 def noise_residual(
-    *, coordinates: int, releases: int, noise_multiplier: float, delta: float
+    *,
+    coordinates: int,
+    releases: int,
+    noise_multiplier: float,
+    delta: float,
+    neighboring: str = "add_or_remove",
 ) -> NoiseResidual:
     """The accounted cost of drawing dpmp's snapped Gaussian instead of an exact one.
 
@@ -535,56 +553,131 @@ def noise_residual(
       releases: number of noisy releases (steps).
       noise_multiplier: the effective noise multiplier of one release (the
         neighbour moves the noise mean by at most ``1 / noise_multiplier``
-        stddevs in L2 norm).
-      delta: the run's target delta (fixes how rare the tail event must be).
-
-    Derivation (per coordinate, in units of the noise stddev ``s``). The
-    release is ``K = n + round(f + r z)`` grid steps with ``x / grid = n + f``
-    exact, ``z = ndtri(U)`` (sign-symmetric) and ``U`` a float64 uniform on
-    (0, 1/2] with 51 fraction bits and a 96-bit geometric exponent. The
-    ideal mechanism draws ``z`` exactly normal: ``K`` is then a
-    post-processing of the Gaussian mechanism and the accountant's
-    ``(epsilon, delta)`` holds for it. Drawn and exact ``z`` differ by at most
-    ``tau(z) = (kappa + 2^-51)(|z| + 2)`` (ndtri's relative error ``kappa``,
-    the float64 product and sum, and the uniform's lattice), so the drawn
-    probability of a cell ``[a, b]`` (width ``w = 1/r``) lies between the
-    exact masses of ``[a + tau, b - tau]`` and ``[a - tau, b + tau]``: a
-    log-ratio of at most ``eta = -log(1 - 2 tau r e^{(w + 2 tau) L})`` for a
-    cell within ``L`` of the mean. Let G be the outputs whose every cell lies
-    within 8 stddevs of the mean under both neighbours, except at most ``k``
-    coordinates of the whole run within ``SNAP_TAIL`` (11). On G the drawn and
-    exact likelihoods differ by at most ``E = N eta(8) + k eta(11)`` in log,
-    ``N = coordinates * releases``; off G is the probability ``delta_G``
-    (the Poisson-binomial bound ``mu^(k+1) / (k+1)!`` on more than ``k`` tail
-    coordinates, plus the mass beyond 11). For any event S,
-    ``P~(S) <= e^{eps + 2E} P~'(S) + e^E delta + (1 + e^{eps + E}) delta_G``:
-    the drawn noise is ``(eps + 2E, delta)``-DP when the accountant's epsilon
-    is taken at ``ideal_delta(delta)``. Pseudo-randomness is assumed ideal.
+        stddevs in L2 norm; twice that under ``"replace_one"``).
+      delta: the run's target delta (fixes how rare the failure events must be).
+      neighboring: ``"add_or_remove"`` or ``"replace_one"``.
 
     Returns:
-      The ``NoiseResidual`` (``epsilon`` = 2E, and the tail delta).
+      The ``NoiseResidual``: the drawn noise is ``(eps + epsilon, delta)``-DP
+      when the exact-Gaussian accountant's ``eps`` is taken at
+      ``ideal_delta(delta)``.
+
+    Derivation. Units of the noise stddev; ``d`` = ``coordinates``, ``T`` =
+    ``releases``. Pseudo-randomness is assumed ideal.
+
+    1. *One cell.* A coordinate's release is ``K = round(x / grid + r z)`` with
+       ``z = ndtri(U)`` (sign-symmetric) and ``U`` a float64 uniform with 51
+       fraction bits (see ``dpmp._src.noise``). With ``z`` exactly normal ``K``
+       is a post-processing of the Gaussian mechanism (the *ideal* mechanism,
+       which the accountant's ``(eps, delta)`` covers). Drawn and exact ``z``
+       differ by at most ``tau(z) = (kappa + 2^-51)(|z| + 2)`` (``ndtri``'s
+       relative error ``kappa``, the float64 arithmetic and the uniform's
+       lattice), so the drawn probability ``p~`` of a cell of width ``w = 1/r``
+       within ``L`` of the mean is within a log-ratio
+       ``eta(L) = -log(1 - 2 tau r e^((w + 2 tau) L))`` of its exact mass ``p``
+       (``_cell_log_ratio``): ``eta = eta(8)`` for the *core* cells (within 8),
+       ``eta_t = eta(SNAP_TAIL)`` for the others within ``SNAP_TAIL``; beyond, no
+       bound (the sampler reaches 10.08).
+    2. *One step, its batch revealed.* Let the ideal and the drawn mechanism
+       also release which of the other records each step sampled (``B``).
+       Releasing more only loses privacy, and the accountant's bound still holds
+       for the ideal one: given ``B`` a step is ``(1-q) N(mu_B) + q N(mu_B + g)``
+       against ``N(mu_B)`` (add/remove), which the Poisson-subsampled Gaussian
+       that dp-accounting analyses dominates, whatever ``mu_B``. So each step's
+       output density is a mixture of ``c`` product densities (``c = 2``;
+       ``c = 3`` under replace-one, the components ``mu_B``, ``mu_B + g``,
+       ``mu_B + g'``), whose means differ by ``t`` with ``|t|_2 <= t_max = 1 /
+       sigma`` (``2 / sigma``). The drawn-to-exact ratio of a mixture lies
+       between those of its components, so ``|log(M~ / M)|`` of a step is at
+       most ``max_j |A_j|``, ``A_j = sum_i log(p~_ji(o_i) / p_ji(o_i))``.
+    3. *Concentration within a step.* Under any component ``k`` the
+       coordinates are independent. Split ``A_j`` into its core cells
+       (``|a| <= eta`` each) and the rest. Hoeffding: the core part deviates
+       from its mean by more than ``s = eta sqrt(2 d ln(2 c T / beta_H))`` with
+       probability at most ``beta_H / (c T)``, per ``j``. Its mean under ``k``
+       is at most ``m = eta t_max sqrt(2 d / pi) + d ((e^eta - 1)^2 +
+       2 eta (e^eta - 1) + (1 + 2 eta) D)``: under ``j`` itself it is
+       ``sum p~ log(p~/p) in [P~ - P, P~ - P + (e^eta - 1)^2]`` over the core
+       (``P`` its mass; ``D >= |P~ - P|`` the drawn-to-exact difference outside
+       it), and changing ``j`` to ``k`` moves it by ``eta`` times the L1
+       distance of the two cell distributions, at most ``|t_i| sqrt(2/pi)``
+       (Gaussians, then post-processing) plus twice ``(e^eta - 1) + D``.
+    4. *Tail coordinates.* A coordinate-component pair outside the core has
+       probability at most ``_outside_mass(8 - w)`` per step, summed over
+       coordinates and all ``c`` components (with the worst split of ``t``);
+       over the run they number more than ``k`` with probability at most
+       ``beta_k`` (Chernoff for adaptive counts, ``_tail_count``), each adding at
+       most ``eta_t``; one beyond ``SNAP_TAIL`` has probability at most
+       ``beta_out = c T _outside_mass(SNAP_TAIL - w)``.
+    5. *The run.* Outside an event of probability ``beta = beta_H + beta_k +
+       beta_out`` (under the drawn mechanism of either neighbour), the drawn and
+       the ideal likelihoods of the whole output (adaptive composition: the
+       product of the steps' conditionals) differ by at most
+       ``lambda = T (s + m) + k eta_t`` in log, under both neighbours. Let G be
+       that set of outputs. For any S, ``P~(S) <= P~(S & G) + beta <=
+       e^lambda P(S & G) + beta <= e^lambda (e^eps P'(S & G) + delta_I) + beta
+       <= e^(eps + 2 lambda) P~'(S) + e^lambda delta_I + beta``: with
+       ``delta_I = ideal_delta(delta) = e^-lambda (delta - beta)`` the drawn
+       noise is ``(eps + 2 lambda, delta)``-DP. (No factor ``e^eps`` multiplies
+       ``beta``: the set G is defined under both neighbours' likelihoods and
+       its complement's probability is taken under the drawn mechanism.)
+
+    The bound grows with ``sqrt(d log T)`` per step where summing the cells'
+    bounds grows with ``d``: about 7.3e-12 sqrt(2 d ln(4 T / beta_H)) T. With
+    ``beta_H = beta_k = RESIDUAL_DELTA_SHARE delta / 2``: 125M coordinates x
+    5,000 steps at sigma 1 give ``epsilon`` ~ 7.6e-3.
     """
     n = _check_int("coordinates", coordinates, 1)
     releases = _check_int("releases", releases, 0)
     sigma = _check_noise_multiplier(noise_multiplier)
     delta = _check_delta(delta)
+    neighboring = _check_neighboring(neighboring, "pld")
     if releases == 0 or sigma == math.inf:
         return NoiseResidual(0.0, 0.0, 0.0)
-    (core, kappa_core), (tail, kappa_tail) = SNAP_NDTRI_REL_ERROR
+    replace = neighboring == "replace_one"
+    c, t_max = (3, 2.0 / sigma) if replace else (2, 1.0 / sigma)
+    eta = _cell_log_ratio(_SNAP_CORE, SNAP_NDTRI_REL_ERROR[0][1])
+    eta_t = _cell_log_ratio(SNAP_TAIL, SNAP_NDTRI_REL_ERROR[1][1])
     cell = 1.0 / SNAP_CELLS_PER_STDDEV[0]
-    t_max = 1.0 / sigma
-    # Reach of the good set measured from the ideal z, slack for cell and error.
-    mu_tail = releases * _outside_mass(core - cell - 1e-9, n, t_max)
-    mu_out = releases * _outside_mass(tail - cell - 1e-9, n, t_max)
-    k, log_term = _tail_count(mu_tail, releases * n, math.log(delta * 1e-4))
-    log_ratio = releases * n * _cell_log_ratio(core, kappa_core) + k * _cell_log_ratio(
-        tail, kappa_tail
+    slack = cell + 1e-9  # a cell's width, and the drawn z's error
+    budget = RESIDUAL_DELTA_SHARE * delta / 2.0
+    # 3: concentration of the core cells, and their mean
+    s = eta * math.sqrt(2.0 * n * math.log(2.0 * c * releases / budget))
+    own = 2.0 * float(np.exp(scipy_special.log_ndtr(-(SNAP_TAIL - slack))))  # beyond the tail
+    core_out = 2.0 * float(np.exp(scipy_special.log_ndtr(-(_SNAP_CORE - slack))))
+    diff = core_out * math.expm1(eta_t) + 2.0 * own  # D: drawn vs exact mass outside the core
+    e1 = math.expm1(eta)
+    mean = eta * t_max * math.sqrt(2.0 * n / math.pi) + n * (
+        e1 * e1 + 2.0 * eta * e1 + (1.0 + 2.0 * eta) * diff
     )
-    delta_tail = mu_out + math.exp(min(log_term, 700.0))
-    return NoiseResidual(2.0 * log_ratio, log_ratio, delta_tail)
+    # 4: tail coordinates, and the mass beyond the sampler's accurate reach
+    mu_tail = c * releases * _outside_mass(_SNAP_CORE - slack, n, t_max)
+    k = _tail_count(mu_tail, math.log(budget))
+    beta_out = c * releases * _outside_mass(SNAP_TAIL - slack, n, t_max)
+    log_ratio = releases * (s + mean) + k * eta_t
+    return NoiseResidual(2.0 * log_ratio, log_ratio, 2.0 * budget + beta_out)
+
+
+class _Required:
+    """The default of ``noised_coordinates``: an epsilon of dpmp's noise needs it."""
+
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+# ``noised_coordinates`` has no silent default: leaving it out would account an
+# exact Gaussian that dpmp does not draw.
+REQUIRED = _Required()
 
 
 def _check_coordinates(value: Any) -> int | None:
+    if value is REQUIRED:
+        raise ValueError(
+            "noised_coordinates: required: the number of coordinates noised at each step "
+            "(the trainable parameter count), so that the snapped noise's floating-point "
+            "residual is accounted; None accounts an exact Gaussian sampler instead (dpmp "
+            "draws none: an idealisation, e.g. to compare with published epsilons)"
+        )
     return None if value is None else _check_int("noised_coordinates", value, 1)
 
 
@@ -596,6 +689,7 @@ def _plan_residual(
     sigma: float,
     sigma_eff: float,
     delta: float,
+    neighboring: str,
 ) -> NoiseResidual | None:
     """The noise residual of a plan of ``steps`` releases of ``coordinates`` gradient
     coordinates; with count releases, the count's noise is one more coordinate and
@@ -606,24 +700,46 @@ def _plan_residual(
     if with_count:
         coordinates, sigma = coordinates + 1, sigma_eff
     return noise_residual(
-        coordinates=coordinates, releases=steps, noise_multiplier=sigma, delta=delta
+        coordinates=coordinates,
+        releases=steps,
+        noise_multiplier=sigma,
+        delta=delta,
+        neighboring=neighboring,
     )
 
 
-def _epsilon_of_drawn_noise(eps_at, res: NoiseResidual | None, delta: float) -> float:
+def _smallest_fitting_sigma(res_at: Any, delta: float) -> float:
+    """The smallest noise multiplier (to 1%) whose residual's tail delta fits in
+    ``delta`` (``res_at(sigma)`` is the plan's residual at ``sigma``)."""
+    low, high = 1e-3, 1.0
+    while res_at(high).delta_tail > delta / 2:
+        low, high = high, 2 * high
+        if high > MAX_NOISE_MULTIPLIER:
+            return math.inf
+    while high / low > 1.01:
+        mid = math.sqrt(low * high)
+        low, high = (low, mid) if res_at(mid).delta_tail <= delta / 2 else (mid, high)
+    return high
+
+
+def _epsilon_of_drawn_noise(eps_at, res: NoiseResidual | None, delta: float, res_at=None) -> float:
     """``eps_at(delta')`` is the accountant's epsilon of the exact-Gaussian plan;
     returns the epsilon at ``delta`` of the noise dpmp draws, whose residual is
-    ``res`` (None: exact noise, the accountant's epsilon)."""
+    ``res`` (None: exact noise, the accountant's epsilon). ``res_at(sigma)``, the
+    residual at another noise multiplier, lets a refusal say what would fit."""
     if res is None:
         return eps_at(delta)
-    floor = 0.5 * delta * math.exp(-res.log_ratio)
-    ideal = res.ideal_delta(delta, eps_at(floor))
-    if not ideal >= floor:
+    if not res.delta_tail <= 0.5 * delta:
+        hint = ""
+        if res_at is not None:
+            hint = f" (about {_smallest_fitting_sigma(res_at, delta):.3g} or more)"
         raise ValueError(
-            f"noised_coordinates: the noise residual's tail delta {res.delta_tail:.3g} "
-            f"does not fit in delta={delta:g}; raise the noise multiplier or delta."
+            f"noise_multiplier: too small for the snapped noise at delta={delta:g}: the "
+            f"chance that some noised coordinate of the run lands beyond the sampler's "
+            f"{SNAP_TAIL}-sigma reach is {res.delta_tail:.3g}, more than half of delta; "
+            f"raise the noise multiplier{hint} or delta."
         )
-    return eps_at(ideal) + res.epsilon
+    return eps_at(res.ideal_delta(delta)) + res.epsilon
 
 
 # ---------------------------------------------------------------------------
@@ -643,16 +759,20 @@ def epsilon(
     count_every: int = 1,
     value_discretization_interval: float = REPORT_DISCRETIZATION,
     preprocessing_noise_multiplier: float | None = None,
-    noised_coordinates: int | None = None,
+    noised_coordinates: int | None | _Required = REQUIRED,
 ) -> float:
     """Epsilon at ``delta`` of a DP-SGD run (and its count and preprocessing releases).
 
     Example:
       >>> import dpmp.accounting
-      >>> eps = dpmp.accounting.epsilon(noise_multiplier=10.0,
-      ...     sampling_prob=4096 / 50000, steps=875, delta=1e-5, accountant="rdp")
-      >>> round(eps, 4)  # De et al. 2022 report epsilon = 1 for this plan.
+      >>> plan = dict(noise_multiplier=10.0, sampling_prob=4096 / 50000, steps=875,
+      ...             delta=1e-5, accountant="rdp")
+      >>> # exact Gaussian noise: De et al. 2022 report epsilon = 1 for this plan
+      >>> round(dpmp.accounting.epsilon(**plan, noised_coordinates=None), 4)
       0.9877
+      >>> # dpmp's snapped noise on a WRN-16-4 (2.75M parameters): a little more
+      >>> round(dpmp.accounting.epsilon(**plan, noised_coordinates=2_750_000), 4)
+      0.9879
 
     Args:
       noise_multiplier: noise stddev divided by the clip norm, in [1e-6, 1e6] or inf.
@@ -667,13 +787,14 @@ def epsilon(
       value_discretization_interval: PLD discretisation (ignored by RDP).
       preprocessing_noise_multiplier: a one-off Gaussian release before
         training (see ``dpsgd_event``), or ``None``.
-      noised_coordinates: coordinates of each gradient release (the number of
-        parameters) when the noise is dpmp's snapped Gaussian: the result then
-        includes its ``noise_residual``. ``None``: exact Gaussian noise.
+      noised_coordinates: required: the coordinates of each gradient release
+        (the number of trainable parameters), for dpmp's snapped Gaussian noise:
+        the result then includes its ``noise_residual``. ``None`` accounts an
+        exact Gaussian sampler (which no floating-point program draws).
 
     Returns:
       The epsilon that dp-accounting's accountant gives for ``dpsgd_event``
-      (plus the noise residual when ``noised_coordinates`` is given).
+      (plus the noise residual unless ``noised_coordinates`` is None).
 
     Formal Guarantees:
       See the module docstring: the run is ``(epsilon, delta)``-DP under
@@ -730,16 +851,20 @@ def _epsilons(
     acct = _make_accountant(accountant, neighboring, interval).compose(event)
     sigma = _check_noise_multiplier(noise_multiplier)
     with_count = _split_steps(steps, _check_count_noise(count_noise_stddev), count_every)[1]
-    res = _plan_residual(
-        coordinates,
-        steps=steps,
-        with_count=with_count,
-        sigma=sigma,
-        sigma_eff=effective_noise_multiplier(sigma, count_noise_stddev),
-        delta=delta,
-    )
+
+    def res_at(s: float) -> NoiseResidual | None:
+        return _plan_residual(
+            coordinates,
+            steps=steps,
+            with_count=with_count,
+            sigma=s,
+            sigma_eff=effective_noise_multiplier(s, count_noise_stddev),
+            delta=delta,
+            neighboring=neighboring,
+        )
+
     exact = float(acct.get_epsilon(delta))
-    return exact, float(_epsilon_of_drawn_noise(acct.get_epsilon, res, delta))
+    return exact, float(_epsilon_of_drawn_noise(acct.get_epsilon, res_at(sigma), delta, res_at))
 
 
 def epsilon_breakdown(
@@ -754,7 +879,7 @@ def epsilon_breakdown(
     neighboring: str = "add_or_remove",
     value_discretization_interval: float = REPORT_DISCRETIZATION,
     preprocessing_noise_multiplier: float | None = None,
-    noised_coordinates: int | None = None,
+    noised_coordinates: int | None | _Required = REQUIRED,
 ) -> EpsilonBreakdown:
     """Epsilon with and without the count and preprocessing releases.
 
@@ -763,6 +888,7 @@ def epsilon_breakdown(
     ``preprocessing = epsilon(everything) - epsilon(steps and counts)``, and
     ``noise_residual`` = the total with ``noised_coordinates`` minus without.
     """
+    coordinates = _check_coordinates(noised_coordinates)
     common = dict(
         noise_multiplier=noise_multiplier,
         sampling_prob=sampling_prob,
@@ -772,10 +898,12 @@ def epsilon_breakdown(
         neighboring=neighboring,
         value_discretization_interval=value_discretization_interval,
     )
-    dpsgd = epsilon(**common)
+    dpsgd = epsilon(**common, noised_coordinates=None)
     common.update(count_noise_stddev=count_noise_stddev, count_every=count_every)
-    with_counts = dpsgd if count_noise_stddev is None else epsilon(**common)
-    if preprocessing_noise_multiplier is None and noised_coordinates is None:
+    with_counts = (
+        dpsgd if count_noise_stddev is None else epsilon(**common, noised_coordinates=None)
+    )
+    if preprocessing_noise_multiplier is None and coordinates is None:
         exact = total = with_counts
     else:  # one composition gives both
         exact, total = _epsilons(
@@ -810,7 +938,7 @@ def calibrate_noise_multiplier(
     value_discretization_interval: float = REPORT_DISCRETIZATION,
     rtol: float = 1e-4,
     preprocessing_noise_multiplier: float | None = None,
-    noised_coordinates: int | None = None,
+    noised_coordinates: int | None | _Required = REQUIRED,
 ) -> float:
     """The smallest noise multiplier whose run stays within ``target_epsilon``.
 
@@ -893,10 +1021,11 @@ def calibrate_noise_multiplier(
             sigma=floor,
             sigma_eff=effective_noise_multiplier(floor, sigma_c),
             delta=delta,
+            neighboring=neighboring,
         )
-        ideal = res.ideal_delta(delta, target)
-        if not ideal >= 0.5 * delta * math.exp(-res.log_ratio):
+        if not res.delta_tail <= 0.5 * delta:
             continue
+        ideal = res.ideal_delta(delta)
         sigma = exact(target - res.epsilon, ideal)
         if sigma < floor:
             continue
@@ -907,9 +1036,9 @@ def calibrate_noise_multiplier(
                 return sigma
             sigma *= 1 + 1e-4
     raise ValueError(
-        f"target_epsilon={target}: no noise multiplier keeps the run and the noise "
-        f"residual (tail delta {res.delta_tail:.3g}, times e^epsilon) within it at "
-        f"delta={delta:g}; lower the target or raise delta."
+        f"target_epsilon={target}: no noise multiplier keeps the run and the snapped "
+        f"noise's residual (epsilon {res.epsilon:.3g}, tail delta {res.delta_tail:.3g}) "
+        f"within it at delta={delta:g}; lower the target or raise delta."
     )
 
 
@@ -1005,7 +1134,7 @@ def calibrate_steps(
     value_discretization_interval: float = REPORT_DISCRETIZATION,
     max_steps: int = MAX_STEPS,
     preprocessing_noise_multiplier: float | None = None,
-    noised_coordinates: int | None = None,
+    noised_coordinates: int | None | _Required = REQUIRED,
 ) -> int:
     """The most steps whose run stays within ``target_epsilon``.
 
@@ -1155,15 +1284,19 @@ class _EpsilonCurve:
             pld = self._pld(plain, with_count)
             self._cursor = (plain, with_count, pld)
             eps_at = pld.get_epsilon_for_delta
-        res = _plan_residual(
-            b.noised_coordinates,
-            steps=plain + with_count,
-            with_count=with_count,
-            sigma=self._sigmas[0],
-            sigma_eff=self._sigmas[1],
-            delta=b.delta,
-        )
-        eps = _epsilon_of_drawn_noise(eps_at, res, b.delta)
+
+        def res_at(sigma: float) -> NoiseResidual | None:
+            return _plan_residual(
+                b.noised_coordinates,
+                steps=plain + with_count,
+                with_count=with_count,
+                sigma=sigma,
+                sigma_eff=effective_noise_multiplier(sigma, b.count_noise_stddev),
+                delta=b.delta,
+                neighboring=b.neighboring,
+            )
+
+        eps = _epsilon_of_drawn_noise(eps_at, res_at(self._sigmas[0]), b.delta, res_at)
         self._memo[key] = float(eps)
         if len(self._memo) > self._MEMO_SIZE:
             self._memo.popitem(last=False)
@@ -1221,9 +1354,9 @@ class PrivacyBudget:
         defaults to the coarser ``TRACKING_DISCRETIZATION`` (1e-3), which is
         still an upper bound. Report the final number with ``epsilon(...)``
         at 1e-4 if you want the tighter value.
-      noised_coordinates: coordinates of each gradient release when the noise
-        is dpmp's snapped Gaussian (its ``noise_residual`` is then part of
-        every epsilon); ``None`` for exact Gaussian noise.
+      noised_coordinates: required: coordinates of each gradient release, for
+        dpmp's snapped Gaussian noise (its ``noise_residual`` is then part of
+        every epsilon); ``None`` for an exact Gaussian sampler.
     """
 
     noise_multiplier: float
@@ -1236,7 +1369,7 @@ class PrivacyBudget:
     count_every: int = 1
     value_discretization_interval: float = TRACKING_DISCRETIZATION
     preprocessing_noise_multiplier: float | None = None
-    noised_coordinates: int | None = None
+    noised_coordinates: int | None | _Required = REQUIRED
 
     def __post_init__(self):
         accountant = _check_accountant(self.accountant)
@@ -1282,7 +1415,8 @@ class BudgetTracker:
 
     Example:
       >>> budget = PrivacyBudget(noise_multiplier=1.0, sampling_prob=0.01,
-      ...                        delta=1e-5, target_epsilon=1.0)
+      ...                        delta=1e-5, target_epsilon=1.0,
+      ...                        noised_coordinates=100_000)
       >>> tracker = BudgetTracker(budget)
       >>> while tracker.can_step():
       ...     _ = tracker.step()  # ... one DP-SGD step ...

@@ -304,7 +304,7 @@ def epsilon_breakdown(step, steps: int) -> accounting.EpsilonBreakdown:
         noise_multiplier=step.noise_multiplier,
         sampling_prob=step.sampling_prob,
         steps=steps,
-        delta=p.delta,
+        delta=step.budget.delta,  # privacy.delta less what truncation may take
         count_noise_stddev=step.count_noise_stddev,
         count_every=1,
         accountant=p.accountant,
@@ -386,6 +386,13 @@ def build_report(
         "epsilon_tracked": tracker.spent(),
         "target_epsilon": p.target_epsilon,
         "delta": p.delta,
+        "delta_parts": {
+            "accountant": step.budget.delta,
+            "truncation_reserved": step.plan.truncation_delta,
+            "note": "delta is the whole: the accountant's epsilon holds at the delta a "
+            "possibly truncated Poisson sample leaves (its part reserved), and covers the "
+            "snapped noise's residual, whose failure probability is part of it",
+        },
         "accountant": p.accountant,
         "noise_multiplier": step.noise_multiplier,
         "noise_multiplier_calibrated": step.noise_calibrated,

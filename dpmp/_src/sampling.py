@@ -52,6 +52,9 @@ __all__ = [
 ]
 
 PADDING_INDEX = -1
+# The default bound on a step's truncation probability (``PoissonSampler``): a
+# padded size chosen for it, or rounded up from it, truncates no more often.
+MAX_TRUNCATION_PROB = 1e-12
 
 
 class SampledBatch(NamedTuple):
@@ -152,7 +155,7 @@ class PoissonSampler:
         *,
         sampling_prob: float | None = None,
         padded_batch_size: int | None = None,
-        max_truncation_prob: float = 1e-12,
+        max_truncation_prob: float = MAX_TRUNCATION_PROB,
         seed: int | None = None,
         num_steps: int | None = None,
     ):

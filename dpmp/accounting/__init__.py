@@ -3,7 +3,9 @@
 ``epsilon``, ``calibrate_noise_multiplier`` and ``calibrate_steps`` answer
 one-shot questions about a plan; ``BudgetTracker`` follows a run step by step.
 Every release of a run is composed: the DP-SGD steps and, when a private
-dynamic loss scale is used, its noised overflow counts.
+dynamic loss scale is used, its noised overflow counts; and every epsilon
+covers the floating-point residual of the noise dpmp draws (``noise_residual``)
+for the ``noised_coordinates`` each function requires.
 """
 
 from dpmp._src.accounting import ACCOUNTANTS as ACCOUNTANTS
@@ -13,6 +15,9 @@ from dpmp._src.accounting import MAX_STEPS as MAX_STEPS
 from dpmp._src.accounting import MIN_CALIBRATED_NOISE as MIN_CALIBRATED_NOISE
 from dpmp._src.accounting import NEIGHBORING_RELATIONS as NEIGHBORING_RELATIONS
 from dpmp._src.accounting import REPORT_DISCRETIZATION as REPORT_DISCRETIZATION
+from dpmp._src.accounting import REQUIRED as REQUIRED
+from dpmp._src.accounting import RESIDUAL_DELTA_SHARE as RESIDUAL_DELTA_SHARE
+from dpmp._src.accounting import SNAP_TAIL as SNAP_TAIL
 from dpmp._src.accounting import TRACKING_DISCRETIZATION as TRACKING_DISCRETIZATION
 from dpmp._src.accounting import BudgetExceededError as BudgetExceededError
 from dpmp._src.accounting import BudgetTracker as BudgetTracker
@@ -36,6 +41,9 @@ __all__ = [
     "MIN_CALIBRATED_NOISE",
     "NEIGHBORING_RELATIONS",
     "REPORT_DISCRETIZATION",
+    "REQUIRED",
+    "RESIDUAL_DELTA_SHARE",
+    "SNAP_TAIL",
     "TRACKING_DISCRETIZATION",
     "BudgetExceededError",
     "BudgetTracker",

@@ -7,7 +7,9 @@ sigma (``dpmp.accounting``) so that ``training.steps`` steps at sampling rate
 ``q`` spend ``privacy.target_epsilon`` -- every release composed: gradient
 noise, the noised overflow counts of a private dynamic loss scale, private
 standardisation and the snapped noise's floating-point residual -- or takes
-``privacy.noise_multiplier`` as given.
+``privacy.noise_multiplier`` as given. ``privacy.delta`` is the run's whole
+delta: the residual's failure probability and a truncated Poisson sample's
+are part of it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from dpmp._src.entropy import fresh_key, fresh_seed
 from dpmp._src.noise import draws_snapped
 from dpmp._src.preprocess import release_noise_multiplier
 
-__all__ = ["NoisePlan", "RunKeys", "count_noise_stddev", "noise_plan", "run_keys"]
+__all__ = [
+    "NoisePlan",
+    "RunKeys",
+    "count_noise_stddev",
+    "noise_plan",
+    "run_keys",
+    "truncation_delta",
+]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -72,8 +81,18 @@ def _noised_coordinates(config: Config, policy, params_shape) -> int | None:
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params_shape))
 
 
+def truncation_delta(config: Config, truncation_probability: float) -> float:
+    """The delta a Poisson sample truncated to its padded size may add to the run:
+    ``min(1, steps p) (1 + e^target_epsilon)`` (``dpmp.PoissonSampler``), the run's
+    epsilon never exceeding its target."""
+    if not truncation_probability:
+        return 0.0
+    eta = min(1.0, config.training.steps * truncation_probability)
+    return eta * (1.0 + math.exp(config.privacy.target_epsilon))
+
+
 def _calibrate(
-    config: Config, q: float, count_sigma: float | None, coordinates: int | None
+    config: Config, q: float, count_sigma: float | None, coordinates: int | None, delta: float
 ) -> tuple[float, bool, accounting.PrivacyBudget]:
     p = config.privacy
     steps = config.training.steps
@@ -83,7 +102,7 @@ def _calibrate(
         return accounting.PrivacyBudget(
             noise_multiplier=sigma,
             sampling_prob=q,
-            delta=p.delta,
+            delta=delta,
             target_epsilon=p.target_epsilon,
             accountant=p.accountant,
             count_noise_stddev=count_sigma,
@@ -102,7 +121,7 @@ def _calibrate(
             target_epsilon=p.target_epsilon,
             sampling_prob=q,
             steps=steps,
-            delta=p.delta,
+            delta=delta,
             accountant=p.accountant,
             count_noise_stddev=count_sigma,
             count_every=1,
@@ -137,6 +156,8 @@ class NoisePlan:
       count_noise_stddev: noise on each released overflow count, or None.
       noised_coordinates: coordinates of each snapped release (its residual is
         accounted), or None.
+      truncation_delta: the part of ``privacy.delta`` kept for a truncated
+        Poisson sample; the accountant's (``budget.delta``) is the rest.
     """
 
     noise_multiplier: float
@@ -145,15 +166,31 @@ class NoisePlan:
     sampling_prob: float
     count_noise_stddev: float | None
     noised_coordinates: int | None
+    truncation_delta: float = 0.0
 
 
-def noise_plan(config: Config, *, num_train: int, params_shape: Any) -> NoisePlan:
+def noise_plan(
+    config: Config, *, num_train: int, params_shape: Any, truncation_probability: float = 0.0
+) -> NoisePlan:
     """The noise multiplier and budget of ``config`` for ``num_train`` examples and
     trainable parameters shaped like ``params_shape`` (a pytree of arrays or
     ``jax.ShapeDtypeStruct``; None: the plan of exact Gaussian noise, which a
-    snapped noise's residual can only add to)."""
+    snapped noise's residual can only add to).
+
+    ``privacy.delta`` is the run's whole delta: the accountant (whose epsilon
+    covers the snapped noise's residual, its failure probability included) gets
+    what a possibly truncated Poisson sample (``truncation_probability`` per
+    step) leaves of it."""
     q = config.training.expected_batch_size / num_train
     count_sigma = count_noise_stddev(config)
     coordinates = _noised_coordinates(config, config.precision, params_shape)
-    sigma, calibrated, budget = _calibrate(config, q, count_sigma, coordinates)
-    return NoisePlan(sigma, calibrated, budget, q, count_sigma, coordinates)
+    reserved = truncation_delta(config, truncation_probability)
+    if not reserved <= config.privacy.delta / 2:
+        raise ConfigError(
+            f"privacy.delta: {config.privacy.delta:g} is too small for the chance that a "
+            f"Poisson batch outgrows its padded size ({truncation_probability:.3g} per step, "
+            f"delta {reserved:.3g} at epsilon {config.privacy.target_epsilon:g}); raise delta"
+        )
+    delta = config.privacy.delta - reserved
+    sigma, calibrated, budget = _calibrate(config, q, count_sigma, coordinates, delta)
+    return NoisePlan(sigma, calibrated, budget, q, count_sigma, coordinates, reserved)
