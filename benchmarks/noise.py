@@ -1,20 +1,28 @@
-"""Cost of dpmp's snapped Gaussian next to the plain float32 sampler, side by side.
+"""What dpmp's snapped Gaussian costs at the sizes models are trained, side by side.
 
-Measures in ONE process, each jitted, the median wall time over ``--repeats``
-interleaved samples (a sample is the mean of enough back-to-back calls to last
-~0.5 s):
+Measures in ONE process:
 
-* the noise stage alone, ``dpmp.gaussian_privatizer(sampler="plain")`` (float32
-  ``jax.random.normal``, as jax-privacy draws it) against ``sampler="snapped"``
-  (the default), on a flat gradient of ``--sizes`` coordinates;
-* the whole private step of a config (default: the built-in default run) built
-  with ``privacy.noise_sampler`` ``"plain"`` and ``"snapped"``.
+* **the noise stage** (``dpmp.gaussian_privatizer`` on a flat float32 gradient
+  sum of ``--sizes`` coordinates), ``sampler="plain"`` (float32
+  ``jax.random.normal``, as jax-privacy draws it) against ``"snapped"`` (the
+  default): compiled temporary memory per coordinate
+  (``jax.jit(update).lower(...).compile().memory_analysis()``, no run needed)
+  and the median wall time per coordinate over ``--repeats`` interleaved samples
+  (a sample is the mean of enough back-to-back calls to last ~0.5 s);
+* **a whole step's memory**: an MLP of ``--step-params`` parameters (16M and
+  100M by default; compiled only, never run), its non-private step (``jax.grad``
+  of the mean loss, Adam) against its private step (``dpmp.private_grad`` with
+  ghost clipping, the snapped noise, Adam): arguments + outputs + temporaries;
+* **the default run's private step** with either sampler (timed);
+* **the accounted residual**: the epsilon the snapped noise adds to the exact
+  Gaussian's (RDP, q 0.01, sigma 1, delta 1e-5), for 1M to 10B parameters and
+  1k, 5k and 10k steps, beside the bound that summed every cell's (the
+  previous analysis: linear in parameters x steps).
 
-It prints the ratios snapped / plain and writes the raw numbers as JSON
-(``--json``).
+It prints tables and writes the raw numbers as JSON (``--json``).
 
-    python benchmarks/noise.py
-    python benchmarks/noise.py --sizes 100000 --repeats 3 --json out.json
+    python benchmarks/noise.py --json benchmarks/results/cpu_2core_noise.json
+    python benchmarks/noise.py --sizes 1000000 --step-params 16000000 --repeats 3
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import platform
 import statistics
 import sys
@@ -29,13 +38,17 @@ import time
 
 import jax
 import jax.numpy as jnp
+import optax
 
 import dpmp
+from dpmp._src.accounting import SNAP_NDTRI_REL_ERROR, _cell_log_ratio
 from dpmp._src.config import load_config
 from dpmp._src.trainer import build_private_step
 
 SAMPLERS = ("plain", "snapped")
 MIN_SAMPLE_S = 0.5
+RESIDUAL_PARAMS = (10**6, 10**7, 10**8, 125 * 10**6, 10**9, 7 * 10**9, 10**10)
+RESIDUAL_STEPS = (1_000, 5_000, 10_000)
 
 
 def _calls_per_sample(fn, args) -> int:
@@ -59,15 +72,115 @@ def time_interleaved(fns: dict, args: dict, repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _memory(compiled) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    return {
+        "arguments": m.argument_size_in_bytes,
+        "outputs": m.output_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+        "alias": m.alias_size_in_bytes,
+        "total": m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes,
+    }
+
+
 def noise_stage(size: int, repeats: int) -> dict:
     grads = jnp.zeros(size, jnp.float32)
-    fns, args = {}, {}
+    fns, args, temp = {}, {}, {}
     for sampler in SAMPLERS:
         priv = dpmp.gaussian_privatizer(stddev=1.0, prng_key=0, policy="bf16", sampler=sampler)
         fns[sampler] = jax.jit(priv.update)
         args[sampler] = (grads, priv.init(grads))
+        temp[sampler] = _memory(fns[sampler].lower(*args[sampler]).compile())["temp"]
     seconds = time_interleaved(fns, args, repeats)
-    return {"size": size, "seconds": seconds, "ratio": seconds["snapped"] / seconds["plain"]}
+    return {
+        "size": size,
+        "seconds": seconds,
+        "temp_bytes": temp,
+        "ns_per_coordinate": {k: 1e9 * s / size for k, s in seconds.items()},
+        "temp_bytes_per_coordinate": {k: b / size for k, b in temp.items()},
+        "time_ratio": seconds["snapped"] / seconds["plain"],
+    }
+
+
+def _mlp_widths(params: int) -> tuple[int, ...]:
+    """Hidden widths (784 inputs, 10 classes, 4 hidden layers of width w) with about
+    ``params`` parameters."""
+    # 784 w + 3 w^2 + 10 w ~ params
+    w = int((-794 + math.sqrt(794**2 + 12 * params)) / 6)
+    return (w,) * 4
+
+
+def _mlp(widths):
+    def init(key):
+        sizes = (784, *widths, 10)
+        keys = jax.random.split(key, len(sizes) - 1)
+        return [
+            {
+                "w": jax.random.normal(k, (a, b), jnp.float32) / math.sqrt(a),
+                "b": jnp.zeros(b, jnp.float32),
+            }
+            for k, a, b in zip(keys, sizes[:-1], sizes[1:])
+        ]
+
+    def loss(params, batch):
+        x = batch["x"].astype(jnp.bfloat16)
+        for i, layer in enumerate(params):
+            x = x @ layer["w"].astype(x.dtype) + layer["b"].astype(x.dtype)
+            if i < len(params) - 1:
+                x = jax.nn.relu(x)
+        logits = x.astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    return init, loss
+
+
+def step_memory(params_target: int, batch_size: int) -> dict:
+    """Compiled memory of the non-private and the private step of an MLP (no run)."""
+    widths = _mlp_widths(params_target)
+    init, loss = _mlp(widths)
+    params = jax.eval_shape(init, jax.random.key(0))
+    count = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+    batch = {
+        "x": jax.ShapeDtypeStruct((batch_size, 784), jnp.float32),
+        "y": jax.ShapeDtypeStruct((batch_size,), jnp.int32),
+    }
+    adam = optax.adam(1e-3)
+
+    def nonprivate(p, state, b):
+        grads = jax.grad(loss)(p, b)
+        updates, state = adam.update(grads, state, p)
+        return optax.apply_updates(p, updates), state
+
+    grad_fn = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="bf16", method="ghost")
+    opt = dpmp.private_optimizer(
+        adam,
+        noise_multiplier=1.0,
+        l2_clip_norm=1.0,
+        expected_batch_size=batch_size,
+        prng_key=0,
+        policy="bf16",
+    )
+
+    def private(p, state, b):
+        out = grad_fn(p, b)
+        updates, state = opt.update(out.grads, state, p)
+        return optax.apply_updates(p, updates), state
+
+    memory = {}
+    for name, fn, o in (("nonprivate", nonprivate, adam), ("private", private, opt)):
+        state = jax.eval_shape(o.init, params)
+        memory[name] = _memory(jax.jit(fn).lower(params, state, batch).compile())
+    return {
+        "params": count,
+        "widths": list(widths),
+        "batch_size": batch_size,
+        "policy": "bf16",
+        "memory": memory,
+        "ratio": memory["private"]["total"] / memory["nonprivate"]["total"],
+    }
 
 
 def private_step(config_path: str | None, repeats: int) -> dict:
@@ -82,32 +195,89 @@ def private_step(config_path: str | None, repeats: int) -> dict:
     return {
         "config": config_path or "default",
         "seconds": seconds,
-        "ratio": seconds["snapped"] / seconds["plain"],
+        "time_ratio": seconds["snapped"] / seconds["plain"],
     }
+
+
+def residual_table() -> list[dict]:
+    """The residual epsilon (total minus exact, RDP) for each size and length."""
+    eta = _cell_log_ratio(*SNAP_NDTRI_REL_ERROR[0])  # one core cell's bound
+    rows = []
+    for params in RESIDUAL_PARAMS:
+        for steps in RESIDUAL_STEPS:
+            parts = dpmp.accounting.epsilon_breakdown(
+                noise_multiplier=1.0,
+                sampling_prob=0.01,
+                steps=steps,
+                delta=1e-5,
+                accountant="rdp",
+                count_noise_stddev=None,
+                noised_coordinates=params,
+            )
+            rows.append(
+                {
+                    "params": params,
+                    "steps": steps,
+                    "epsilon_exact": parts.dpsgd,
+                    "epsilon": parts.total,
+                    "residual": parts.noise_residual,
+                    "summed_cells_bound": 2 * eta * params * steps,
+                }
+            )
+    return rows
+
+
+def _print(out: dict) -> None:
+    print(f"{'noise stage':<26} {'plain':>22} {'snapped':>22} {'time ratio':>11}")
+    for r in out["noise_stage"]:
+        ns, b = r["ns_per_coordinate"], r["temp_bytes_per_coordinate"]
+        cells = [f"{ns[k]:6.2f} ns, {b[k]:5.2f} B/coord" for k in SAMPLERS]
+        print(
+            f"{r['size']:>14,} coordinates {cells[0]:>22} {cells[1]:>22} {r['time_ratio']:>10.2f}x"
+        )
+    print(f"\n{'step memory (bf16, MiB)':<32} {'non-private':>12} {'private':>12} {'ratio':>7}")
+    for r in out["step_memory"]:
+        m = r["memory"]
+        print(
+            f"MLP {r['params']:>13,} params, B {r['batch_size']:<4} "
+            f"{m['nonprivate']['total'] / 2**20:>10,.1f} {m['private']['total'] / 2**20:>12,.1f} "
+            f"{r['ratio']:>6.2f}x"
+        )
+    s = out["private_step"]
+    print(
+        f"\nprivate step ({s['config']}): plain {1e3 * s['seconds']['plain']:.2f} ms, snapped "
+        f"{1e3 * s['seconds']['snapped']:.2f} ms, {s['time_ratio']:.2f}x"
+    )
+    print("\nresidual epsilon (RDP, q 0.01, sigma 1, delta 1e-5); summed per-cell bound")
+    for r in out["residual"]:
+        print(
+            f"{r['params']:>15,} x {r['steps']:>6,} steps: {r['residual']:.3g} "
+            f"(summed cells: {r['summed_cells_bound']:.3g})"
+        )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[19_210, 1_000_000, 10_000_000])
-    ap.add_argument("--config", default=None, help="TOML config of the step (default run)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[10**6, 16 * 2**20, 100 * 10**6])
+    ap.add_argument(
+        "--step-params", type=int, nargs="+", default=[16_000_000, 100_000_000], metavar="N"
+    )
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--config", default=None, help="TOML config of the timed step (default run)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", metavar="PATH", help="write the raw numbers here")
     args = ap.parse_args(argv)
     out = {
         "device": jax.devices()[0].device_kind,
         "platform": platform.platform(),
+        "cpu_count": __import__("os").cpu_count(),
         "jax": jax.__version__,
         "noise_stage": [noise_stage(n, args.repeats) for n in args.sizes],
+        "step_memory": [step_memory(n, args.batch_size) for n in args.step_params],
         "private_step": private_step(args.config, args.repeats),
+        "residual": residual_table(),
     }
-    print(f"{'what':<28} {'plain ms':>10} {'snapped ms':>11} {'snapped/plain':>14}")
-    rows = [(f"noise stage, {r['size']:,} coords", r) for r in out["noise_stage"]]
-    rows.append((f"private step ({out['private_step']['config']})", out["private_step"]))
-    for label, r in rows:
-        s = r["seconds"]
-        print(
-            f"{label:<28} {1e3 * s['plain']:>10.3f} {1e3 * s['snapped']:>11.3f} {r['ratio']:>14.2f}"
-        )
+    _print(out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -43,6 +43,7 @@ _PUBLIC = {
     "StaticLossScale": ("dpmp._src.loss_scale", "StaticLossScale"),
     "all_finite": ("dpmp._src.loss_scale", "all_finite"),
     "select_tree": ("dpmp._src.loss_scale", "select_tree"),
+    "NoiseSharding": ("dpmp._src.noise", "NoiseSharding"),
     "gaussian_privatizer": ("dpmp._src.noise", "gaussian_privatizer"),
     "private_optimizer": ("dpmp._src.noise", "private_optimizer"),
     "snap_grid": ("dpmp._src.noise", "snap_grid"),
@@ -91,6 +92,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from dpmp._src.loss_scale import StaticLossScale as StaticLossScale
     from dpmp._src.loss_scale import all_finite as all_finite
     from dpmp._src.loss_scale import select_tree as select_tree
+    from dpmp._src.noise import NoiseSharding as NoiseSharding
     from dpmp._src.noise import gaussian_privatizer as gaussian_privatizer
     from dpmp._src.noise import private_optimizer as private_optimizer
     from dpmp._src.noise import snap_grid as snap_grid
@@ -143,6 +145,7 @@ __all__ = [
     "PrivacyAuditReport",
     "DynamicLossScale",
     "NoOpLossScale",
+    "NoiseSharding",
     "Policy",
     "PoissonSampler",
     "PrecisionError",

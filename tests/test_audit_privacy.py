@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import scipy.special
 from dp_accounting.pld import privacy_loss_distribution as pld
 
 import dpmp
@@ -64,7 +65,7 @@ def test_the_plain_float32_sampler_has_outputs_impossible_under_the_neighbour(si
 def test_the_default_noise_has_no_output_impossible_under_the_neighbour(sigma):
     """dpmp's default (snapped) noise, 1e6 releases per dataset: no release is
     impossible under the neighbour, the exact Gaussian mass of the impossible
-    outputs (beyond the sampler's 11.3 sigma reach) is below the delta the
+    outputs (beyond the sampler's 10.08 sigma reach) is below the delta the
     accountant adds for the tails (``noise_residual``, one coordinate, one release)
     and below 1e-5, and neither attack's lower bound passes the theoretical epsilon."""
     r = dpmp.privacy_audit(sigma, num_releases=1_000_000, prng_key=4)
@@ -74,9 +75,11 @@ def test_the_default_noise_has_no_output_impossible_under_the_neighbour(sigma):
     assert r.impossible_share == 0 and r.impossible_share_reverse == 0
     assert r.impossible_mass <= residual.delta_tail < 1e-5
     assert r.epsilon_lookup <= r.epsilon_theory and r.epsilon_threshold <= r.epsilon_theory
-    # the support is every grid cell within the sampler's reach: 2 * 11.3 * r cells
+    # the support is every grid cell within the sampler's reach (its uniform's floor
+    # 2^-78): 2 * 10.08 * r cells
     grid = dpmp.snap_grid(sigma)
-    assert r.distinct_noise_values == pytest.approx(2 * 11.33 * sigma / grid, rel=0.01)
+    reach = -scipy.special.ndtri(2.0**-78)
+    assert r.distinct_noise_values == pytest.approx(2 * reach * sigma / grid, rel=0.01)
     assert r.ok and "verdict: OK" in str(r)
 
 

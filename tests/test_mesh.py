@@ -143,6 +143,61 @@ def test_four_devices_train_as_one(tmp_path):
     assert not bad["ok"] and flagged and all(f["out_dtype"] == "bf16" for f in flagged)
 
 
+_NOISE_DRAW = """
+import re
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import dpmp
+from dpmp._src import noise
+
+assert jax.device_count() == 4
+noise.SNAP_CHUNK = 4096  # pieces of one size, so that loop trip counts show the coordinates
+mesh = Mesh(np.array(jax.devices()), ("data",))
+tree = {
+    "w": jnp.linspace(-1, 1, 1_000_003, dtype=jnp.float32),  # does not split into 4
+    "k": jnp.ones((256, 4096), jnp.float32),
+    "b": jnp.zeros(3, jnp.float32),  # fewer coordinates than devices
+    "m": jnp.arange(64 * 12, dtype=jnp.float32).reshape(64, 12),
+}
+specs = {"w": P(), "k": P(None, "data"), "b": P(), "m": P("data", None)}
+key = jax.random.key(9)
+one = jax.jit(lambda k, t: noise._snap_tree(k, t, 0.8))(key, tree)  # one device's draw
+out = {}
+for name, sp in (("replicated", None), ("sharded", specs)):
+    layout = sp or jax.tree.map(lambda _: P(), tree)
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, layout)
+    priv = dpmp.gaussian_privatizer(
+        stddev=0.8, prng_key=key, policy="fp32", sharding=dpmp.NoiseSharding(mesh, "data", sp)
+    )
+    state = priv.init(tree)
+    step = jax.jit(priv.update)
+    got, _ = step(placed, state)
+    ref = jax.jit(lambda k, t: noise._snap_tree(jax.random.split(k)[1], t, 0.8))(key, tree)
+    out[name] = all(
+        np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))
+    )
+    text = step.lower(placed, state).compile().as_text()
+    # the loops over pieces (the Threefry rounds' own loops run 5 times)
+    out[name + "_trips"] = sorted(
+        int(n) for n in re.findall(r'known_trip_count":\\{"n":"(\\d+)"', text) if n != "5"
+    )
+print("JSON" + __import__("json").dumps(out))
+"""
+
+
+def test_each_device_draws_only_its_part_of_the_noise(tmp_path):
+    """On 4 devices, replicated leaves (one that does not split into 4, one smaller
+    than 4) and sharded ones (FSDP, along either axis): the noisy sum equals the
+    draw on one device, and each device's loops run over a quarter of the
+    coordinates (in pieces of 4,096: 250,000 -> 61 pieces, 256 x 1,024 -> 64), not
+    over all of them (244 and 256 pieces)."""
+    got = run_on_host_devices(tmp_path, "noise_draw.py", _NOISE_DRAW, timeout=300)
+    for name in ("replicated", "sharded"):
+        assert got[name] is True, got
+        assert got[name + "_trips"] == [61, 64], got
+
+
 @pytest.mark.parametrize(
     ("value", "words"),
     [

@@ -80,8 +80,10 @@ def test_chunked_step_draws_the_noise_once(steps):
     # Same key, one draw each: the same noisy update. A second draw (or a draw
     # per chunk) would move the parameters by ~sigma C / E[B] per coordinate.
     assert _rel(a[0], b[0]) < 1e-5
+    # and the audit finds the same noise draws in both (one per leaf and piece)
     report = audit_step(chunked.config, step=chunked)
-    assert report.ok and report.counts()["noise_sample"] == 1, report.counts()
+    whole = audit_step(one_shot.config, step=one_shot)
+    assert report.ok and report.counts()["noise_sample"] == whole.counts()["noise_sample"]
 
 
 def test_chunked_step_compiles_to_a_quarter_of_the_memory(steps):
@@ -106,8 +108,10 @@ def test_private_loss_scale_is_adjusted_once_from_the_whole_batch(digits):
             "policy=fp16",
             "loss_scale.kind=private_dynamic",
             "loss_scale.initial=16777216.0",  # 2^24: every example overflows in fp16
-            "training.expected_batch_size=256",
-            "training.physical_batch_size=64",
+            # ~512 overflows: the noised count (stddev 64) is above the 192 threshold
+            # whatever the draw (5 sigma)
+            "training.expected_batch_size=512",
+            "training.physical_batch_size=128",
             "privacy.reproducible_noise=true",
         ],
     )
@@ -146,3 +150,28 @@ def test_combined_statistics_weigh_chunks_by_their_examples():
     assert float(total.loss_mean) == pytest.approx((3 * 1.0 + 5.0) / 4)
     assert float(total.norm_max) == 6.0
     assert float(total.norm_median) == 4.0  # the empty chunk's 0 is not a median
+
+
+def test_memory_check_reads_the_compiled_step_and_refuses_what_does_not_fit(steps):
+    """``step_memory`` is the compiled step's own count (arguments, outputs and
+    temporaries; with chunks, the larger call plus what stays beside it), at least
+    the parameters and Adam's slots in and out; a limit below it is one line."""
+    from dpmp._src.config import ConfigError
+    from dpmp._src.trainer.step import check_step_memory, step_memory
+
+    chunked, one_shot = steps
+    m = one_shot.step_fn.lower(*one_shot.example_args).compile().memory_analysis()
+    whole = step_memory(one_shot)
+    assert whole == (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+    state = sum(x.nbytes for x in jax.tree.leaves(one_shot.init_state["params"]))
+    assert whole >= 6 * state  # params and two moments, in and out
+    part = step_memory(chunked)
+    assert 6 * state <= part < whole  # per-example gradients of 128, not 1,024
+    assert check_step_memory(chunked, limit=part) == part
+    with pytest.raises(ConfigError, match=r"needs .* GiB per device .* lower training.physical"):
+        check_step_memory(chunked, limit=part - 1)

@@ -31,7 +31,7 @@ points, so with the canary at the origin most outputs under D are values that
 no noise draw produces under D' (Mironov 2012, "On significance of the least
 significant bits for differential privacy"); bf16 noise added in bf16 is
 worse still. dpmp's default snapped Gaussian leaves no release impossible
-under the neighbour within its 11.3-sigma reach.
+under the neighbour within its 10-sigma reach.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from jax_privacy import auditing as jp_auditing
 from jax_privacy import noise_addition as jp_noise
 
 from dpmp._src.entropy import key_from
-from dpmp._src.noise import draws_snapped, gaussian_privatizer, snap_grid
+from dpmp._src.noise import draws_snapped, gaussian_privatizer, snap_extremes, snap_grid
 from dpmp._src.policy import Policy
 
 __all__ = ["PrivacyAuditReport", "privacy_audit", "MECHANISMS"]
@@ -301,29 +301,12 @@ def _support(priv, sum_value):
     return values, counts / n
 
 
-def _extremes_impl():
-    """A PRNG implementation whose ``random_bits`` are zero except the lowest bit of
-    the last word of entry 1: ``snapped_gaussian`` then draws its largest noise
-    (uniform 2^-98, positive sign) at entry 0 and its smallest at entry 1."""
-
-    def random_bits(key_data, bit_width, shape):
-        if bit_width != 32 or len(shape) != 2 or shape[0] != 5 or shape[1] != 2:
-            raise _NotEnumerable(f"draws {bit_width}-bit words of shape {shape}")
-        return jnp.zeros(shape, jnp.uint32).at[4, 1].set(1)
-
-    return _crafted_impl(random_bits, "dpmp_audit_extremes")
-
-
-def _grid_range(priv, sum_value):
-    """(smallest, largest) release of ``sum_value`` by a snapped stage: every grid
-    value between them is possible (the sampler's steps in z are far finer than
-    a cell, ``tests/test_noise.py``), nothing outside is."""
-    two = jnp.broadcast_to(sum_value, (2,))
-    state = priv.init(two)
-    key = jax.random.key(0, impl=_extremes_impl())
-    noisy, _ = jax.jit(priv.update)(two, _with_keys(state, key))
-    high, low = np.asarray(jax.tree.leaves(noisy)[0], np.float64)
-    return low, high
+def _grid_range(stddev: float, sum_value):
+    """(smallest, largest) release of ``sum_value`` (a length-1 vector) by dpmp's
+    snapped stage (``dpmp._src.noise.snap_extremes``, the draw of crafted random
+    words): every grid value between them is possible, nothing outside is."""
+    low, high = jax.jit(snap_extremes, static_argnums=1)(jnp.asarray(sum_value), stddev)
+    return float(np.asarray(low, np.float64)[0]), float(np.asarray(high, np.float64)[0])
 
 
 def _outside(values: np.ndarray, support_range, grid: float) -> np.ndarray:
@@ -361,7 +344,7 @@ def _possible_sets(priv, mechanism, policy, stddev, with_canary, without, y_d, y
     when the stage's outputs cannot be determined here."""
     if mechanism == "dpmp" and draws_snapped("snapped", policy):
         grid = snap_grid(stddev)
-        range_d, range_d_prime = (_grid_range(priv, v) for v in (with_canary, without))
+        range_d, range_d_prime = (_grid_range(stddev, v) for v in (with_canary, without))
         centre = float(with_canary[0])
         low, high = range_d_prime
         mass = float(

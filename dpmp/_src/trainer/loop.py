@@ -63,7 +63,12 @@ from dpmp._src.trainer.mesh import (
 from dpmp._src.trainer.plan import noise_plan
 from dpmp._src.trainer.pretrain import params_digest, pretrain
 from dpmp._src.trainer.resume import check_config, check_data, check_model, check_start
-from dpmp._src.trainer.step import PrivateStep, audit_summary, build_private_step
+from dpmp._src.trainer.step import (
+    PrivateStep,
+    audit_summary,
+    build_private_step,
+    check_step_memory,
+)
 
 __all__ = ["RunInterrupted", "train"]
 
@@ -251,6 +256,7 @@ def _train(
     )
     if fixed:
         _check_fixed_noise(config, step.budget)
+    step_bytes = check_step_memory(step)  # compiled now; the first step reuses it
     run = _Run(step, run_dir, data_fingerprint, start)
     if found is not None:
         check_model(found[0], run.signature, found[1])
@@ -260,6 +266,7 @@ def _train(
     for line in told:
         run_dir.log(line)
     _log_plan(run_dir, step)
+    run_dir.log(f"the compiled step needs {step_bytes / 2**20:,.1f} MiB per device")
     audit = audit_summary(step)
     verdict = {True: "ok", False: "VIOLATIONS", None: "error"}[audit["ok"]]
     run_dir.log(f"precision audit of the step: {verdict}")

@@ -7,9 +7,10 @@ With ``training.devices`` above 1 (or ``"all"``), every step's padded batch
     on each device (shard_map):  out   = private_grad(...)(params, its rows,
                                                        static scale, its padding)
                                  grads = psum(out.grads, "data")   # accumulate dtype
-    replicated (jit):            noise drawn once from the run's key (the same
-                                 value on every device), optax update,
-                                 loss scale adjusted from the global overflow count
+    noise (dpmp.NoiseSharding):  each device draws its part from the run's key
+                                 (the values one device would draw), gathered
+    replicated (jit):            optax update, loss scale adjusted from the
+                                 global overflow count
 
 Every device clips its own examples (``private_grad`` makes the replicated
 parameters vary over the axis, so no per-example gradient is summed across

@@ -21,11 +21,12 @@ so the compiled memory is set by the chunk, not by the logical batch.
 
 With ``training.devices`` above 1 the batch (or each chunk) is split over a
 data-parallel mesh (``dpmp._src.trainer.mesh``): each device clips its rows,
-the clipped sums are all-reduced in the accumulate dtype, and the noise, the
-update and the loss-scale decision run once, replicated::
+the clipped sums are all-reduced in the accumulate dtype, each device draws
+its part of the noise (``dpmp.NoiseSharding``: the same values as one device
+would draw), and the update and the loss-scale decision run replicated::
 
     acc      = psum over devices of private_grad(...)(params, rows, static scale, ...)
-    updates  = private_optimizer.update(acc, ...)    # the same draw on every device
+    updates  = private_optimizer.update(acc, ...)    # each device draws its part
     scale    = adjust_loss_scale(scale, overflow count of all devices)
 """
 
@@ -54,12 +55,13 @@ from dpmp._src.loss_scale import (
     StaticLossScale,
 )
 from dpmp._src.models import Model, count_bytes, count_params
-from dpmp._src.noise import private_optimizer
+from dpmp._src.noise import NoiseSharding, private_optimizer
 from dpmp._src.preprocess import FeatureStats, standardize
 from dpmp._src.private_loss_scale import PrivateDynamicLossScale
+from dpmp._src.sampling import MAX_TRUNCATION_PROB
 from dpmp._src.trainer.batches import feature_stats as compute_feature_stats
 from dpmp._src.trainer.batches import gather, make_sampler, physical_chunks
-from dpmp._src.trainer.mesh import RunMesh, make_mesh, shared_keys
+from dpmp._src.trainer.mesh import AXIS, RunMesh, make_mesh, shared_keys
 from dpmp._src.trainer.plan import NoisePlan, RunKeys, noise_plan, run_keys
 
 __all__ = [
@@ -68,7 +70,9 @@ __all__ = [
     "audit_step",
     "audit_summary",
     "build_private_step",
+    "check_step_memory",
     "privacy_audit_step",
+    "step_memory",
 ]
 
 # Sites every private step must show; all_reduce only exists on several devices.
@@ -106,6 +110,10 @@ class PrivateStep:
       mesh: the data-parallel ``RunMesh``, or None on one device.
       state_shardings: on a mesh, the sharding of every leaf of ``init_state``
         (replicated, or the parameters and their optimizer slots sharded).
+      chunks: with physical chunks, ``chunks(batch, is_padding_example)`` yields
+        ``chunk_fn``'s ``(chunk, is_padding)``; None without.
+      zeros: with physical chunks, ``zeros()`` is the empty sum ``chunk_fn``
+        starts from; None without.
     """
 
     step_fn: Callable
@@ -126,6 +134,8 @@ class PrivateStep:
     keys: RunKeys
     mesh: RunMesh | None = None
     state_shardings: Any = None
+    chunks: Callable | None = None
+    zeros: Callable | None = None
 
     def batch(self, sampled) -> tuple[Any, Any]:
         """The ``(batch, is_padding_example)`` arguments of ``step_fn`` for a sampled
@@ -192,12 +202,12 @@ def _step_batch(data: Dataset, sampled, mesh: RunMesh | None, chunk: int | None)
 
 
 def _step_functions(grad_fn, optimizer, mesh, specs, size, acc_shapes) -> tuple[Callable, ...]:
-    """``(step_fn, chunk_fn, apply_fn)``: one device or a mesh (its parameters
-    replicated, or sharded as ``specs`` say), the batch whole or in physical chunks
-    of ``size`` (``chunk_fn`` and ``apply_fn`` are None without chunks)."""
+    """``(step_fn, chunk_fn, apply_fn, chunks, zeros)``: one device or a mesh (its
+    parameters replicated, or sharded as ``specs`` say), the batch whole or in
+    physical chunks of ``size`` (the last four are None without chunks)."""
     sum_fn = _summed(grad_fn) if mesh is None else mesh.summed(grad_fn, specs)
     if size is None:
-        return _whole_step(sum_fn, optimizer), None, None
+        return _whole_step(sum_fn, optimizer), None, None, None, None
     if mesh is None:
         chunks = functools.partial(physical_chunks, size=size)
         shardings = None
@@ -208,7 +218,7 @@ def _step_functions(grad_fn, optimizer, mesh, specs, size, acc_shapes) -> tuple[
         lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), acc_shapes),
         out_shardings=shardings,
     )
-    return _chunked_step(sum_fn, optimizer, chunks, zeros)
+    return (*_chunked_step(sum_fn, optimizer, chunks, zeros), chunks, zeros)
 
 
 def _summed(grad_fn) -> Callable:
@@ -341,7 +351,12 @@ def build_private_step(
         params_shape = jax.eval_shape(model.init, init_key)
         _check_fits(config, params_shape, trainable=True, shards=shards)
     sampler = make_sampler(config, data.num_train, keys.sampler_seed, mesh.size if mesh else 1)
-    plan = noise_plan(config, num_train=data.num_train, params_shape=params_shape)
+    plan = noise_plan(
+        config,
+        num_train=data.num_train,
+        params_shape=params_shape,
+        truncation_probability=_truncation_bound(sampler),
+    )
     grad_fn = private_grad(
         model.loss_fn,
         l2_clip_norm=config.privacy.l2_clip_norm,
@@ -350,6 +365,7 @@ def build_private_step(
         allow_nonprivate_loss_scale=config.loss_scale.kind == "nonprivate_dynamic",
         method=config.privacy.clip_method,
     )
+    specs = mesh.param_specs(params_shape) if t.shard_params else None
     optimizer = private_optimizer(
         _make_optimizer(config),
         noise_multiplier=plan.noise_multiplier,
@@ -358,6 +374,8 @@ def build_private_step(
         prng_key=keys.noise,
         policy=policy,
         sampler=config.privacy.noise_sampler,
+        # on a mesh each device draws only its part of the noise (the same values)
+        sharding=None if mesh is None else NoiseSharding(mesh.mesh, AXIS, specs),
     )
     params = jax.jit(model.init)(init_key)
     init_state = {
@@ -365,7 +383,6 @@ def build_private_step(
         "opt_state": optimizer.init(params),
         "loss_scale": _make_loss_scale(config, keys.loss_scale),
     }
-    specs = mesh.param_specs(params_shape) if t.shard_params else None
     state_shardings = None
     if mesh is not None:
         state_shardings = mesh.state_shardings(init_state, specs)
@@ -376,7 +393,9 @@ def build_private_step(
     per_call = (size or len(first.indices)) // (mesh.size if mesh else 1)
     explained_batch = jax.tree.map(lambda v: jnp.asarray(v[:per_call]), gather(data, first)[0])
     acc_shapes = jax.eval_shape(lambda p, b: grad_fn(p, b).grads, params, explained_batch)
-    step_fn, chunk_fn, apply_fn = _step_functions(grad_fn, optimizer, mesh, specs, size, acc_shapes)
+    step_fn, chunk_fn, apply_fn, chunks, zeros = _step_functions(
+        grad_fn, optimizer, mesh, specs, size, acc_shapes
+    )
     batch, pad = jax.tree.map(jnp.asarray, _step_batch(data, first, mesh, size))
     example_args = (
         init_state["params"],
@@ -404,12 +423,95 @@ def build_private_step(
         keys=keys,
         mesh=mesh,
         state_shardings=state_shardings,
+        chunks=chunks,
+        zeros=zeros,
     )
 
 
-# What a trained parameter costs beside itself: its gradient sum, and the
-# optimizer's slots (Adam: two moments; momentum: one).
-_COPIES = {"adam": 4, "momentum": 3, "sgd": 2}
+def _truncation_bound(sampler) -> float:
+    """A bound on the sampler's truncation probability per step that does not
+    depend on how its padded size was rounded for the devices or chunks (so that
+    1 and 4 devices plan alike): the default bound its padded size was chosen for."""
+    if not sampler.poisson:
+        return 0.0
+    if sampler.truncation_probability > MAX_TRUNCATION_PROB:
+        raise ConfigError(
+            f"the Poisson sampler's padded size {sampler.padded_batch_size} truncates a step "
+            f"with probability {sampler.truncation_probability:.3g}, above "
+            f"{MAX_TRUNCATION_PROB:g}"
+        )
+    return MAX_TRUNCATION_PROB
+
+
+def _device_bytes(tree: Any) -> int:
+    """Bytes of ``tree``'s arrays on the first device that holds a part of them."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        if isinstance(a, jax.Array) and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            shards = a.addressable_shards
+            device = shards[0].device
+            total += sum(s.data.nbytes for s in shards if s.device == device)
+        else:
+            total += getattr(a, "nbytes", 0)
+    return total
+
+
+def _compiled_bytes(fn, *args) -> int:
+    """Arguments + outputs + temporaries - aliases of ``fn`` compiled for ``args``, on
+    one device (the compilation is cached: the step's first call reuses it)."""
+    m = fn.lower(*args).compile().memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def step_memory(step: PrivateStep) -> int:
+    """Bytes one device needs for one step of ``step``, from its compiled programs.
+
+    The whole step: its arguments, outputs and temporaries (clipping, the noise
+    stage, the optimizer). With physical chunks, the larger of a chunk's call and
+    the noise-and-update call, each with the state that stays on the device
+    beside it (the optimizer state during the chunks, the whole batch)."""
+    params, batch, pad, opt_state, scale = step.example_args
+    if step.chunk_fn is None:
+        return _compiled_bytes(step.step_fn, *step.example_args)
+    chunk, chunk_pad = next(iter(step.chunks(batch, pad)))
+    acc = step.zeros()
+    beside = _device_bytes((batch, pad))
+    chunk_call = _compiled_bytes(step.chunk_fn, params, chunk, chunk_pad, _static(scale), acc)
+    apply_call = _compiled_bytes(step.apply_fn, params, acc, opt_state, scale, jnp.int32(0))
+    return max(chunk_call + _device_bytes(opt_state), apply_call) + beside
+
+
+def check_step_memory(step: PrivateStep, limit: int | None = None) -> int:
+    """``step_memory(step)``, or a ``ConfigError`` in one line when it exceeds
+    ``limit`` (default: the first device's memory)."""
+    need = step_memory(step)
+    limit = _memory_bytes() if limit is None else limit
+    if need > limit:
+        t = step.config.training
+        knobs = (
+            "training.physical_batch_size"
+            if t.physical_batch_size
+            else "training.expected_batch_size or training.physical_batch_size"
+        )
+        raise ConfigError(
+            f"the private step needs {need / 2**30:,.2f} GiB per device (compiled: parameters, "
+            f"optimizer state, batch, clipping, noise and update) and this device has "
+            f"{limit / 2**30:,.2f} GiB; lower {knobs}, or the model's size"
+        )
+    return need
+
+
+# What a trained parameter costs in a step, itself included: its clipped (then
+# noisy) sum, the optimizer's slots (Adam: two moments; momentum: one), and the
+# step's new parameters and slots (its arguments are not donated). The noise
+# stage adds a bounded amount (dpmp._src.noise.SNAP_CHUNK), not a copy. A lower
+# bound from shapes alone; ``check_step_memory`` measures the compiled step.
+_COPIES = {"adam": 7, "momentum": 5, "sgd": 3}
 
 
 def _memory_bytes() -> int:
