@@ -121,6 +121,27 @@ def test_half_uniform_reaches_2_to_the_minus_77_with_relative_resolution():
             assert abs(z[1] - z[0]) < 1e-10
 
 
+def test_the_written_out_threefry_is_jaxs_primitive_bit_for_bit():
+    """The sampler's Threefry-2x32 (written out so that XLA:CPU fuses it) against
+    JAX's ``threefry2x32`` primitive on random keys and counters, and on the
+    Random123 known-answer vector for key and counter zero."""
+    from jax.extend.random import threefry2x32_p
+
+    from dpmp._src.noise import _threefry2x32
+
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        k = jnp.asarray(rng.integers(0, 2**32, 2, dtype=np.uint32))
+        x = jnp.asarray(rng.integers(0, 2**32, (2, 100_000), dtype=np.uint32))
+        ref = jax.jit(lambda k, x: threefry2x32_p.bind(k[0], k[1], x[0], x[1]))(k, x)
+        mine = jax.jit(lambda k, x: _threefry2x32(k[0], k[1], x[0], x[1]))(k, x)
+        for a, b in zip(ref, mine):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    zero = jnp.zeros(1, jnp.uint32)
+    out = _threefry2x32(zero[0], zero[0], zero, zero)
+    assert [int(w[0]) for w in out] == [0x6B200159, 0x99BA4EFE]  # Random123's kat_vectors
+
+
 def test_a_coordinates_noise_depends_on_its_index_alone():
     """The draw of a whole array equals the draw of any piece of it at the same
     indices, whatever the piece size: chunks (and mesh shards) change nothing."""
