@@ -1,6 +1,9 @@
 """The one-run audit of a whole run: its statistics against independent references,
 its end-to-end verdicts (slow), and the command's usage errors."""
 
+import json
+
+import jax
 import numpy as np
 import pytest
 import scipy.optimize
@@ -8,7 +11,13 @@ import scipy.special
 import scipy.stats
 from jax_privacy import auditing as jp_auditing
 
+from dpmp import cli
 from dpmp._src.audit_one_run import auc, epsilon_lower_bound, exact_gaussian_game, guess
+from dpmp._src.audit_run import _setup, _train, _zero_out, audit_run
+from dpmp._src.config import Config, ConfigError, load_config
+from dpmp._src.data import load_data
+from dpmp._src.sampling import SampledBatch
+from dpmp._src.trainer import step as step_module
 
 
 def _p_value(m, k, c, eps, delta):
@@ -150,3 +159,180 @@ def test_exact_game_without_privacy_and_with_pure_noise():
     assert loud.auc > 0.999 and loud.epsilon_median > 4
     quiet = exact_gaussian_game(noise_multiplier=1e3, sampling_prob=0.5, steps=10, **common)
     assert abs(quiet.auc - 0.5) < 0.02 and quiet.epsilon_median == 0.0
+
+
+# ---- the audit run: its data, its plan, zero-out ------------------------------------
+
+
+def test_audit_run_keeps_the_configs_noise_and_rate_on_n_plus_m_records():
+    config = Config()
+    base = load_data(config.data, config.training.seed)
+    setup = _setup(config, base, 100, seed=0)
+    own, step = setup.own, setup.step
+    n, records = base.num_train, base.num_train + 100
+    assert step.data.num_train == records and own.data.num_train == n
+    assert step.noise_multiplier == own.noise_multiplier and own.noise_calibrated
+    assert abs(step.sampling_prob - own.sampling_prob) <= 0.5 / records
+    assert step.config.training.steps == config.training.steps
+    np.testing.assert_array_equal(step.data.x_train[n:], setup.x)  # appended, in order
+    np.testing.assert_array_equal(step.data.y_train[n:], setup.y)
+    assert set(np.unique(setup.x)) == {-1.0, 1.0} and setup.y.max() < base.num_classes
+    assert 30 < setup.member.sum() < 70
+
+
+def test_zero_out_makes_excluded_records_padding():
+    sampled = SampledBatch(np.array([3, 7, 1, -1], np.int32), np.array([0, 0, 0, 1], bool))
+    out = np.zeros(8, bool)
+    out[7] = True
+    got = _zero_out(sampled, out)
+    np.testing.assert_array_equal(got.is_padding_example, [False, True, False, True])
+    np.testing.assert_array_equal(got.indices, sampled.indices)
+
+
+def test_excluded_canaries_contribute_nothing():
+    """Bit for bit: training with every canary out gives the same parameters
+    whatever the canaries are (same keys: reproducible noise and sampling), and
+    other parameters with them in."""
+    config = load_config(
+        None,
+        ["privacy.reproducible_noise=true", "training.steps=3", "model.hidden=[16]"],
+    )
+    base = load_data(config.data, config.training.seed)
+    setups = [_setup(config, base, 200, seed=seed) for seed in (0, 1)]
+    assert not np.array_equal(setups[0].x, setups[1].x)
+    out = np.zeros(base.num_train + 200, bool)
+    out[base.num_train :] = True
+    first, second = (jax.tree.leaves(_train(s.step, out, progress=False)) for s in setups)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    included = jax.tree.leaves(_train(setups[0].step, np.zeros_like(out), progress=False))
+    assert any(not np.array_equal(a, b) for a, b in zip(first, included))
+
+
+def test_audit_run_refuses_what_it_cannot_check():
+    with pytest.raises(ConfigError, match="privacy.sampling"):
+        audit_run(load_config(None, ['privacy.sampling="shuffle"']), progress=False)
+    with pytest.raises(ValueError, match="num_canaries"):
+        audit_run(num_canaries=5, progress=False)
+    with pytest.raises(ValueError, match="num_guesses"):
+        audit_run(num_canaries=100, num_guesses=101, progress=False)
+
+
+# ---- the command: usage errors ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["--run", "--privacy"], ["--run and --privacy"]),
+        (["--releases", "1000"], ["--releases", "--privacy only"]),
+        (["--run", "--releases", "1000"], ["--releases", "--privacy only"]),
+        (["--canaries", "100"], ["--canaries", "--run only"]),
+        (["--privacy", "--guesses", "10"], ["--guesses", "--run only"]),
+        (["--out", "x"], ["--out", "--run only"]),
+        (["--quiet"], ["--quiet", "--run only"]),
+        (["--run", "--canaries", "100", "--guesses", "101"], ["--guesses", "101", "100"]),
+        (["--run", "--guesses", "1001"], ["--guesses", "1001", "1000 canaries"]),
+        (["--run", "--out", __file__], ["--out", "not a directory"]),
+        (["--run", "--set", 'privacy.sampling="shuffle"'], ["privacy.sampling", "poisson"]),
+        (["--run", "--set", "training.stepz=3"], ["unknown key training.stepz"]),
+    ],
+)
+def test_audit_run_usage_errors_exit_2_with_one_line(argv, needles, capsys):
+    assert cli.main(["audit", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("dpmp audit: error: ") and "Traceback" not in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--run", "--canaries", "5"], "--canaries"),
+        (["--run", "--canaries", "many"], "--canaries"),
+        (["--run", "--guesses", "0"], "--guesses"),
+    ],
+)
+def test_audit_run_bad_numbers_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["audit", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+# ---- end to end (slow) ---------------------------------------------------------------
+
+# A config whose canaries the black-box score reads almost as well as the optimal
+# test reads the exact mechanism: 2,048 independent features and 10 classes keep the
+# 1,000 canaries' gradients nearly orthogonal (in the digits' 64 pixels they
+# interfere, which caps what one run can show), a linear model with a small
+# learning rate does not saturate on the canaries it fits, and float32 keeps the
+# small loss changes. 200 steps at q = 0.32; about 15 s per audit on 2 CPU cores.
+WIDE = [
+    *("--set", 'model.kind="linear"', "--set", "model.hidden=[]", "--set", 'policy="fp32"'),
+    *("--set", "training.steps=200", "--set", "training.expected_batch_size=64"),
+    *("--set", "training.learning_rate=1e-4"),
+]
+
+
+def _wide_data(path, d=2048, classes=10, n=200):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2 * n, d)).astype(np.float32)
+    y = np.argmax(x @ rng.normal(size=(d, classes)), 1).astype(np.int32)
+    np.savez(path, x=x[:n], y=y[:n], x_test=x[n:], y_test=y[n:])
+    return str(path)
+
+
+def _audit_json(capsys, *argv):
+    status = cli.main(["audit", "--run", "--quiet", "--json", *argv])
+    return status, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_claim_10_shows_leakage_that_claim_2_does_not(tmp_path, capsys):
+    data = _wide_data(tmp_path / "wide.npz")
+    status, high = _audit_json(capsys, "--data", data, *WIDE, "--set", "privacy.target_epsilon=10")
+    assert status == 0 and high["ok"], high
+    assert 9 < high["epsilon_claimed"] <= 10
+    assert high["epsilon_lower"] > 2, high
+    out = tmp_path / "audit"
+    status, low = _audit_json(
+        capsys, "--data", data, *WIDE, "--set", "privacy.target_epsilon=2", "--out", str(out)
+    )
+    assert status == 0 and low["ok"], low
+    assert low["epsilon_claimed"] <= 2 and low["epsilon_lower"] <= 2
+    assert low["epsilon_lower"] < high["epsilon_lower"]
+    assert low["epsilon_gaussian"] < high["epsilon_gaussian"]
+    assert json.loads((out / "audit.json").read_text()) == low
+    with np.load(out / "canaries.npz") as saved:
+        assert saved["member"].sum() == low["num_in"] and saved["scores"].shape == (1000,)
+
+
+@pytest.mark.slow
+def test_a_step_with_less_noise_than_claimed_is_caught(tmp_path, capsys, monkeypatch):
+    """The trainer's optimizer made to add a tenth of the noise it is given: the
+    accountant still claims epsilon 2; the audit's lower bound exceeds it, exit 1."""
+    real = step_module.private_optimizer
+
+    def leaky(*args, noise_multiplier, **kwargs):
+        return real(*args, noise_multiplier=noise_multiplier / 10, **kwargs)
+
+    monkeypatch.setattr(step_module, "private_optimizer", leaky)
+    data = _wide_data(tmp_path / "wide.npz")
+    status, report = _audit_json(capsys, "--data", data, *WIDE, "--set", "privacy.target_epsilon=2")
+    assert status == 1 and not report["ok"], report
+    assert report["epsilon_lower"] > report["epsilon_claimed"]
+    assert report["verdict"].startswith("LEAKS")
+
+
+@pytest.mark.slow
+def test_default_config_audit(capsys):
+    """``dpmp audit --run`` with no config: the digits MLP at epsilon 2, 1,000 canaries."""
+    assert cli.main(["audit", "--run", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    for row in ("claimed epsilon", "epsilon lower bound", "exact Gaussian", "attack AUC"):
+        assert row in text
+    assert "verdict              OK" in text
