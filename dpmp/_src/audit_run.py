@@ -10,8 +10,8 @@ The audit run::
 
     base     = the config's training data (n records), test split unchanged
     canaries = m inputs of the data's shape, every feature +1 or -1 at random,
-               each with a random label: far from any real input, and
-               mislabelled, so that training on one moves its loss
+               each with a random label: far from any real input, so that
+               training on one moves its loss
     S        = m secret fair coins from the OS entropy: canary i is in iff S_i
     data     = base + all m canaries: N = n + m records, a public number
     run      = the config's trainer step (clipping, noise, optimizer, loss
@@ -19,7 +19,10 @@ The audit run::
                Poisson sampling every record with q' = E / N, E =
                round(q N), q = the config's rate; a sampled canary that is
                out is a padding slot of the batch: it contributes nothing
-               (a null record: the zero-out neighbours dpmp's accountant covers)
+               (a null record: the zero-out neighbours dpmp's accountant covers);
+               ``train``'s loop wraps the same two calls (``step.batch``,
+               ``step.step_fn``) in checkpoints, evaluation and logs, and has
+               no way to zero a record out
     sigma    = the config's noise multiplier, calibrated as `dpmp train`
                calibrates it on the n records (or as given)
     score_i  = loss(theta_0; canary i) - loss(theta_T; canary i), from the
@@ -31,8 +34,8 @@ The claim is what the accountant says of this very run, per canary: epsilon
 at the config's delta of ``steps`` Poisson-subsampled Gaussian steps with
 noise multiplier sigma and rate q' (with the noised overflow counts of a
 private dynamic loss scale and the snapped noise's residual, as the trainer
-accounts them). q' differs from q by less than 1/(2N) relative (E is an
-integer); the report gives both epsilons. A private standardisation is
+accounts them). q' differs from q by at most 1/(2N) (E is an integer); the
+report gives both epsilons. A private standardisation is
 computed from the n records without the canaries, so its cost is not part of
 the claim. Everything the canaries' membership could change -- N, E, q', the
 batch shape, the normalisation by E -- is the same whichever canaries are in.
@@ -44,10 +47,11 @@ What it publishes: the report's numbers are computed from the audit's own
 model, trained on your training records plus the canaries by the same
 mechanism as a run of the config. With respect to your records the audit is a
 second run: its numbers (and ``--out``'s files) are ``(epsilon, delta)``-DP
-for them at the claimed epsilon, which composes with every other release of
-the same records; on public data (the default digits) they disclose nothing
-private. The canaries' membership ``S`` is the audit's own secret, revealed
-in ``--out`` only once the audit is over.
+for them at the claimed epsilon (plus a private standardisation's cost, when
+there is one), which composes with every other release of the same records;
+on public data (the default digits) they disclose nothing private. The
+canaries' membership ``S`` is the audit's own secret, revealed in ``--out``
+only once the audit is over.
 
 What the audit cannot see: it scores the final model only (black box), so
 its bound is a lower bound that a weak attack keeps low; canaries that share
