@@ -31,14 +31,16 @@ The audit run::
     bound    = the largest epsilon the correct guesses reject at 5%
 
 The claim is what the accountant says of this very run, per canary: epsilon
-at the config's delta of ``steps`` Poisson-subsampled Gaussian steps with
-noise multiplier sigma and rate q' (with the noised overflow counts of a
-private dynamic loss scale and the snapped noise's residual, as the trainer
-accounts them). q' differs from q by at most 1/(2N) (E is an integer); the
-report gives both epsilons. A private standardisation is
-computed from the n records without the canaries, so its cost is not part of
-the claim. Everything the canaries' membership could change -- N, E, q', the
-batch shape, the normalisation by E -- is the same whichever canaries are in.
+at the config's delta (a part of which the trainer's accountant reserves for
+a truncated Poisson sample, as in any run) of ``steps`` Poisson-subsampled
+Gaussian steps with noise multiplier sigma and rate q' (with the noised
+overflow counts of a private dynamic loss scale and the snapped noise's
+residual, as the trainer accounts them). q' differs from q by at most 1/(2N)
+(E is an integer); the report gives both epsilons. A private standardisation
+is computed from the n records without the canaries, so its cost is not part
+of the claim. Everything the canaries' membership could change -- N, E, q',
+the batch shape, the normalisation by E -- is the same whichever canaries
+are in.
 
 Exit status of the command: 1 when the lower bound exceeds the claim (the run
 leaks more than the accountant says, at 95% confidence), 0 otherwise.
@@ -320,7 +322,7 @@ def _epsilon(step: PrivateStep, sampling_prob: float, *, preprocessing: bool) ->
         noise_multiplier=step.noise_multiplier,
         sampling_prob=sampling_prob,
         steps=step.config.training.steps,
-        delta=p.delta,
+        delta=b.delta,  # privacy.delta less what a truncated Poisson sample may take
         accountant=p.accountant,
         count_noise_stddev=step.count_noise_stddev,
         count_every=1,
