@@ -23,6 +23,8 @@ _PUBLIC = {
     "numeric_audit": ("dpmp._src.audit_numeric", "numeric_audit"),
     "PrivacyAuditReport": ("dpmp._src.audit_privacy", "PrivacyAuditReport"),
     "privacy_audit": ("dpmp._src.audit_privacy", "privacy_audit"),
+    "RunAuditReport": ("dpmp._src.audit_run", "RunAuditReport"),
+    "audit_run": ("dpmp._src.audit_run", "audit_run"),
     "cast_function": ("dpmp._src.casting", "cast_function"),
     "cast_tree": ("dpmp._src.casting", "cast_tree"),
     "force_full_precision": ("dpmp._src.casting", "force_full_precision"),
@@ -72,6 +74,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from dpmp._src.audit_numeric import numeric_audit as numeric_audit
     from dpmp._src.audit_privacy import PrivacyAuditReport as PrivacyAuditReport
     from dpmp._src.audit_privacy import privacy_audit as privacy_audit
+    from dpmp._src.audit_run import RunAuditReport as RunAuditReport
+    from dpmp._src.audit_run import audit_run as audit_run
     from dpmp._src.casting import cast_function as cast_function
     from dpmp._src.casting import cast_tree as cast_tree
     from dpmp._src.casting import force_full_precision as force_full_precision
@@ -143,6 +147,8 @@ __all__ = [
     "numeric_audit",
     "privacy_audit",
     "PrivacyAuditReport",
+    "audit_run",
+    "RunAuditReport",
     "DynamicLossScale",
     "NoOpLossScale",
     "NoiseSharding",

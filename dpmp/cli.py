@@ -211,8 +211,12 @@ def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
 def _cmd_audit(args) -> int:
     from dpmp._src.trainer import audit_step, privacy_audit_step
 
+    _check_audit_options(args)
+    if args.run:
+        return _audit_run(args)
     if args.privacy:
-        report = privacy_audit_step(_load(args), num_releases=args.releases)
+        releases = 1_000_000 if args.releases is None else args.releases
+        report = privacy_audit_step(_load(args), num_releases=releases)
         if args.json:
             print(json.dumps(report.to_dict(), indent=2))
         else:
@@ -223,6 +227,66 @@ def _cmd_audit(args) -> int:
         print(report.to_json())
     else:
         print(report)
+    return 0 if report.ok else 1
+
+
+# The options of one kind of audit, refused with another (option, attribute).
+_RUN_OPTIONS = (
+    ("--canaries", "canaries"),
+    ("--guesses", "guesses"),
+    ("--out", "out"),
+    ("--quiet", "quiet"),
+)
+
+
+def _check_audit_options(args) -> None:
+    """Usage errors of ``dpmp audit``: options of one audit given to another."""
+    if args.run and args.privacy:
+        raise _UsageError(
+            "--run and --privacy: choose one (a whole run with canaries, or one step's noise)"
+        )
+    if args.releases is not None and not args.privacy:
+        raise _UsageError("--releases: applies to --privacy only")
+    if not args.run:
+        for option, name in _RUN_OPTIONS:
+            if getattr(args, name) not in (None, False):
+                raise _UsageError(f"{option}: applies to --run only")
+        return
+    if args.guesses is not None:
+        canaries = args.canaries or _default_canaries()
+        if args.guesses > canaries:
+            raise _UsageError(
+                f"--guesses: {args.guesses} exceeds the {canaries} canaries (--canaries)"
+            )
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise _UsageError(f"--out: {args.out!r} exists and is not a directory")
+
+
+def _default_canaries() -> int:
+    from dpmp._src.audit_run import DEFAULT_CANARIES
+
+    return DEFAULT_CANARIES
+
+
+def _audit_run(args) -> int:
+    """``dpmp audit --run``: one training with canaries, its epsilon lower bound."""
+    from dpmp._src.audit_run import audit_run
+
+    report = audit_run(
+        _load(args),
+        num_canaries=args.canaries or _default_canaries(),
+        num_guesses=args.guesses,
+        progress=not args.quiet,
+        out_dir=args.out,
+    )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report)
+        if args.out is not None:
+            print(
+                f"audit files: {Path(args.out) / 'audit.json'}, {Path(args.out) / 'canaries.npz'}"
+            )
     return 0 if report.ok else 1
 
 
@@ -405,10 +469,11 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "audit",
-        help="audit the precision of a config's private step",
+        help="audit a config: its step's precision, its noise, or a whole run's privacy",
         description="Trace the private step a config would train with and report, for "
         "every batch reduction, norm, all-reduce, noise sample, noise addition and "
-        "update, the dtype it runs in. Exit status 1 on a violation.",
+        "update, the dtype it runs in. Exit status 1 on a violation. With --privacy, "
+        "the empirical audit of one step's noise; with --run, of a whole training run.",
     )
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -422,9 +487,40 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--releases",
         type=_integer(100),
-        default=1_000_000,
+        default=None,
         help="noisy releases per dataset for --privacy (default 1,000,000)",
     )
+    r = p.add_argument_group(
+        "a whole run (--run)",
+        "Train the config once with canaries (Steinke, Nasr & Jagielski 2023, one-run "
+        "audit) and print a 95% lower bound on epsilon beside the claimed epsilon and "
+        "beside what the same audit gives on the exact Gaussian mechanism. Exit status "
+        "1 when the lower bound exceeds the claim. The audit's numbers come from a model "
+        "trained on the config's data: they are as private as a run of it.",
+    )
+    r.add_argument(
+        "--run",
+        action="store_true",
+        help="audit one training run of the config with canaries",
+    )
+    r.add_argument(
+        "--canaries",
+        type=_integer(10),
+        metavar="M",
+        help="canaries, each in the training set with probability 1/2 (default 1,000)",
+    )
+    r.add_argument(
+        "--guesses",
+        type=_integer(1),
+        metavar="K",
+        help="guesses: K/2 'in' on the highest scores, the rest 'out' on the lowest (default M/5)",
+    )
+    r.add_argument(
+        "--out",
+        metavar="DIR",
+        help="also write DIR/audit.json and DIR/canaries.npz (inputs, labels, membership, scores)",
+    )
+    r.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=_cmd_audit)
 
     p = sub.add_parser(
@@ -499,7 +595,7 @@ def _parser() -> argparse.ArgumentParser:
 # What each command imports, loaded up front with Ctrl-C held (see _import_all).
 _IMPORTS = {
     "train": ("jax", "dpmp._src.trainer", "dpmp._src.release", "dpmp._src.plots", "matplotlib"),
-    "audit": ("jax", "dpmp._src.trainer", "dpmp._src.audit"),
+    "audit": ("jax", "dpmp._src.trainer", "dpmp._src.audit", "dpmp._src.audit_run"),
     "budget": ("dpmp._src.accounting",),
     "compare": ("jax", "dpmp._src.trainer.compare"),
     "report": ("dpmp._src.release", "dpmp._src.plots", "matplotlib"),
