@@ -43,3 +43,58 @@ def test_readme_benchmark_rows_are_the_committed_results(name):
         f"README.md's table for benchmarks/results/{name} does not match the file; "
         "expected rows:\n" + "\n".join(missing)
     )
+
+
+NOISE = RESULTS / "cpu_2core_noise.json"
+
+
+def noise_rows(data: dict) -> list[str]:
+    """The README's rows for benchmarks/noise.py's results."""
+    rows = [
+        "| coordinates | plain (float32 `jax.random.normal`) | snapped (default) | time ratio |",
+        "|---|---|---|---|",
+    ]
+    for r in data["noise_stage"]:
+        ns, b = r["ns_per_coordinate"], r["temp_bytes_per_coordinate"]
+        cells = [f"{ns[k]:.1f} ns, {b[k]:.1f} B temp per coordinate" for k in ("plain", "snapped")]
+        rows.append(f"| {r['size']:,} | {cells[0]} | {cells[1]} | {r['time_ratio']:.2f}x |")
+    rows += [
+        "",
+        "| MLP, bf16, batch 64 (compiled, not run) | non-private step (`jax.grad`, Adam) "
+        "| private step (ghost clipping, snapped noise, Adam) | ratio |",
+        "|---|---|---|---|",
+    ]
+    for r in data["step_memory"]:
+        m = r["memory"]
+        rows.append(
+            f"| {r['params']:,} parameters | {m['nonprivate']['total'] / 2**20:,.1f} MiB "
+            f"| {m['private']['total'] / 2**20:,.1f} MiB | {r['ratio']:.2f}x |"
+        )
+    steps = sorted({r["steps"] for r in data["residual"]})
+    rows += [
+        "",
+        "| epsilon added (RDP, q 0.01, sigma 1, delta 1e-5; summing every cell's bound "
+        "instead) | " + " | ".join(f"{s:,} steps" for s in steps) + " |",
+        "|---" * (len(steps) + 1) + "|",
+    ]
+    by_params: dict[int, dict[int, dict]] = {}
+    for r in data["residual"]:
+        by_params.setdefault(r["params"], {})[r["steps"]] = r
+    for params, row in by_params.items():
+        cells = [f"{row[s]['residual']:.2g} ({row[s]['summed_cells_bound']:.3g})" for s in steps]
+        rows.append(f"| {params:,} parameters | " + " | ".join(cells) + " |")
+    s = data["private_step"]
+    rows += [
+        "",
+        f"The default run's private step: {1e3 * s['seconds']['plain']:.2f} ms with plain "
+        f"noise, {1e3 * s['seconds']['snapped']:.2f} ms snapped ({s['time_ratio']:.2f}x).",
+    ]
+    return rows
+
+
+def test_readme_noise_figures_are_the_committed_results():
+    text = README.read_text()
+    missing = [row for row in noise_rows(json.loads(NOISE.read_text())) if row not in text]
+    assert not missing, (
+        "README.md's noise tables do not match " + str(NOISE) + ":\n" + "\n".join(missing)
+    )
