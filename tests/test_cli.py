@@ -487,6 +487,18 @@ def test_a_fixed_noise_multiplier_too_small_is_refused_before_training(capsys, t
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_a_noise_multiplier_too_small_for_the_snapped_noise_names_the_setting(capsys, tmp_path):
+    """sigma 0.1: the chance that some coordinate lands beyond the sampler's reach
+    exceeds delta. The line names the setting and a value that fits (it said
+    "noised_coordinates: the noise residual's tail delta 8.93e+24 ...")."""
+    argv = ["train", "--out", str(tmp_path), "--set", "privacy.noise_multiplier=0.1"]
+    assert cli.main(argv) == 2
+    assert_one_line_error(
+        capsys, "train", "privacy.noise_multiplier: 0.1 is too small", "(about 0.3", "privacy.delta"
+    )
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_a_fixed_noise_multiplier_too_small_is_refused_before_pre_training(capsys, tmp_path):
     """With a [pretrain] section the refusal comes before the public pre-training
     (checked on exact Gaussian noise, which the snapped residual only adds to),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
+import re
 import signal
 import sys
 import threading
@@ -338,7 +339,17 @@ def _check_fixed_noise(config: Config, budget: accounting.PrivacyBudget) -> None
     a sigma refused there is refused after it too, and nothing is pre-trained
     for a run that cannot start."""
     p, steps = config.privacy, config.training.steps
-    fits = accounting.BudgetTracker(budget).remaining_steps(steps)
+    try:
+        fits = accounting.BudgetTracker(budget).remaining_steps(steps)
+    except ValueError as e:  # the snapped noise's tail does not fit in delta
+        hint = re.search(r"\(about [0-9.e+-]+ or more\)", str(e))
+        raise ConfigError(
+            f"privacy.noise_multiplier: {budget.noise_multiplier:g} is too small for the "
+            f"snapped noise at privacy.delta = {p.delta:g} over {steps} steps: some noised "
+            "coordinate would likely land beyond the sampler's reach; raise it"
+            + (f" {hint.group(0)}" if hint else "")
+            + ", raise privacy.delta, or leave it unset to calibrate it"
+        ) from None
     if fits < steps:
         raise ConfigError(
             f"privacy.noise_multiplier: {budget.noise_multiplier:g} spends target epsilon "
