@@ -175,3 +175,21 @@ def test_memory_check_reads_the_compiled_step_and_refuses_what_does_not_fit(step
     assert check_step_memory(chunked, limit=part) == part
     with pytest.raises(ConfigError, match=r"needs .* GiB per device .* lower training.physical"):
         check_step_memory(chunked, limit=part - 1)
+
+
+@pytest.mark.parametrize("target", [2.0, 30.0])
+def test_a_truncated_poisson_sample_takes_a_thousandth_of_delta_at_most(digits, target):
+    """The padded size is chosen for the epsilon target: its truncation bound,
+    steps x p x (1 + e^epsilon), is reserved from privacy.delta and stays within
+    a thousandth of it (at epsilon 30 the per-step probability is ~3e-24, where
+    the old fixed 1e-12 bound would have been 1e4 times delta)."""
+    from scipy import stats
+
+    config = load_config(None, [f"privacy.target_epsilon={target}", "training.steps=300"])
+    step = build_private_step(config, digits)
+    s, delta = step.sampler, config.privacy.delta
+    # the sampler's truncation probability, recomputed from the binomial
+    p = stats.binom.sf(s.padded_batch_size, s.num_examples + 1, s.sampling_prob)
+    assert p == pytest.approx(s.truncation_probability)
+    assert 300 * p * (1 + np.exp(target)) <= step.plan.truncation_delta <= 1e-3 * delta
+    assert step.budget.delta == pytest.approx(delta - step.plan.truncation_delta)

@@ -185,13 +185,15 @@ class PoissonSampler:
 
     # A neighbouring dataset may have one more example: size for n + 1.
     def _default_padded_size(self, tail: float) -> int:
+        """The smallest size whose truncation probability is at most ``tail``: a
+        bisection on the binomial tail (``binom.sf`` stays accurate down to 1e-300;
+        ``binom.isf`` returns n below about 1e-17)."""
         n, q = self.num_examples + 1, self.sampling_prob
-        size = int(stats.binom.isf(tail, n, q))
-        while size > 0 and stats.binom.sf(size - 1, n, q) <= tail:
-            size -= 1
-        while stats.binom.sf(size, n, q) > tail:
-            size += 1
-        return max(size, 1)
+        low, high = -1, n  # sf(n) = 0 <= tail
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if stats.binom.sf(mid, n, q) <= tail else (mid, high)
+        return max(high, 1)
 
     @property
     def expected_batch_size(self) -> float:

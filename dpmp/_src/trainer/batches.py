@@ -23,6 +23,7 @@ from dpmp._src.config import Config, ConfigError
 from dpmp._src.data import Dataset
 from dpmp._src.preprocess import FeatureStats, exact_feature_stats, private_feature_stats
 from dpmp._src.sampling import PoissonSampler, ShuffledSampler
+from dpmp._src.trainer.plan import max_truncation_prob
 
 __all__ = [
     "chunk_size",
@@ -69,7 +70,10 @@ def make_sampler(config: Config, num_train: int, seed: int, devices: int = 1):
                 f"per step do not split into batches of {unit}"
             )
         return ShuffledSampler(num_train, t.expected_batch_size, seed=seed, num_steps=t.steps)
-    sampler = PoissonSampler(num_train, t.expected_batch_size, seed=seed, num_steps=t.steps)
+    tail = max_truncation_prob(config)
+    sampler = PoissonSampler(
+        num_train, t.expected_batch_size, seed=seed, num_steps=t.steps, max_truncation_prob=tail
+    )
     if unit and sampler.padded_batch_size % unit:
         padded = -(-sampler.padded_batch_size // unit) * unit
         sampler = PoissonSampler(

@@ -25,11 +25,13 @@ from dpmp._src.config import Config, ConfigError
 from dpmp._src.entropy import fresh_key, fresh_seed
 from dpmp._src.noise import draws_snapped
 from dpmp._src.preprocess import release_noise_multiplier
+from dpmp._src.sampling import MAX_TRUNCATION_PROB
 
 __all__ = [
     "NoisePlan",
     "RunKeys",
     "count_noise_stddev",
+    "max_truncation_prob",
     "noise_plan",
     "run_keys",
     "truncation_delta",
@@ -79,6 +81,21 @@ def _noised_coordinates(config: Config, policy, params_shape) -> int | None:
     if params_shape is None or not draws_snapped(config.privacy.noise_sampler, policy):
         return None
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params_shape))
+
+
+# The share of privacy.delta a truncated Poisson sample may take: the padded
+# batch size is chosen for it (a larger epsilon target needs a rarer truncation).
+TRUNCATION_DELTA_SHARE = 1e-3
+
+
+def max_truncation_prob(config: Config) -> float:
+    """The truncation probability per step the Poisson sampler's padded size must
+    not exceed: at most ``MAX_TRUNCATION_PROB`` (1e-12), and small enough that
+    ``truncation_delta`` stays within ``TRUNCATION_DELTA_SHARE`` of ``privacy.delta``
+    whatever the epsilon target (its bound carries a factor e^epsilon)."""
+    p, steps = config.privacy, config.training.steps
+    spread = steps * (1.0 + math.exp(min(p.target_epsilon, 700.0)))
+    return min(MAX_TRUNCATION_PROB, TRUNCATION_DELTA_SHARE * p.delta / spread)
 
 
 def truncation_delta(config: Config, truncation_probability: float) -> float:

@@ -58,11 +58,10 @@ from dpmp._src.models import Model, count_bytes, count_params
 from dpmp._src.noise import NoiseSharding, private_optimizer
 from dpmp._src.preprocess import FeatureStats, standardize
 from dpmp._src.private_loss_scale import PrivateDynamicLossScale
-from dpmp._src.sampling import MAX_TRUNCATION_PROB
 from dpmp._src.trainer.batches import feature_stats as compute_feature_stats
 from dpmp._src.trainer.batches import gather, make_sampler, physical_chunks
 from dpmp._src.trainer.mesh import AXIS, RunMesh, make_mesh, shared_keys
-from dpmp._src.trainer.plan import NoisePlan, RunKeys, noise_plan, run_keys
+from dpmp._src.trainer.plan import NoisePlan, RunKeys, max_truncation_prob, noise_plan, run_keys
 
 __all__ = [
     "AUDIT_EXPECT",
@@ -355,7 +354,7 @@ def build_private_step(
         config,
         num_train=data.num_train,
         params_shape=params_shape,
-        truncation_probability=_truncation_bound(sampler),
+        truncation_probability=_truncation_bound(config, sampler),
     )
     grad_fn = private_grad(
         model.loss_fn,
@@ -428,19 +427,19 @@ def build_private_step(
     )
 
 
-def _truncation_bound(sampler) -> float:
+def _truncation_bound(config: Config, sampler) -> float:
     """A bound on the sampler's truncation probability per step that does not
     depend on how its padded size was rounded for the devices or chunks (so that
-    1 and 4 devices plan alike): the default bound its padded size was chosen for."""
+    1 and 4 devices plan alike): the bound its padded size was chosen for."""
     if not sampler.poisson:
         return 0.0
-    if sampler.truncation_probability > MAX_TRUNCATION_PROB:
+    bound = max_truncation_prob(config)
+    if sampler.truncation_probability > bound:
         raise ConfigError(
             f"the Poisson sampler's padded size {sampler.padded_batch_size} truncates a step "
-            f"with probability {sampler.truncation_probability:.3g}, above "
-            f"{MAX_TRUNCATION_PROB:g}"
+            f"with probability {sampler.truncation_probability:.3g}, above {bound:.3g}"
         )
-    return MAX_TRUNCATION_PROB
+    return bound
 
 
 def _device_bytes(tree: Any) -> int:
