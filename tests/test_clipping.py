@@ -489,3 +489,20 @@ def test_clipped_sum_is_within_its_stated_rounding_of_a_float64_sum(policy, meth
         magnitude = np.repeat(np.abs(rounded[~pad]).sum(0)[:, None], width, axis=1).ravel()
         slack = 2 * n * 2.0**-53 * magnitude  # the float64 accumulation
         assert (np.abs(got - ref) <= 2.0**-24 * np.abs(ref) + slack).all()
+
+
+@pytest.mark.parametrize("microbatch_size", [None, 37])
+def test_float64_sums_read_the_examples_in_chunks_with_a_remainder(monkeypatch, microbatch_size):
+    """Per-example gradients are reduced in float64 a chunk of examples at a time (2
+    here: 74 examples are 37 chunks, a microbatch of 37 is 18 and a remainder of one):
+    the same clipped sum and the same statistics as the float64 reference."""
+    from dpmp._src import clipping as clipping_lib
+
+    monkeypatch.setattr(clipping_lib, "_CHUNK_BYTES", 1)
+    batch = classification_batch(74)
+    out = run("fp32", batch, clip=0.5, method="vmap", microbatch_size=microbatch_size)
+    ref, norms = clipped_sum_f64(per_example_grads_f64(mlp_loss, mlp_init(), batch), 0.5)
+    assert np.linalg.norm(flat(out.grads) - ref) <= 1e-6 * np.linalg.norm(ref)
+    assert int(out.stats.num_clipped) == int((norms > 0.5).sum())
+    np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=1e-6)
+    np.testing.assert_allclose(float(out.stats.norm_median), np.median(norms), rtol=1e-6)
