@@ -50,8 +50,9 @@ Formal guarantees (add/remove-one adjacency; replace-one doubles the bound):
     parts=M)``, floating-point rounding included, for any summation order XLA
     picks. A floating-point sum is not exact: with other records crafted to
     round away against the running sum, removing one record clipped to C moved
-    a float32 sum of 512 examples by 1.0007 C (ghost clipping, XLA:CPU; see
-    tests/test_clipping.py), and Casacuberta et al. 2022 ("Widespread
+    a float32 sum of 512 examples by 1.00034 C (ghost clipping, XLA:CPU, the
+    records of tests/test_clipping.py; 1.00066 C with a small record in every
+    row), and Casacuberta et al. 2022 ("Widespread
     underestimation of sensitivity in differentially private libraries")
     found this across DP libraries. With
     Higham's bound ``|fl(sum) - sum| <= gamma_(N-1) sum |x_i|`` per coordinate
@@ -62,11 +63,11 @@ Formal guarantees (add/remove-one adjacency; replace-one doubles the bound):
     float64, so ``E`` is the one rounding to float32 (``u n B``) plus
     ``gamma64_(n (T + 1)) K n B`` (negligible) plus ``gamma32_(M-1) n B`` for M
     float32 partial sums added up later (chunks, devices): ``sensitivity ~ C
-    (1 + 2 (M + 1) n 2^-24)``, 1.00003 C for n = 256. With
+    (1 + 2 M n 2^-24)``, 1.00003 C for n = 256 and M = 1. With
     ``accumulation="policy"`` the sums accumulate in float32 and ``E`` is
     Higham's ``gamma32_(n (T + 1)) K n B``: about ``C (1 + 4 n^2 2^-24)`` with
     per-example gradients (1.06 C at n = 512), useless for ghost layers with
-    many tokens (``K`` ~ 68): see :meth:`PrivateGradFn.sensitivity`;
+    many tokens (``K`` >= 64): see :meth:`PrivateGradFn.sensitivity`;
   * padding and non-finite examples contribute exactly zero;
   * ``stats`` are per-batch functions of private data, for monitoring only —
     except ``noised_overflow_count``, which is a privatized release accounted
@@ -284,9 +285,9 @@ class PrivateGradFn:
         has been traced or explained for: with ``method`` "auto" or "ghost",
         call ``g.explain(params, *batch)`` (or ``g`` itself) first.
 
-        With the default float64 accumulation, ``sensitivity ~ C (1 + 2 (M + 1) n
+        With the default float64 accumulation, ``sensitivity ~ C (1 + 2 M n
         u32)``: 1.00003 C at n = 256, 1.0005 C at n = 4096 (M = 1). With
-        ``accumulation="policy"`` (float32) it is ``~ C (1 + 4 K n^2 (T + 1) u32)``.
+        ``accumulation="policy"`` (float32) it is ``~ C (1 + 2 K n^2 (T + 1) u32)``.
         """
         rel = dp_accounting.NeighboringRelation
         if neighboring_relation not in (
