@@ -103,10 +103,13 @@ def main(steps: int) -> float:
     )
 
     grad_fn = dpmp.private_grad(loss_fn, l2_clip_norm=CLIP, policy=POLICY)
+    # The noise is for the sum's sensitivity as computed: C plus a bound on its
+    # rounding, from the padded batch size and the layers' shapes (explain reads them).
+    grad_fn.explain(params, {"x": x_train[:1], "y": y_train[:1]})
     optimizer = dpmp.private_optimizer(  # no prng_key: a secret noise key from the OS
         optax.adam(LEARNING_RATE),
         noise_multiplier=sigma,
-        l2_clip_norm=CLIP,
+        l2_clip_norm=grad_fn.sensitivity(batch_size=sampler.padded_batch_size),
         expected_batch_size=BATCH,
         policy=POLICY,
     )

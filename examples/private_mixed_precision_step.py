@@ -131,7 +131,8 @@ def main(steps: int, show_table: bool) -> bool:
     tx = dpmp.private_optimizer(
         optax.sgd(0.1),
         noise_multiplier=SIGMA,
-        l2_clip_norm=CLIP,
+        # the sum's sensitivity as computed (C plus a bound on its rounding)
+        l2_clip_norm=grad_fn.sensitivity(batch_size=sampler.padded_batch_size),
         expected_batch_size=BATCH,
         prng_key=2,
         policy=POLICY,

@@ -243,10 +243,29 @@ def test_sensitivity_and_repr():
     import dp_accounting
 
     g = dpmp.private_grad(mlp_loss, l2_clip_norm=0.7, policy="bf16")
-    assert g.sensitivity() == 0.7 and g.l2_norm_bound == 0.7
-    assert g.sensitivity(dp_accounting.NeighboringRelation.REPLACE_ONE) == 1.4
+    assert g.l2_norm_bound == 0.7
     assert g.method == "auto" and "bf16" in repr(g)  # ghost where it can: the default
+    with pytest.raises(ValueError, match="batch_size is required"):
+        g.sensitivity()
+    with pytest.raises(ValueError, match="explain"):  # ghost rows are read from shapes
+        g.sensitivity(batch_size=256)
     assert g.explain(mlp_init(), classification_batch(4))["method"] == "ghost"
+    s = g.sensitivity(batch_size=256)
+    # C (1 + 16 u) for the clip factor, 2 u n C for the rounding to float32
+    u = 2.0**-24
+    assert 0.7 * (1 + 16 * u + 2 * 256 * u) < s < 0.7 * (1 + 16 * u + 2 * 256 * u + 1e-9)
+    assert g.sensitivity(dp_accounting.NeighboringRelation.REPLACE_ONE, batch_size=256) == 2 * s
+    assert g.sensitivity(dp_accounting.NeighboringRelation.REPLACE_SPECIAL, batch_size=256) == s
+    assert g.sensitivity(batch_size=256, parts=8) > s  # float32 partial sums added up
+    for bad in (0, -1, 2.5, True, "256"):
+        with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+            g.sensitivity(batch_size=bad)
+    with pytest.raises(ValueError, match="parts must be a positive integer"):
+        g.sensitivity(batch_size=256, parts=0)
+    # per-example gradients need no shapes
+    assert dpmp.private_grad(mlp_loss, l2_clip_norm=0.7, policy="bf16", method="vmap").sensitivity(
+        batch_size=256
+    ) == pytest.approx(s, rel=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -258,6 +277,7 @@ def test_sensitivity_and_repr():
         ({"microbatch_size": 0}, "microbatch_size"),
         ({"batch_argnums": 0}, "batch_argnums"),
         ({"policy": "bf16,accumulate=bf16"}, "accumulate"),
+        ({"accumulation": "float32"}, "accumulation.*allowed: float64, policy"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -382,3 +402,107 @@ def test_plain_function_with_separate_batch_args():
     norms = np.linalg.norm(per, axis=1)
     ref = (per * np.minimum(1, 2.0 / norms)[:, None]).sum(0)
     np.testing.assert_allclose(out.grads, ref, rtol=1e-5)
+
+
+# ---- the sensitivity of the sum as computed -----------------------------------------
+
+CRAFTED_N, CRAFTED_D = 512, 64
+
+
+def _linear_loss(w, batch):
+    """Per-example gradient ``x_i (x) ones(w.shape[1])``: exact in every dtype."""
+    return jnp.sum(batch["x"] @ w)
+
+
+def _crafted_records():
+    """512 float32 records of ``_linear_loss`` (weights [64, 2], so |grad_i| = sqrt(2)
+    |x_i|) and the index of the one to remove.
+
+    128 records of norm 0.71 C take a running sum to 8 in every coordinate, one more
+    takes it just above 8; the target (clipped to C) takes it below 8; then records
+    of -0.99 2^-21 are below half an ulp of 8.001, and round away there, but above half
+    an ulp of 7.9, and round to a whole one there. XLA:CPU's float32 contraction adds
+    the 256 rows of a block in order (ghost clipping), so removing the target moves
+    that sum by more than C."""
+    x = np.zeros((CRAFTED_N, CRAFTED_D), np.float32)
+    x[:128] = 1 / 16
+    x[128] = 2.0**-10
+    target = 129
+    x[target] = -1 / 8
+    x[132::2] = -0.99 * 2.0**-21
+    return x, target
+
+
+@pytest.mark.parametrize("accumulation", ["float64", "policy"])
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_removing_a_crafted_record_moves_the_sum_by_at_most_its_sensitivity(method, accumulation):
+    """The measured change of the clipped sum when the target record is removed
+    exceeds the clip norm C (the sensitivity dpmp claimed before it counted rounding),
+    and never ``g.sensitivity(batch_size=512)``: 1 + 6.2e-5 with float64 accumulation,
+    Higham's 1.06 with float32 ("policy")."""
+    x, target = _crafted_records()
+    w = jnp.zeros((CRAFTED_D, 2), jnp.float32)
+    g = dpmp.private_grad(
+        _linear_loss, l2_clip_norm=1.0, policy="fp32", method=method, accumulation=accumulation
+    )
+    total = jax.jit(lambda pad: g(w, {"x": x}, is_padding_example=pad).grads)
+    full = flat(total(jnp.zeros(CRAFTED_N, bool)))
+    removed = flat(total(jnp.arange(CRAFTED_N) == target))
+    moved = np.linalg.norm(full - removed)
+    assert g.resolved_method == method
+    sensitivity = g.sensitivity(batch_size=CRAFTED_N)
+    assert 1.0 < moved <= sensitivity, (moved, sensitivity)
+    if accumulation == "float64":  # the one rounding to float32: 2 u n C, and 16 u C
+        assert sensitivity == pytest.approx(1 + (16 + 2 * CRAFTED_N) * 2.0**-24, rel=1e-9)
+    elif method == "ghost" and jax.default_backend() == "cpu":
+        assert moved > 1.0003  # the records the float32 contraction rounded away
+
+
+@pytest.mark.parametrize("accumulation", ["float64", "policy"])
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+@pytest.mark.parametrize("policy", ["fp32", "bf16", "fp16"])
+def test_clipped_sum_is_within_its_stated_rounding_of_a_float64_sum(policy, method, accumulation):
+    """Records of norm at most C / 2 (never clipped) over six orders of magnitude, some
+    of them padding: the sum equals the float64 numpy sum of the per-example gradients
+    (the records rounded to the compute dtype) within the rounding that
+    ``sensitivity_bound`` states for it (accumulation plus the final rounding)."""
+    n, d, width = 256, 32, 3
+    rng = np.random.default_rng(0)
+    scale = 10.0 ** rng.uniform(-6, 0, size=(n, 1))
+    x = rng.normal(size=(n, d)) * scale
+    x = x / np.maximum(1.0, 2 * np.sqrt(width) * np.linalg.norm(x, axis=1, keepdims=True))
+    x = x.astype(np.float32)
+    pad = rng.random(n) < 0.1
+    g = dpmp.private_grad(
+        _linear_loss, l2_clip_norm=1.0, policy=policy, method=method, accumulation=accumulation
+    )
+    w = jnp.zeros((d, width), jnp.float32)
+    out = jax.jit(g)(w, {"x": x}, is_padding_example=pad)
+    assert int(out.stats.num_clipped) == 0 and g.resolved_method == method
+    got = flat(out.grads)
+    rounded = np.asarray(jnp.asarray(x, dpmp.Policy.parse(policy).compute), np.float64)
+    ref = np.repeat(rounded[~pad].sum(0)[:, None], width, axis=1).ravel()
+    bound = g.sensitivity_bound(batch_size=n)
+    stated = bound["accumulation_error"] + bound["rounding_error"]
+    assert np.linalg.norm(got - ref) <= stated, (np.linalg.norm(got - ref), stated)
+    if accumulation == "float64":  # per coordinate: the exact sum, correctly rounded
+        magnitude = np.repeat(np.abs(rounded[~pad]).sum(0)[:, None], width, axis=1).ravel()
+        slack = 2 * n * 2.0**-53 * magnitude  # the float64 accumulation
+        assert (np.abs(got - ref) <= 2.0**-24 * np.abs(ref) + slack).all()
+
+
+@pytest.mark.parametrize("microbatch_size", [None, 37])
+def test_float64_sums_read_the_examples_in_chunks_with_a_remainder(monkeypatch, microbatch_size):
+    """Per-example gradients are reduced in float64 a chunk of examples at a time (2
+    here: 74 examples are 37 chunks, a microbatch of 37 is 18 and a remainder of one):
+    the same clipped sum and the same statistics as the float64 reference."""
+    from dpmp._src import clipping as clipping_lib
+
+    monkeypatch.setattr(clipping_lib, "_CHUNK_BYTES", 1)
+    batch = classification_batch(74)
+    out = run("fp32", batch, clip=0.5, method="vmap", microbatch_size=microbatch_size)
+    ref, norms = clipped_sum_f64(per_example_grads_f64(mlp_loss, mlp_init(), batch), 0.5)
+    assert np.linalg.norm(flat(out.grads) - ref) <= 1e-6 * np.linalg.norm(ref)
+    assert int(out.stats.num_clipped) == int((norms > 0.5).sum())
+    np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=1e-6)
+    np.testing.assert_allclose(float(out.stats.norm_median), np.median(norms), rtol=1e-6)

@@ -1,9 +1,10 @@
 """The data-parallel mesh (``training.devices``) and multi-process runs.
 
 A step on 4 (forced CPU) devices is checked against the same step on 1 device
-(same keys, same batches): every device clips its own examples, the clipped
-sums meet in one all-reduce in the accumulate dtype and the noise is added
-once, so only the order of the float32 sum differs. The multi-process tests
+(same keys, same batches, and noise drawn for the 4-device sum's sensitivity):
+every device clips its own examples, the clipped sums meet in one all-reduce
+in the accumulate dtype and the noise is added once, so only the order of the
+float32 sum differs. The multi-process tests
 start 2 processes on localhost (``jax.distributed`` over gloo).
 """
 
@@ -25,6 +26,7 @@ _STEPS_MATCH = """
 import json
 import jax, jax.numpy as jnp, numpy as np
 from dpmp._src.config import load_config
+from dpmp._src.clipping import PrivateGradFn
 from dpmp._src.trainer.step import audit_step, build_private_step
 from dpmp._src.trainer.mesh import local
 
@@ -33,9 +35,18 @@ BASE = ["model.hidden=[32]", "training.expected_batch_size=96", "privacy.reprodu
         "training.steps=20"]
 
 
-def run(devices, *extra, steps=3):
+def run(devices, *extra, steps=3, noise_for=None):
     config = load_config(None, BASE + [f"training.devices={devices}", *extra])
-    step = build_private_step(config)
+    # noise_for: the sensitivity to draw the noise for. The 4-device sum's (4 float32
+    # partial sums of a batch padded to a multiple of 4) on 1 device too: the same
+    # noise, so that only the order of the sum differs.
+    bound = PrivateGradFn.sensitivity_bound
+    if noise_for is not None:
+        PrivateGradFn.sensitivity_bound = lambda self, **kw: dict(noise_for)
+    try:
+        step = build_private_step(config)
+    finally:
+        PrivateGradFn.sensitivity_bound = bound
     s = dict(step.init_state)
     stats = []
     for t in range(steps):
@@ -61,8 +72,10 @@ cases = {
 for name, extra in cases.items():
     if name not in CASES:
         continue
-    one, p1, s1, scale1 = run(1, *[e for e in extra if "shard_params" not in e])
     four, p4, s4, scale4 = run(4, *extra)
+    one, p1, s1, scale1 = run(
+        1, *[e for e in extra if "shard_params" not in e], noise_for=four.sensitivity
+    )
     out[name] = {
         "max_diff": max(float(np.abs(a - b).max()) for a, b in zip(p1, p4)),
         "max_param": max(float(np.abs(a).max()) for a in p1),
@@ -70,6 +83,7 @@ for name, extra in cases.items():
         "sigma_1": one.noise_multiplier, "sigma_4": four.noise_multiplier,
         "method_4": four.clipping["method"], "mesh_4": four.mesh.size,
         "padded_4": four.sampler.padded_batch_size,
+        "sensitivity_4": four.sensitivity,
         # bytes of parameters and optimizer state each device holds, against the whole
         "state_share": sum(
             x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(four.init_state)
@@ -114,6 +128,10 @@ def _steps_match(tmp_path, cases: tuple[str, ...]) -> dict:
             assert a[3] == pytest.approx(b[3], rel=1e-5)  # the largest norm
         assert case["scale_1"] == case["scale_4"]
         assert case["method_4"] == {"vmap": "vmap"}.get(name, "ghost")
+        # the 4 devices' float32 sums are partial sums of the noised one
+        chunks = case["padded_4"] // 48 if name == "chunks" else 1
+        bound = case["sensitivity_4"]
+        assert (bound["batch_size"], bound["parts"]) == (case["padded_4"], 4 * chunks), bound
     return got
 
 

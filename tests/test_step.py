@@ -15,8 +15,10 @@ import pytest
 from dpmp._src.clipping import PrivateGradStats, combine_stats
 from dpmp._src.config import Config, load_config
 from dpmp._src.data import load_data
+from dpmp._src.noise import private_optimizer
 from dpmp._src.trainer import audit_step, build_private_step, run_keys
 from dpmp._src.trainer.batches import physical_chunks
+from dpmp._src.trainer.step import _make_optimizer, _summed, _whole_step
 
 LOGICAL = [
     "policy=fp32",
@@ -76,7 +78,9 @@ def test_chunks_sum_to_the_one_shot_clipped_sum(steps):
 def test_chunked_step_draws_the_noise_once(steps):
     chunked, one_shot = steps
     a = chunked.step_fn(*chunked.example_args)
-    b = one_shot.step_fn(*one_shot.example_args)
+    # The one-shot sum with the chunked step's optimizer: its noise is drawn for the
+    # chunked sum's sensitivity (8 float32 partial sums), a little above the one-shot's.
+    b = _whole_step(_summed(one_shot.grad_fn), chunked.optimizer)(*one_shot.example_args)
     # Same key, one draw each: the same noisy update. A second draw (or a draw
     # per chunk) would move the parameters by ~sigma C / E[B] per coordinate.
     assert _rel(a[0], b[0]) < 1e-5
@@ -84,6 +88,45 @@ def test_chunked_step_draws_the_noise_once(steps):
     report = audit_step(chunked.config, step=chunked)
     whole = audit_step(one_shot.config, step=one_shot)
     assert report.ok and report.counts()["noise_sample"] == whole.counts()["noise_sample"]
+
+
+def test_the_noise_is_drawn_for_the_sensitivity_of_the_sum_as_computed(steps):
+    """stddev = noise multiplier x the sensitivity of the noised sum, rounding included:
+    the padded batch, and the chunks' float32 partial sums added up (8 here)."""
+    chunked, one_shot = steps
+    c = chunked.config.privacy.l2_clip_norm
+    for step, chunk in ((chunked, 128), (one_shot, None)):
+        padded = step.sampler.padded_batch_size  # a multiple of the chunk size
+        parts = 1 if chunk is None else padded // chunk
+        bound = step.sensitivity
+        assert (bound["batch_size"], bound["parts"]) == (padded, parts)
+        assert bound["sensitivity"] == step.grad_fn.sensitivity(batch_size=padded, parts=parts)
+        assert bound["accumulate_dtype"] == "float64"
+        # 2 u n C for the rounding to float32, 2 gamma_(M-1) n C for the partial sums
+        u = 2.0**-24
+        low = c * (1 + 2 * padded * u + 2 * (parts - 1) * padded * u)
+        assert low < bound["sensitivity"] < low * (1 + 1e-6)
+    assert chunked.sensitivity["sensitivity"] > one_shot.sensitivity["sensitivity"]
+
+    # the optimizer's noise is the one private_optimizer draws for that sensitivity
+    params, _, _, opt_state, _ = chunked.example_args
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    got, _ = chunked.optimizer.update(zeros, opt_state, params)
+
+    def noise_for(l2_clip_norm):
+        opt = private_optimizer(
+            _make_optimizer(chunked.config),
+            noise_multiplier=chunked.noise_multiplier,
+            l2_clip_norm=l2_clip_norm,
+            expected_batch_size=chunked.config.training.expected_batch_size,
+            prng_key=chunked.keys.noise,
+            policy=chunked.policy,
+            sampler=chunked.config.privacy.noise_sampler,
+        )
+        return opt.update(zeros, opt.init(params), params)[0]
+
+    assert _rel(got, noise_for(chunked.sensitivity["sensitivity"])) == 0
+    assert _rel(got, noise_for(c)) > 0
 
 
 def test_chunked_step_compiles_to_a_quarter_of_the_memory(steps):

@@ -118,6 +118,14 @@ def test_report_has_the_promised_keys(small_run):
     assert report["private"] is True
     assert 0 <= report["test_accuracy"] <= 1
     assert Config.from_dict(report["config"]) == small()
+    # the noise is drawn for the sum's sensitivity as computed, rounding included
+    noise, c = report["noise"], report["l2_clip_norm"]
+    bound = noise["sensitivity_bound"]
+    assert noise["l2_sensitivity"] == bound["sensitivity"]
+    assert c < noise["l2_sensitivity"] < c * (1 + 1e-4)
+    assert noise["stddev"] == pytest.approx(report["noise_multiplier"] * noise["l2_sensitivity"])
+    assert bound["batch_size"] == report["sampling"]["padded_batch_size"]
+    assert (bound["parts"], bound["accumulate_dtype"]) == (1, "float64")
 
 
 def test_report_epsilon_matches_an_independent_accountant(small_run):
@@ -573,7 +581,10 @@ PUBLIC_REPORT_KEYS = {
     },
     "mesh": {"devices", "processes", "platform", "sharded_params", "all_reduce"},
     "delta_parts": {"accountant", "truncation_reserved", "note"},
-    "noise": {"sampler", "noised_coordinates", "epsilon_residual"},
+    "noise": {
+        "sampler", "noised_coordinates", "epsilon_residual", "l2_sensitivity", "stddev",
+        "sensitivity_bound",
+    },
     "overflow": {
         "privatized", "count_releases", "count_noise_stddev", "epsilon_cost",
         "epsilon_without_counts", "noised_count_total", "privacy",

@@ -7,9 +7,12 @@ The data path of ``private_grad`` for one example ``i`` of a batch:
     u_i      = clip_dtype(g_i) / S                 # the loss scale leaves FIRST
     finite_i = every entry of u_i is finite and ||u_i|| is finite
     u_i      = u_i if finite_i and not padding_i else 0    # whole example zeroed
+    ||u_i||  = sqrt(sum of squares, added up in float64, made an upper bound)
     c_i      = u_i * min(1, C / ||u_i||)          # norm and factor in clip dtype
-    grads    = sum_i c_i                           # accumulate dtype, across
-                                                   # microbatches too
+    grads    = round(sum_i c_i)                    # float64 accumulation (products
+                                                   # exact), across microbatches
+                                                   # too; rounded once to the
+                                                   # accumulate dtype
 
 It follows ``jax_privacy.clipping.clipped_grad`` (per-example ``jax.grad``
 under ``vmap``, padding examples zeroed as in ``clip_pytree``'s
@@ -34,14 +37,37 @@ point of half precision:
   backend computes natively in half precision (GPU/TPU; XLA:CPU emulates bf16
   through float32 and gains nothing).
 * jax-privacy clips and sums in a single ``dtype``; dpmp computes norms and
-  factors in ``policy.clip`` and sums in ``promote(clip, accumulate)``.
+  factors in ``policy.clip`` and returns the sum in ``promote(clip,
+  accumulate)``, accumulated in float64 (``accumulation``) so that its
+  sensitivity, rounding included, is what ``g.sensitivity(...)`` says.
 
 Formal guarantees (add/remove-one adjacency; replace-one doubles the bound):
-  * every clipped per-example gradient has L2 norm at most ``l2_clip_norm``
-    (up to the rounding of one float32 multiply, < C * (1 + 2^-20));
-  * the sum has L2 sensitivity ``l2_clip_norm`` in exact arithmetic; in float32
-    with batch size n the extra rounding is bounded as in Casacuberta et al.
-    2022 (see ``dpmp.audit_precision``'s numeric audit);
+  * every clipped per-example gradient, exactly as it enters the sum, has L2
+    norm at most ``B = C (1 + 16 u_c)`` (``u_c`` the clip dtype's unit
+    roundoff): each squared norm is made an upper bound of its exact value
+    before the clip factor reads it, and the factor's own rounding is covered;
+  * the returned sum has L2 sensitivity ``g.sensitivity(batch_size=n,
+    parts=M)``, floating-point rounding included, for any summation order XLA
+    picks. A floating-point sum is not exact: with other records crafted to
+    round away against the running sum, removing one record clipped to C moved
+    a float32 sum of 512 examples by 1.00034 C (ghost clipping, XLA:CPU, the
+    records of tests/test_clipping.py; 1.00066 C with a small record in every
+    row), and Casacuberta et al. 2022 ("Widespread
+    underestimation of sensitivity in differentially private libraries")
+    found this across DP libraries. With
+    Higham's bound ``|fl(sum) - sum| <= gamma_(N-1) sum |x_i|`` per coordinate
+    (``gamma_k = k u / (1 - k u)``), the sum of a batch and that of its
+    neighbour are each within ``E`` of the exact sums of their contributions,
+    so the sensitivity is ``B + 2 E``. By default the products ``c_i g_i`` are
+    exact in float64 and every sum over examples (and tokens) accumulates in
+    float64, so ``E`` is the one rounding to float32 (``u n B``) plus
+    ``gamma64_(n (T + 1)) K n B`` (negligible) plus ``gamma32_(M-1) n B`` for M
+    float32 partial sums added up later (chunks, devices): ``sensitivity ~ C
+    (1 + 2 M n 2^-24)``, 1.00003 C for n = 256 and M = 1. With
+    ``accumulation="policy"`` the sums accumulate in float32 and ``E`` is
+    Higham's ``gamma32_(n (T + 1)) K n B``: about ``C (1 + 4 n^2 2^-24)`` with
+    per-example gradients (1.06 C at n = 512), useless for ghost layers with
+    many tokens (``K`` >= 64): see :meth:`PrivateGradFn.sensitivity`;
   * padding and non-finite examples contribute exactly zero;
   * ``stats`` are per-batch functions of private data, for monitoring only —
     except ``noised_overflow_count``, which is a privatized release accounted
@@ -58,7 +84,7 @@ from typing import Any, NamedTuple
 import dp_accounting
 import jax
 import jax.numpy as jnp
-import optax
+import numpy as np
 
 from dpmp._src import ghost as ghost_lib
 from dpmp._src import replay
@@ -77,6 +103,7 @@ __all__ = [
 ]
 
 _METHODS = ("auto", "vmap", "ghost")
+_ACCUMULATIONS = ("float64", "policy")
 
 
 class PrivateGradStats(NamedTuple):
@@ -175,13 +202,25 @@ class PrivateGradFn:
         policy: Policy,
         explain: Callable,
         chooser: _MethodChooser,
+        accumulation: str = "float64",
+        microbatched: bool = False,
     ):
         self._fun = fun
+        self._microbatched = microbatched
         self._explain = explain
         self._chooser = chooser
         self.l2_norm_bound = l2_norm_bound
         self.method = method
         self.policy = policy
+        self.accumulation = accumulation
+        self._sum_dtype = jnp.promote_types(policy.clip, policy.accumulate)
+        wide64 = accumulation == "float64"
+        self._acc_dtype = (
+            jnp.promote_types(self._sum_dtype, jnp.float64) if wide64 else self._sum_dtype
+        )
+        self._norm_dtype = (
+            jnp.promote_types(policy.clip, jnp.float64) if wide64 else jnp.dtype(policy.clip)
+        )
 
     def explain(self, params, *args) -> dict[str, Any]:
         """Which method computes ``g(params, *args)`` and why.
@@ -203,16 +242,91 @@ class PrivateGradFn:
         neighboring_relation: dp_accounting.NeighboringRelation = (
             dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
         ),
+        *,
+        batch_size: int | None = None,
+        parts: int = 1,
     ) -> float:
-        """L2 sensitivity of ``grads`` under ``neighboring_relation``."""
+        """L2 sensitivity of the clipped sum AS COMPUTED, floating-point rounding included.
+
+        Args:
+          neighboring_relation: add/remove-one (and replace-special) give the bound
+            below; replace-one doubles it.
+          batch_size: ``n``, the padded number of examples behind one sum (a public
+            constant: padding examples count, real ones are never more).
+          parts: ``M``, how many sums of ``g`` (each over a share of the ``n``
+            examples: physical chunks, devices of a mesh) are added up in the
+            accumulate dtype to make the sum that is noised; 1 when ``g``'s own
+            output is noised.
+
+        The bound (add/remove one, ``C`` the clip norm; ``u_c``, ``u_a``, ``u_o``
+        the unit roundoffs of the clip dtype, of the dtype the sum accumulates in
+        and of the one it is returned in, ``u_o = 0`` when those are the same;
+        ``g_k(n)`` Higham's ``gamma_n`` in the dtype of ``u_k``)::
+
+            B       = C (1 + 16 u_c [+ K u_a with accumulation="policy"])
+            E_acc   = g_a(n (T + 1)) K n B     # the accumulation over examples and rows
+            S       = n B + E_acc              # a bound on the norm of the computed sum
+            E_round = r u_o (1 + u_o) S        # rounding to the output dtype, r times
+            E_parts = g_o(M - 1) (S + E_round) # the M parts added up, in any order
+            sensitivity = B + 2 (E_acc + E_round + E_parts)
+
+        ``B`` bounds the norm of one clipped contribution exactly as it enters the
+        sum (certified norms; the rounding of the clip factor); the rest bounds
+        how far the computed sum of a batch and of its neighbour can each be
+        from the exact sum of their contributions (for every summation order
+        XLA may choose). ``r`` is 2 with ``microbatch_size`` (the sums of dense
+        ghost layers are rounded once per microbatch, then added up in float64),
+        else 1. ``T`` is the most rows (tokens, patches, ids) one example
+        adds to one contraction and ``K`` how much those rows' magnitudes may
+        exceed the norm used to clip them (both 1 with per-example gradients;
+        ghost layers with several rows: ``K`` is 64, the floor of
+        :func:`dpmp._src.ghost._certified`, over the float32 rounding of the
+        magnitude it reads, between 64.0 and about 71). Both are read from the shapes ``g``
+        has been traced or explained for: with ``method`` "auto" or "ghost",
+        call ``g.explain(params, *batch)`` (or ``g`` itself) first.
+
+        With the default float64 accumulation, ``sensitivity ~ C (1 + 2 M n
+        u32)``: 1.00003 C at n = 256, 1.0005 C at n = 4096 (M = 1). With
+        ``accumulation="policy"`` (float32) it is ``~ C (1 + 2 K n^2 (T + 1) u32)``.
+        """
         rel = dp_accounting.NeighboringRelation
-        match neighboring_relation:
-            case rel.ADD_OR_REMOVE_ONE | rel.REPLACE_SPECIAL:
-                return self.l2_norm_bound
-            case rel.REPLACE_ONE:
-                return 2 * self.l2_norm_bound
-            case _:
-                raise ValueError(f"unsupported neighboring relation {neighboring_relation}")
+        if neighboring_relation not in (
+            rel.ADD_OR_REMOVE_ONE,
+            rel.REPLACE_SPECIAL,
+            rel.REPLACE_ONE,
+        ):
+            raise ValueError(f"unsupported neighboring relation {neighboring_relation}")
+        bound = self.sensitivity_bound(batch_size=batch_size, parts=parts)["sensitivity"]
+        return 2 * bound if neighboring_relation == rel.REPLACE_ONE else bound
+
+    def sensitivity_bound(self, *, batch_size: int | None, parts: int = 1) -> dict[str, Any]:
+        """The add/remove-one sensitivity (``"sensitivity"``) and the terms of its bound
+        (see :meth:`sensitivity`): ``clip_norm``, ``per_example`` (B),
+        ``accumulation_error``, ``rounding_error``, ``parts_error`` (absolute
+        L2 bounds), ``rows`` (T), ``cancellation`` (K), ``batch_size``, ``parts``,
+        ``accumulation`` and ``accumulate_dtype`` (where the sum accumulates)."""
+        n = _count("batch_size", batch_size, "the padded number of examples behind one sum")
+        m = _count("parts", parts, "how many partial sums are added up (1: none)")
+        shape = self._chooser.rounding(self.policy.clip, self._norm_dtype)
+        if shape is None:
+            raise ValueError(
+                f"sensitivity: method={self.method!r} bounds the rounding of its sum from "
+                "the model's shapes (rows per example of its ghost layers): call "
+                "g.explain(params, *batch) or g(params, *batch) first"
+            )
+        rows, cancellation = shape
+        return _sum_sensitivity(
+            self.l2_norm_bound,
+            batch_size=n,
+            parts=m,
+            rows=rows,
+            cancellation=cancellation,
+            clip_dtype=self.policy.clip,
+            acc_dtype=self._acc_dtype,
+            out_dtype=self._sum_dtype,
+            exact_products=self.accumulation == "float64",
+            roundings=2 if self._microbatched else 1,
+        ) | {"accumulation": self.accumulation}
 
     @property
     def resolved_method(self) -> str | None:
@@ -222,8 +336,56 @@ class PrivateGradFn:
     def __repr__(self):
         return (
             f"PrivateGradFn(l2_norm_bound={self.l2_norm_bound}, method={self.method!r}, "
-            f"policy='{self.policy}')"
+            f"policy='{self.policy}', accumulation={self.accumulation!r})"
         )
+
+
+def _count(name: str, value: Any, what: str) -> int:
+    """``value`` as a positive int, or a ``ValueError`` naming ``name`` and ``what`` it is."""
+    if value is None:
+        raise ValueError(f"sensitivity: {name} is required ({what})")
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"sensitivity: {name} must be a positive integer ({what}), got {value!r}")
+    return int(value)
+
+
+def _sum_sensitivity(
+    clip_norm: float,
+    *,
+    batch_size: int,
+    parts: int,
+    rows: int,
+    cancellation: float,
+    clip_dtype,
+    acc_dtype,
+    out_dtype,
+    exact_products: bool,
+    roundings: int = 1,
+) -> dict[str, Any]:
+    """The bound of :meth:`PrivateGradFn.sensitivity`, term by term (all in L2)."""
+    u_c = ghost_lib.unit_roundoff(clip_dtype)
+    u_a = ghost_lib.unit_roundoff(acc_dtype)
+    same = jnp.dtype(acc_dtype) == jnp.dtype(out_dtype)
+    u_o = 0.0 if same else ghost_lib.unit_roundoff(out_dtype)
+    n, m, t, k = batch_size, parts, rows, cancellation
+    per_example = clip_norm * (1 + 16 * u_c + (0.0 if exact_products else k * u_a))
+    acc_error = ghost_lib.higham_gamma(n * (t + 1), acc_dtype) * k * n * per_example
+    total = n * per_example + acc_error
+    rounding = roundings * u_o * total * (1 + u_o)
+    parts_error = ghost_lib.higham_gamma(m - 1, out_dtype) * (total + rounding)
+    return {
+        "sensitivity": per_example + 2 * (acc_error + rounding + parts_error),
+        "clip_norm": clip_norm,
+        "per_example": per_example,
+        "accumulation_error": acc_error,
+        "rounding_error": rounding,
+        "parts_error": parts_error,
+        "rows": t,
+        "cancellation": k,
+        "batch_size": n,
+        "parts": m,
+        "accumulate_dtype": jnp.dtype(acc_dtype).name,
+    }
 
 
 def _batch_size(batch_args, argnums) -> int:
@@ -280,6 +442,7 @@ def private_grad(
     microbatch_size: int | None = None,
     keep_batch_dim: bool = True,
     allow_nonprivate_loss_scale: bool = False,
+    accumulation: str = "float64",
 ) -> PrivateGradFn:
     """Sum of clipped per-example gradients, computed in the policy's precisions.
 
@@ -314,6 +477,19 @@ def private_grad(
       allow_nonprivate_loss_scale: permit a plain ``DynamicLossScale``, whose
         decisions use the exact overflow count and are NOT differentially
         private (a diagnostic mode; a warning says so at every construction).
+      accumulation: where the reductions the sensitivity depends on add up (a
+        privacy setting: it changes ``g.sensitivity(...)``). ``"float64"`` (the
+        default): every per-example squared norm and every sum over examples
+        (and tokens) accumulates in float64, inside ``jax.enable_x64`` scopes
+        around those reductions only, and the sum is rounded once to
+        ``promote(clip, accumulate)``; its rounding is negligible
+        (``sensitivity`` ~ C (1 + 2 n u32) for a batch of n). ``"policy"``: they
+        accumulate in the policy's clip and accumulate dtypes themselves
+        (faster where float64 is slow); the sensitivity then carries Higham's
+        worst-case bound, large at large batches (about C (1 + 4 n^2 u32) for
+        per-example gradients and far more for ghost layers with many tokens).
+        Each squared norm is made an upper bound of its exact value in either
+        case (a float32 norm over P entries grows by up to P u32 / 2).
 
     Returns:
       A ``PrivateGradFn`` ``g(params, *batch, loss_scale=NoOpLossScale(),
@@ -343,6 +519,10 @@ def private_grad(
         raise ValueError(f"l2_clip_norm: must be a number, got {l2_clip_norm!r}") from e
     if not clip_norm > 0:
         raise ValueError(f"l2_clip_norm: must be > 0 (or inf), got {l2_clip_norm!r}")
+    if accumulation not in _ACCUMULATIONS:
+        raise ValueError(
+            f"accumulation: unknown {accumulation!r}; allowed: {', '.join(_ACCUMULATIONS)}"
+        )
     if microbatch_size is not None and (
         int(microbatch_size) != microbatch_size or microbatch_size < 1
     ):
@@ -360,6 +540,11 @@ def private_grad(
         raise ValueError(f"batch_argnums: must be >= 1 (params come first), got {batch_argnums!r}")
     sum_dtype = jnp.promote_types(policy.clip, policy.accumulate)
     clip_dtype = policy.clip
+    # The dtypes the reductions accumulate in (see ``accumulation``); the sum is
+    # rounded to ``sum_dtype`` once, after every example and microbatch is in.
+    wide64 = accumulation == "float64"
+    acc_dtype = jnp.promote_types(sum_dtype, jnp.float64) if wide64 else sum_dtype
+    norm_dtype = jnp.promote_types(clip_dtype, jnp.float64) if wide64 else clip_dtype
     n_batch = len(argnums)
 
     def example_loss(params, others, *example):
@@ -378,7 +563,7 @@ def private_grad(
         return loss.astype(jnp.float32)
 
     def per_example(params, s, others, *example):
-        """Scaled gradient of one example (grad dtype), its unscaled norm and finiteness."""
+        """Scaled gradient of one example (grad dtype) and its float32 loss."""
 
         def scaled_loss(p):
             # Replayed, so that XLA:CPU sees no batch axis of 1 in its reductions
@@ -386,30 +571,57 @@ def private_grad(
             loss32 = replay.replayed(example_loss)(p, others, *example)
             return loss32 * s, loss32
 
-        grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
-        # The scale leaves before any norm: cast up, then divide (exact for powers of two).
+        return jax.grad(scaled_loss, has_aux=True)(params)
+
+    def example_sq_norm(grads, s):
+        """Certified squared norm (clip dtype) of ONE example's unscaled gradient: the
+        scale leaves before any norm (cast up, then divide: exact for powers of two);
+        the squares are added up in the norm dtype (float64 by default) and the total
+        made an upper bound of its exact value before it is rounded to the clip dtype.
+
+        A non-finite entry makes the sum of squares inf or NaN, so ``isfinite`` of it
+        covers every entry without a second pass over the per-example gradients (a
+        finite gradient whose squared norm overflows is dropped too: safe)."""
         s_clip = s.astype(clip_dtype)
-        sq = _global_sq_norm(jax.tree.map(lambda g: g.astype(clip_dtype) / s_clip, grads))
-        # A non-finite entry makes the sum of squares inf or NaN, so this one test
-        # covers every entry without a second pass over the per-example gradients
-        # (a finite gradient whose squared norm overflows is dropped too: safe).
-        finite = jnp.isfinite(sq)
-        return grads, jnp.sqrt(sq), finite, loss
+        leaves = [(g.astype(clip_dtype) / s_clip) for g in jax.tree.leaves(grads)]
+        entries = sum(x.size for x in leaves)
+        with ghost_lib.wide(norm_dtype):
+            sq = _global_sq_norm([x.astype(norm_dtype) for x in leaves])
+            return ghost_lib.certified_sum_of_squares(sq, entries, norm_dtype).astype(clip_dtype)
 
     def microbatch_sum(params, s, others, is_padding, *batch):
-        """Clipped sum over one (micro)batch: the cast to float32 is fused into the sum."""
-        grads, norms, finite, losses = jax.vmap(
-            per_example, in_axes=(None, None, None) + (0,) * n_batch
-        )(params, s, others, *batch)
+        """Clipped sum over one (micro)batch: the casts are fused into the reductions."""
+        grads, losses = jax.vmap(per_example, in_axes=(None, None, None) + (0,) * n_batch)(
+            params, s, others, *batch
+        )
+        # Per-example gradients are B x P values. Reduced in float32, XLA:CPU keeps
+        # the products it reduces (squares, weighted gradients) at that size; reduced
+        # in float64 its products would be twice as large, so there the gradients are
+        # read a chunk of examples at a time (:func:`_by_example_chunks`).
+        wide = jnp.dtype(acc_dtype) != jnp.dtype(sum_dtype)
+        sq_norms = jax.vmap(example_sq_norm, in_axes=(0, None))
+        if jnp.dtype(norm_dtype) != jnp.dtype(clip_dtype):
+            sq = _by_example_chunks(lambda g: (None, sq_norms(g, s)), grads)[1]
+        else:
+            sq = sq_norms(grads, s)
+        norms = jnp.sqrt(sq)
+        finite = jnp.isfinite(sq)
         keep = finite & ~is_padding
         safe = jnp.where(keep, norms, jnp.ones_like(norms))
         factor = jnp.minimum(jnp.ones_like(safe), jnp.asarray(clip_norm, clip_dtype) / safe)
         factor = jnp.where(keep, factor, jnp.zeros_like(factor)) / s.astype(clip_dtype)
 
-        def weighted_sum(g):
-            return ghost_lib.weighted_example_sum(g, factor, keep, sum_dtype)
+        def weighted_sums(chunk):
+            g, f, k = chunk
+            with ghost_lib.wide(acc_dtype):
+                sums = jax.tree.map(lambda x: ghost_lib.weighted_example_sum(x, f, k, acc_dtype), g)
+            return sums, None
 
-        return jax.tree.map(weighted_sum, grads), (norms, finite, losses)
+        if wide:
+            sums = _by_example_chunks(weighted_sums, (grads, factor, keep), acc_dtype)[0]
+        else:
+            sums = weighted_sums((grads, factor, keep))[0]
+        return sums, (norms, finite, losses)
 
     chooser = _MethodChooser(method, example_loss)
 
@@ -430,22 +642,17 @@ def private_grad(
             is_padding=is_padding,
             clip_norm=clip_norm,
             clip_dtype=clip_dtype,
-            sum_dtype=sum_dtype,
+            sum_dtype=acc_dtype,
+            norm_dtype=norm_dtype,
+            out_dtype=sum_dtype,
         )
         return jax.tree.unflatten(jax.tree.structure(params), leaves), (norms, finite, losses)
-
-    acc = optax.microbatching.AccumulationType
 
     def summed_fn(plan):
         base = microbatch_sum if plan is None else functools.partial(ghost_sum, plan)
         if microbatch_size is None:
             return base
-        return optax.microbatching.microbatch(
-            base,
-            argnums=tuple(range(3, 4 + n_batch)),
-            microbatch_size=int(microbatch_size),
-            accumulator=(acc.SUM, (acc.CONCAT, acc.CONCAT, acc.CONCAT)),
-        )
+        return _microbatched(base, int(microbatch_size), acc_dtype)
 
     def fun(params, *args, loss_scale=None, is_padding_example=None) -> PrivateGrad:
         if loss_scale is None:
@@ -491,9 +698,11 @@ def private_grad(
         # clipped sums stay per device; psum them as usual.
         diff_params = replay.vary_like(diff_params, batch_args)
         plan = chooser.choose(diff_params, others, batch_args)
-        sums, (norms, finite, losses) = summed_fn(plan)(
+        wide_sums, (norms, finite, losses) = summed_fn(plan)(
             diff_params, s, others, is_padding_example, *batch_args
         )
+        with ghost_lib.wide(acc_dtype):  # the one rounding of the float64 sum
+            sums = jax.tree.map(lambda x: x.astype(sum_dtype), wide_sums)
         real = ~is_padding_example
         ok = real & finite
         n_real = real.sum(dtype=jnp.int32)
@@ -528,7 +737,105 @@ def private_grad(
         policy=policy,
         explain=explain,
         chooser=chooser,
+        accumulation=accumulation,
+        microbatched=microbatch_size is not None,
     )
+
+
+# float64 reductions of per-example gradients: examples per chunk, at least 1/32 of
+# the batch (and 2), and as many as fit in this many bytes of float64 values
+_EXAMPLE_CHUNKS = 32
+_CHUNK_BYTES = 2**20
+
+
+def _by_example_chunks(fn: Callable, xs, acc_dtype=None):
+    """``fn`` over consecutive chunks of the examples (leading axis) of ``xs``, one
+    chunk at a time: ``fn(chunk) -> (sums, per_example)``; the sums (a pytree, or
+    None) are added up in ``acc_dtype``, the per-example values concatenated.
+
+    A chunk holds ``B / 32`` examples (at least 2), or as many as have 1 MiB of
+    float64 values if that is more: XLA:CPU materialises the float64 products it
+    reduces, and this bounds them to a chunk's. Compiled temp memory against the
+    same step with float32 sums, for 1, 2, 4, ..., 128 chunks: the ReLU MLP of
+    tests/test_ghost.py (batch 128) 2.00, 2.01, 1.51, 1.26, 1.14, 1.08, 1.05, 1.29
+    (chunks of one example lay the gradients out anew); benchmarks/clipping.py's
+    CNN 1.09, then 1.003 up to 32 chunks, 1.12 from 64; its ViT 1.004 from 2; its
+    MLP (2.9M parameters, batch 256) 1.13 at 16, 1.07 at 32, 1.02 at 128 chunks.
+    The last chunk takes the remainder."""
+    leaves = jax.tree.leaves(xs)
+    b = leaves[0].shape[0]
+    per_example = max(1, sum(x.size for x in leaves) // max(b, 1)) * 8
+    size = max(min(b, 2), b // _EXAMPLE_CHUNKS, min(b, _CHUNK_BYTES // per_example))
+    count, rest = divmod(b, size)
+
+    def add(acc, sums):
+        if acc is None or sums is None:
+            return sums if acc is None else acc
+        with ghost_lib.wide(acc_dtype):
+            return jax.tree.map(lambda c, x: c + x.astype(acc_dtype), acc, sums)
+
+    def widen(sums):
+        if sums is None or acc_dtype is None:
+            return sums
+        with ghost_lib.wide(acc_dtype):
+            return jax.tree.map(lambda x: x.astype(acc_dtype), sums)
+
+    head = jax.tree.map(lambda x: x[: count * size], xs)
+    if count == 1:
+        acc, per = fn(head)
+        acc = widen(acc)
+    else:
+        parts = jax.tree.map(lambda x: jnp.reshape(x, (count, size) + jnp.shape(x)[1:]), head)
+
+        def body(acc, chunk):
+            sums, per = fn(chunk)
+            return add(acc, sums), per
+
+        init = None
+        if acc_dtype is not None:
+            shapes = jax.eval_shape(lambda c: fn(c)[0], jax.tree.map(lambda x: x[0], parts))
+            with ghost_lib.wide(acc_dtype):
+                init = jax.tree.map(lambda a: jnp.zeros(a.shape, acc_dtype), shapes)
+            init = replay.vary_like(init, xs)
+        acc, per = jax.lax.scan(body, init, parts)
+        if per is not None:
+            per = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), per)
+    if rest:
+        tail_sums, tail_per = fn(jax.tree.map(lambda x: x[count * size :], xs))
+        acc = add(acc, widen(tail_sums))
+        if per is not None:
+            per = jax.tree.map(lambda a, t: jnp.concatenate([a, t]), per, tail_per)
+    return acc, per
+
+
+def _microbatched(base: Callable, size: int, acc_dtype) -> Callable:
+    """``base(params, s, others, is_padding, *batch)`` over consecutive microbatches of
+    ``size`` examples, one at a time (``lax.scan``): the sums are carried in
+    ``acc_dtype`` (float64 by default, so that microbatches add no rounding of their
+    own), the per-example values concatenated back in batch order."""
+
+    def fun(params, s, others, is_padding, *batch):
+        count = is_padding.shape[0] // size
+
+        def split(x):
+            return jnp.reshape(x, (count, size) + jnp.shape(x)[1:])
+
+        xs = (split(is_padding), tuple(jax.tree.map(split, b) for b in batch))
+        with ghost_lib.wide(acc_dtype):
+            init = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), acc_dtype), params)
+        init = replay.vary_like(init, batch)
+
+        def body(acc, x):
+            pad, part = x
+            sums, aux = base(params, s, others, pad, *part)
+            with ghost_lib.wide(acc_dtype):
+                acc = jax.tree.map(lambda c, x: c + x.astype(acc_dtype), acc, sums)
+            return acc, aux
+
+        total, aux = jax.lax.scan(body, init, xs)
+        return total, jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), aux)
+
+    return fun
 
 
 class _MethodChooser:
@@ -568,6 +875,20 @@ class _MethodChooser:
                     raise ValueError(f"method='ghost': {e}") from None
                 self._cache[key] = (None, str(e))
         return self._cache[key]
+
+    def rounding(self, clip_dtype, norm_dtype) -> tuple[int, float] | None:
+        """``(rows, cancellation)`` of the sums traced or explained so far (the largest
+        of each, see ``GhostPlan.sum_rounding``); None before any with ghost clipping."""
+        if self.method == "vmap":
+            return 1, 1.0
+        if not self._cache:
+            return None
+        rows, cancellation = 1, 1.0
+        for plan, _ in self._cache.values():
+            if plan is not None:
+                t, k = plan.sum_rounding(clip_dtype, norm_dtype)
+                rows, cancellation = max(rows, t), max(cancellation, k)
+        return rows, cancellation
 
     def choose(self, params, others, batch_args):
         plan, _ = self._plan(params, others, batch_args)

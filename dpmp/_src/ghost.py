@@ -60,13 +60,21 @@ the batch axis of 1 out of reductions (XLA:CPU runs those 15-20x slower).
 Precision. The forward pass and the output gradients stay in the compute
 dtype; the activations and output gradients are cast to the clip dtype and
 the loss scale is divided out (in float32) BEFORE any norm; Gram matrices,
-norms and clip factors are computed in the clip dtype and the clip-weighted
-contraction accumulates in ``promote(clip, accumulate)`` with
-``Precision.HIGHEST`` (no TF32 on GPUs).
+norms and clip factors are computed in the clip dtype, the layers' squared
+norms added up in ``norm_dtype`` and the clip-weighted contractions
+accumulated in ``sum_dtype`` (both float64 by default, see
+``dpmp.private_grad``'s ``accumulation``), with ``Precision.HIGHEST`` (no TF32
+on GPUs). A float64 contraction of float32 values is within
+``gamma_(B T) sum_i c_i sum_t |x_t| |g_t|`` of the exact sum, whatever order it
+adds in; :meth:`GhostPlan.sum_rounding` gives the ``T`` and the factor by which
+``sum_t |x_t| |g_t|`` may exceed the norm that clipped it, from which
+``PrivateGradFn.sensitivity`` bounds the rounding of the whole sum.
 
 Certified norms. A per-example gradient that is formed (the vmap path, and
-every ``per-example`` layer here) is normed and summed from one tensor, so its
-clipped contribution is bounded by construction. A ghost norm is a formula
+every ``per-example`` layer here) is normed and summed from one tensor, and
+its sum of squares made an upper bound of the exact one
+(:func:`certified_sum_of_squares`), so its clipped contribution is bounded by
+construction. A ghost norm is a formula
 instead, and over several tokens it can cancel: with equal activations and
 output gradients ``(h, -h, e)`` the Gram terms are ``|x|^2 |h|^2`` while the
 norm is ``|x| |e|``, and float32 rounding of the large terms can leave an
@@ -84,6 +92,7 @@ bound adds about ``(K + N + T^2) u`` relative (0.08% of the norm on a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -171,6 +180,30 @@ class GhostPlan:
     jaxpr: Any
     taps: tuple[_Tap, ...]
     unused: tuple[int, ...]
+
+    def sum_rounding(self, clip_dtype, norm_dtype=None) -> tuple[int, float]:
+        """``(rows, cancellation)``: what bounds the rounding of the clipped sum.
+
+        ``rows``: the most rows one example adds to one contraction over the
+        batch (a ghost layer's tokens, patches or ids; 1 where the layer's
+        per-example gradient is formed). ``cancellation``: the most that
+        ``sum_rows |x_t| |g_t|`` (what the contraction's rounding is proportional
+        to) can exceed the norm the clip factor used for that layer: 1 where the
+        gradient is formed or the layer has one row, else ``64 / lambda`` with
+        ``lambda`` the float32 rounding of the magnitude ``m`` (:func:`_certified`,
+        :func:`_magnitude_ratio`); ``inf`` when no bound exists.
+        """
+        rows, cancellation = 1, 1.0
+        for tap in self.taps:
+            if tap.mode != "ghost" or tap.rule == "generic":
+                continue
+            eqn = self.jaxpr.jaxpr.eqns[tap.eqn]
+            t = _ghost_rows(eqn, tap)
+            rows = max(rows, t)
+            if t > 1:
+                ratio = _magnitude_ratio(eqn, tap, clip_dtype, norm_dtype or clip_dtype)
+                cancellation = max(cancellation, _CANCELLATION / ratio if ratio > 0 else math.inf)
+        return rows, cancellation
 
     def layers(self) -> list[dict[str, str]]:
         """One row per parameter leaf: its path, layer kind and norm rule."""
@@ -339,6 +372,43 @@ def _tkn(eqn, pos, rule) -> tuple[int, int, int]:
     a = eqn.invars[1 - pos].aval.shape
     k = math.prod(a[d] for d in (rc if pos == 0 else lc))
     return math.prod(a) // k, k, math.prod(w) // k
+
+
+def _ghost_rows(eqn, tap: _Tap) -> int:
+    """The rows one example adds to a ghost layer's contraction: tokens, patches or ids."""
+    if tap.rule == "embed":
+        return math.prod(eqn.invars[1].aval.shape)
+    return _tkn(eqn, tap.pos, tap.rule)[0]
+
+
+def _magnitude_ratio(eqn, tap: _Tap, dtype, wide_dtype) -> float:
+    """``lambda``: the computed magnitude ``m`` of a ghost layer with several rows is at
+    least ``lambda sum_t |x_t| |g_t|`` (exact), and ``fl((m / 64)^2)`` at least
+    ``lambda^2 (m_exact / 64)^2``.
+
+    Dense and convolution (:func:`_gram`): ``|x_t|``, ``|g_t|`` are square roots of
+    dot products of length K and N, their products summed over T rows, so
+    ``lambda = sqrt((1 - g_K)(1 - g_N)) (1 - g_T) (1 - u)^4``. Embedding
+    (:func:`_sq_norm_embed`): ``m = ||R_abs||_F``; the Gram form bounds it through
+    row sums (``sqrt((1 - g_D)(1 - g_2T)) (1 - u)^4``), the table form through a
+    scatter-add of T rows and a sum of V D squares in the wide dtype
+    (``(1 - g_T) sqrt(1 - g'_{V D}) (1 - u)^3``). ``g_n`` is :func:`higham_gamma`
+    in ``dtype``, ``g'_n`` in ``wide_dtype``.
+    """
+    u = unit_roundoff(dtype)
+
+    def keep(n):  # 1 - gamma_n, or 0 where no bound exists
+        return max(0.0, 1.0 - higham_gamma(n, dtype))
+
+    if tap.rule == "embed":
+        vocab, dim = eqn.invars[0].aval.shape
+        t = _ghost_rows(eqn, tap)
+        if t * t <= vocab * dim:
+            return math.sqrt(keep(dim) * keep(2 * t)) * (1 - u) ** 4
+        wide_keep = max(0.0, 1.0 - higham_gamma(vocab * dim, wide_dtype))
+        return keep(t) * math.sqrt(wide_keep) * (1 - u) ** 3
+    t, k, n = _tkn(eqn, tap.pos, tap.rule)
+    return math.sqrt(keep(k) * keep(n)) * keep(t) * (1 - u) ** 4
 
 
 def _mode(eqn, pos, rule) -> str:
@@ -604,7 +674,11 @@ def _weighted_examples(x, factor, dtype):
 
 def _weighted_example_dot(x, factor, dtype):
     """``sum_i factor_i x_i`` as one contraction over the example axis, in ``dtype``
-    (every ``x_i`` finite): no weighted copy of ``x`` is formed."""
+    (every ``x_i`` finite): no weighted copy of ``x`` is formed. Wider than ``x``
+    (float64), a reduction instead: XLA:CPU fuses the widening, the product and the
+    sum into it, where a float64 contraction would first copy ``x`` to float64."""
+    if jnp.dtype(dtype) != x.dtype:
+        return jnp.sum(_weighted_examples(x, factor, dtype), axis=0)
     return lax.dot_general(
         factor.astype(dtype),
         x.astype(dtype),
@@ -636,10 +710,10 @@ def _dot_operands(eqn, pos, a, g):
     return am, gm
 
 
-def _sq_norm_dot(eqn, pos, a, g, dtype):
+def _sq_norm_dot(eqn, pos, a, g, dtype, wide_dtype):
     """Certified ``||per-example grad||^2`` of the dot_general's parameter operand for one
     example, and the magnitude ``sum_t |x_t| |g_t|`` (see :func:`_gram`)."""
-    return _gram(*_dot_operands(eqn, pos, a, g), dtype)
+    return _gram(*_dot_operands(eqn, pos, a, g), dtype, wide_dtype)
 
 
 def _gamma(n: int, dtype) -> float:
@@ -651,15 +725,70 @@ def _gamma(n: int, dtype) -> float:
     ``n u >= 1/2``, which only an unsafe (below float32) clip dtype reaches: the
     plan keeps float32 bounds below 5% (:func:`_mode`).
     """
-    nu = n * float(jnp.finfo(dtype).eps) / 2
+    nu = n * unit_roundoff(dtype)
     return nu / (1 - nu) if nu < 0.5 else 1.0
 
 
-def _gram(am, gm, dtype):
+def unit_roundoff(dtype) -> float:
+    """``u = 2^-p`` for a dtype with ``p`` significand bits (float32: 2^-24, float64: 2^-53)."""
+    return float(jnp.finfo(dtype).eps) / 2
+
+
+def higham_gamma(n: int, dtype) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)`` of ``dtype``, ``inf`` when ``n u >= 1``:
+    the relative error bound of a sum of ``n + 1`` terms (or of a dot product of
+    length ``n``) added in any order (Higham 2002, Lemma 3.1 and Eq. 3.5)."""
+    nu = max(n, 0) * unit_roundoff(dtype)
+    return nu / (1 - nu) if nu < 1 else math.inf
+
+
+def wide(dtype):
+    """A context in which values of ``dtype`` can be formed: ``jax.enable_x64`` for a
+    64-bit dtype (which JAX otherwise truncates to 32 bits), else nothing.
+
+    Only reductions run inside it; the loss and its gradients are traced outside,
+    so that a model's own constants keep the dtypes the user gave them.
+    """
+    if jnp.dtype(dtype).itemsize >= 8 and not jax.config.jax_enable_x64:
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
+def certified_sum_of_squares(sq, terms: int, dtype, term_dtype=None):
+    """An upper bound of the exact value of ``sq``, a sum of ``terms`` non-negative
+    numbers (squares, products of norms) computed in ``dtype`` in any order.
+
+    A sum of non-negative terms is never below the exact one by more than a
+    factor ``1 - gamma_terms`` (:func:`higham_gamma`; the rounding of each square is
+    one more term of it), so ``sq / (1 - gamma)`` bounds it from above; the factor
+    is rounded up by ``(1 + 8 u)``, which covers the rounding of the constant and of
+    the multiply. ``term_dtype``: each term was rounded to it (relative
+    ``u_term``) before the sum, which a factor ``1 + 2 u_term`` covers (squares
+    taken in float32 and added in float64, so that XLA need not keep a float64
+    copy of what is squared). In float64 this changes a float32 norm by at most a
+    few ulps; in float32, a norm over ``P`` entries grows by up to ``P u / 2``
+    relative. Raises ``ValueError`` when ``gamma_terms >= 1/2``: no useful bound
+    exists.
+    """
+    gamma = higham_gamma(terms + 2, dtype)
+    if not gamma < 0.5:
+        raise ValueError(
+            f"a squared norm over {terms:,} terms computed in {jnp.dtype(dtype).name} has no "
+            "useful rounding bound (n u >= 1/3); accumulate it in float64 "
+            "(private_grad(accumulation='float64'), the default)"
+        )
+    factor = (1 + 8 * unit_roundoff(dtype)) / (1 - gamma)
+    if term_dtype is not None:
+        factor *= 1 + 2 * unit_roundoff(term_dtype)
+    return sq * jnp.asarray(factor, sq.dtype)
+
+
+def _gram(am, gm, dtype, wide_dtype):
     """Certified ``||A^T G||_F^2`` for A [T, K], G [T, N], and ``m = sum_t |a_t| |g_t|``.
 
     One token: ``||a||^2 ||g||^2``, a product of two sums of squares (no
-    cancellation, rounded like every per-example norm). Several tokens: the Gram
+    cancellation), each accumulated in ``wide_dtype`` and made an upper bound
+    (:func:`certified_sum_of_squares`); ``m`` is then the norm itself. Several tokens: the Gram
     form ``S = <A A^T, G G^T> = sum_{t,s} P_ts Q_ts`` mixes signs and can cancel
     (equal ``a_t`` with ``g = (h, -h, e)`` has ``S = |a|^2 |e|^2`` from terms of size
     ``|a|^2 |h|^2``), so the computed ``S^`` comes with a bound on its error and
@@ -685,7 +814,10 @@ def _gram(am, gm, dtype):
     t, k = am.shape
     n = gm.shape[1]
     if t == 1:
-        sq = jnp.sum(jnp.square(am)) * jnp.sum(jnp.square(gm))
+        with wide(wide_dtype):
+            sa = _sum_of_squares(am, k, dtype, wide_dtype)
+            sg = _sum_of_squares(gm, n, dtype, wide_dtype)
+            sq = certified_sum_of_squares(sa * sg, 0, wide_dtype).astype(dtype)
         return sq, jnp.sqrt(sq)
     gram = lambda x: lax.dot_general(  # noqa: E731
         x, x, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
@@ -705,6 +837,16 @@ def _gram(am, gm, dtype):
     return _row_dot_sum(p, q, dtype) + 2 * err, m
 
 
+def _sum_of_squares(x, terms: int, dtype, wide_dtype, axis=None):
+    """Certified sum of squares of ``x`` (``terms`` entries per sum) in ``wide_dtype``:
+    squared in ``dtype`` and then widened, not widened and then squared, so that
+    the widened ``x`` is not a value XLA can share with (and keep for) another
+    consumer of ``x``: it stays inside the reduction."""
+    sq = jnp.sum(jnp.square(x.astype(dtype)).astype(wide_dtype), axis=axis)
+    same = jnp.dtype(dtype) == jnp.dtype(wide_dtype)
+    return certified_sum_of_squares(sq, terms, wide_dtype, None if same else dtype)
+
+
 def _row_dot_sum(p, q, dtype):
     """``sum_ts p_ts q_ts`` as T row dot products then a sum of T (error <= gamma_2T)."""
     rows = lax.dot_general(
@@ -713,7 +855,7 @@ def _row_dot_sum(p, q, dtype):
     return jnp.sum(rows)
 
 
-def _sq_norm_conv(eqn, a, g, dtype):
+def _sq_norm_conv(eqn, a, g, dtype, wide_dtype):
     """A convolution's kernel gradient is patches^T g: the dense rule on image patches."""
     p = eqn.params
     dn = p["dimension_numbers"]
@@ -733,21 +875,59 @@ def _sq_norm_conv(eqn, a, g, dtype):
     order = (dn.out_spec[0], *dn.out_spec[2:], dn.out_spec[1])  # batch, spatial..., feature
     pm = jnp.transpose(patches, order)
     gm = jnp.transpose(g, order)
-    return _gram(pm.reshape(-1, pm.shape[-1]), gm.reshape(-1, gm.shape[-1]), dtype)
+    return _gram(pm.reshape(-1, pm.shape[-1]), gm.reshape(-1, gm.shape[-1]), dtype, wide_dtype)
 
 
-def _sum_dot(plan: GhostPlan, tap: _Tap, a, g, p):
-    """sum_i x_i^T g_i for a dense layer (weights already in ``g``), laid out as the
-    parameter leaf ``p``: ONE contraction over examples and tokens, in ``a``'s dtype."""
+def _sum_dot(plan: GhostPlan, tap: _Tap, a, g, factor, keep, before, p, dtype, out_dtype):
+    """``sum_i factor_i x_i^T g_i`` for a dense layer, laid out as the parameter leaf
+    ``p`` and rounded to ``out_dtype``: ONE contraction over examples and tokens,
+    accumulated in ``dtype``. ``a``, ``g``: the layer's inputs and unscaled output
+    gradients (clip dtype); rows of examples not in ``keep`` add exactly 0.
+
+    In the accumulate dtype itself (``dtype == out_dtype``) the weighted ``g`` and
+    the zero-filled ``x`` overwrite their operands in place. Wider (float64):
+    ``factor_i g_it`` is exact there and each product with ``x_it`` rounded once,
+    so the whole sum is within ``gamma_{BT} sum_i factor_i sum_t |x_t| |g_t|`` of the
+    exact one. The float64 operands and result cannot be written in place, so the
+    output's columns are taken in blocks of at most ``max(B T, 128)``, each
+    rounded to ``out_dtype`` as soon as it is done and the next one started only
+    then (:func:`_after`): the float64 result of one block, not of the layer, is
+    held at a time (float32 MLP of benchmarks/clipping.py, 784-1024-1024-1024-10
+    at batch 256: 10,516,240 B of compiled temp memory unblocked).
+    """
     eqn = plan.jaxpr.jaxpr.eqns[tap.eqn]
-    am, gm = jax.vmap(lambda a_, g_: _dot_operands(eqn, tap.pos, a_, g_))(a, g)
-    am = am.reshape(-1, am.shape[-1])  # [B T, K]: examples and tokens contracted together
-    gm = gm.reshape(-1, gm.shape[-1])
-    kn = lax.dot_general(
-        am, gm, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=a.dtype
-    )
-    _, pull = jax.vjp(lambda q: _replay_chain(plan, tap, q), p)
-    (out,) = pull(_kn_to_operand(eqn, tap.pos, kn).astype(p.dtype))
+
+    def operands(x, w):  # [B T, K] and [B T, N]: examples and tokens contracted together
+        am, gm = jax.vmap(lambda a_, g_: _dot_operands(eqn, tap.pos, a_, g_))(x, w)
+        return am.reshape(-1, am.shape[-1]), gm.reshape(-1, gm.shape[-1])
+
+    def contract(x, w):
+        return lax.dot_general(
+            x, w, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
+        )
+
+    if jnp.dtype(dtype) == jnp.dtype(out_dtype):
+        rows = _after(keep, before)
+        wg = _kept_rows(_weighted_examples(g, factor, dtype), rows)
+        am, gm = operands(_kept_rows(a.astype(dtype), rows), wg)
+        kn = contract(am, gm)
+    else:
+        am, gm = jax.vmap(lambda a_, g_: _dot_operands(eqn, tap.pos, a_, g_))(a, g)
+        bt, k, n = am.shape[0] * am.shape[1], am.shape[-1], gm.shape[-1]
+        x = _kept_rows(am.astype(dtype), _after(keep, before)).reshape(bt, k)
+        width = max(bt, 128)
+        kn = jnp.zeros((k, n), out_dtype)
+        done = before
+        for lo in range(0, n, width):
+            hi = min(n, lo + width)
+            rows = _after(keep, done)
+            wg = _kept_rows(_weighted_examples(gm[..., lo:hi], factor, dtype), rows)
+            done = contract(x, wg.reshape(bt, hi - lo)).astype(out_dtype)
+            # int32 start indices: under enable_x64 Python ints would be int64, which
+            # a later vmap of this function (outside the scope) truncates with a warning.
+            kn = lax.dynamic_update_slice(kn, done, (np.int32(0), np.int32(lo)))
+    _, pull = jax.vjp(lambda q: _replay_chain(plan, tap, q), p.astype(kn.dtype))
+    (out,) = pull(_kn_to_operand(eqn, tap.pos, kn).astype(out_dtype))
     return out
 
 
@@ -779,7 +959,7 @@ def _dot_kernel_grad(eqn, pos, a, g, dtype):
     return _kn_to_operand(eqn, pos, kn)
 
 
-def _sq_norm_embed(eqn, idx, g, dtype):
+def _sq_norm_embed(eqn, idx, g, dtype, wide_dtype):
     """Certified squared norm of one example's embedding-table gradient, and its magnitude.
 
     The gradient's row ``r`` is ``sum_{t: id_t = r} g_t``. Few tokens: the Gram form
@@ -801,35 +981,41 @@ def _sq_norm_embed(eqn, idx, g, dtype):
         valid = jnp.ones_like(ids, dtype=bool)
     if t * t <= vocab * dim:
         same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
+        mask = same.astype(dtype)
         q = lax.dot_general(
             gm, gm, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=dtype
         )
-        zero = jnp.zeros_like(q)
         ng = jnp.sqrt(jnp.maximum(jnp.diagonal(q), 0))
-        mm = jnp.sum(jnp.where(same, ng[:, None] * ng[None, :], zero))
-        err = _gamma(dim, dtype) * mm + _gamma(2 * t, dtype) * jnp.sum(
-            jnp.where(same, jnp.abs(q), zero)
-        )
-        return _row_dot_sum(same.astype(dtype), q, dtype) + 2 * err, jnp.sqrt(mm)
+        # Row sums, then a sum of T (gamma_2T), as in _gram: never one flat T^2 reduction.
+        mm = _row_dot_sum(mask, ng[:, None] * ng[None, :], dtype)
+        err = _gamma(dim, dtype) * mm + _gamma(2 * t, dtype) * _row_dot_sum(mask, jnp.abs(q), dtype)
+        return _row_dot_sum(mask, q, dtype) + 2 * err, jnp.sqrt(mm)
     slot = jnp.where(valid, ids, vocab)
     rows = jnp.zeros((vocab, dim), dtype).at[slot].add(gm, mode="drop")
     rows_abs = jnp.zeros((vocab, dim), dtype).at[slot].add(jnp.abs(gm), mode="drop")
-    m = jnp.sqrt(jnp.sum(jnp.square(rows_abs)))
-    return jnp.square(jnp.sqrt(jnp.sum(jnp.square(rows))) + 2 * _gamma(t, dtype) * m), m
+    # Sums of squares over the whole table: added up in the wide dtype, the norm's made
+    # an upper bound of its exact value (in float32 a flat V D reduction is off by up
+    # to gamma_{V D}, which for a large table bounds nothing).
+    with wide(wide_dtype):
+        m = jnp.sqrt(jnp.sum(jnp.square(rows_abs).astype(wide_dtype))).astype(dtype)
+        norm = jnp.sqrt(_sum_of_squares(rows, vocab * dim, dtype, wide_dtype)).astype(dtype)
+    return jnp.square(norm * (1 + 4 * _gamma(1, dtype)) + 2 * _gamma(t, dtype) * m), m
 
 
-def _sq_norms(plan: GhostPlan, tap: _Tap, a, g, dtype):
+def _sq_norms(plan: GhostPlan, tap: _Tap, a, g, dtype, wide_dtype):
     """Per-example certified squared norm of one ghost layer's parameter gradient and its
     magnitude (``(sq, m)``, each ``[B]``), batched: see :func:`_certified`."""
     eqn = plan.jaxpr.jaxpr.eqns[tap.eqn]
     if tap.rule == "dot":
-        return jax.vmap(lambda a_, g_: _sq_norm_dot(eqn, tap.pos, a_, g_, dtype))(a, g)
+        return jax.vmap(lambda a_, g_: _sq_norm_dot(eqn, tap.pos, a_, g_, dtype, wide_dtype))(a, g)
     if tap.rule == "embed":
-        return jax.vmap(lambda i_, g_: _sq_norm_embed(eqn, i_, g_, dtype))(a, g)
+        return jax.vmap(lambda i_, g_: _sq_norm_embed(eqn, i_, g_, dtype, wide_dtype))(a, g)
     # Image patches are kernel-size times the activation: taken a few examples at a
     # time so they never all exist at once.
     return lax.map(
-        lambda ag: _sq_norm_conv(eqn, ag[0], ag[1], dtype), (a, g), batch_size=_CONV_CHUNK
+        lambda ag: _sq_norm_conv(eqn, ag[0], ag[1], dtype, wide_dtype),
+        (a, g),
+        batch_size=_CONV_CHUNK,
     )
 
 
@@ -860,13 +1046,21 @@ def ghost_clipped_sum(
     clip_norm: float,
     clip_dtype,
     sum_dtype,
+    norm_dtype=None,
+    out_dtype=None,
 ):
     """Clipped sum over one batch from activations and output gradients.
 
     Returns ``(sum_leaves, norms, finite, losses)``: the clipped sum as a list
-    matching ``params_leaves`` (``sum_dtype``), per-example norms of the
-    unscaled gradient (``clip_dtype``), finiteness and float32 losses.
+    matching ``params_leaves`` (the contractions over examples accumulate in
+    ``sum_dtype``; dense ghost layers' sums come back rounded to ``out_dtype``,
+    by default ``sum_dtype``, the others in ``sum_dtype``), per-example norms of
+    the unscaled gradient (``clip_dtype``; their squares added up in ``norm_dtype``, by default the
+    clip dtype), finiteness and float32 losses. A 64-bit ``sum_dtype`` or
+    ``norm_dtype`` is formed inside :func:`wide` only.
     """
+    norm_dtype = clip_dtype if norm_dtype is None else norm_dtype
+    out_dtype = sum_dtype if out_dtype is None else out_dtype
     jaxpr = plan.jaxpr.jaxpr
     eqns = jaxpr.eqns
     batch = jax.tree.leaves(batch_leaves)[0].shape[0]
@@ -925,17 +1119,32 @@ def ghost_clipped_sum(
     # one tensor. Ghost norms carry their rounding error (:func:`_gram`) and a floor
     # against cancellation (:func:`_certified`): never below the exact norm of what
     # is summed.
-    sq = jnp.zeros((batch,), clip_dtype)
+    #
+    # The layers' squared norms are added up in ``norm_dtype`` (float64 by default)
+    # and the total made an upper bound of its exact value
+    # (:func:`certified_sum_of_squares`) before it is rounded to the clip dtype.
     formed = {}  # tap index -> that layer's per-example gradients, unscaled
+    parts, terms = [], 0
     for k, (tap, g, a, p) in enumerate(zip(plan.taps, grads_out, acts32, p32)):
         g = unscale(g)  # unscale first, in the clip dtype
         if tap.mode == "ghost" and tap.rule == "generic":
             site = _site(plan, tap, clip_dtype)
             g = formed[k] = jax.vmap(lambda a_, g_, s=site, q=p: _layer_grad(s, q, a_, g_))(a, g)
-        if tap.mode == "example" or k in formed:  # g is this layer's per-example gradient
-            sq = sq + jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
-        else:
-            sq = sq + _certified(*_sq_norms(plan, tap, a, g, clip_dtype)).astype(clip_dtype)
+        with wide(norm_dtype):
+            if tap.mode == "example" or k in formed:  # this layer's per-example gradient
+                size = math.prod(g.shape[1:])
+                axes = tuple(range(1, g.ndim))
+                parts.append(_sum_of_squares(g, size, clip_dtype, norm_dtype, axes))
+                terms += 1
+            else:
+                sq_k = _certified(*_sq_norms(plan, tap, a, g, clip_dtype, norm_dtype))
+                parts.append(sq_k.astype(norm_dtype))
+                terms += 1
+    with wide(norm_dtype):
+        sq = parts[0]
+        for part in parts[1:]:
+            sq = sq + part
+        sq = certified_sum_of_squares(sq, terms, norm_dtype).astype(clip_dtype)
     finite = jnp.isfinite(sq)
     norms = jnp.sqrt(sq)
 
@@ -985,52 +1194,52 @@ def ghost_clipped_sum(
             return x
         return jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
 
-    sums = [None] * len(params_leaves)
-    before = None  # the sum done just before this one
-    for k in sorted(range(len(plan.taps)), key=lambda k: plan.taps[k].eqn, reverse=True):
-        tap, g, a, p = plan.taps[k], grads_out[k], acts32[k], p32[k]
-        if tap.mode == "ghost" and tap.rule == "dot":
-            rows = _after(keep, before)
-            wg = _kept_rows(_weighted_examples(unscale(g), factor, sum_dtype), rows)
-            x = _kept_rows(a.astype(sum_dtype), rows)
-            sums[tap.leaf] = _sum_dot(plan, tap, x, wg, p.astype(sum_dtype))
+    with wide(sum_dtype):  # a 64-bit sum is formed here only
+        sums = [None] * len(params_leaves)
+        before = None  # the sum done just before this one
+        for k in sorted(range(len(plan.taps)), key=lambda k: plan.taps[k].eqn, reverse=True):
+            tap, g, a, p = plan.taps[k], grads_out[k], acts32[k], p32[k]
+            if tap.mode == "ghost" and tap.rule == "dot":
+                sums[tap.leaf] = _sum_dot(
+                    plan, tap, a, unscale(g), factor, keep, before, p, sum_dtype, out_dtype
+                )
+                before = sums[tap.leaf]
+                continue
+
+            def clipped_sum(a, g, tap=tap, p=p, formed=k in formed):
+                """sum_i factor_i (this layer's gradient from x_i, g_i); every entry finite."""
+                if formed:  # the per-example gradients the norm was taken from
+                    return _weighted_example_dot(g, factor, sum_dtype)
+                g = unscale(g)
+                if tap.mode == "example":  # g is the layer's per-example gradient
+                    return _weighted_example_dot(g, factor, sum_dtype)
+                p = p.astype(sum_dtype)
+                if _is_float(a.dtype):
+                    a = a.astype(sum_dtype)
+                wg = _weighted_examples(g, factor, sum_dtype)
+                site = _site(plan, tap, sum_dtype)
+                _, pull = jax.vjp(lambda q: jax.vmap(site, (None, 0))(q, a), p)
+                return pull(wg)[0]
+
+            if k in formed:
+                operands = (None, formed.pop(k))
+            else:
+                operands = (None, g) if tap.mode == "example" else (a, g)
+            if tap.mode == "example" or tap.rule == "generic":
+                fast = all_finite
+                if before is not None and before.size:
+                    fast = fast & jnp.isfinite(before.ravel()[0])
+                sums[tap.leaf] = lax.cond(
+                    fast,
+                    clipped_sum,
+                    lambda *xs, f=clipped_sum: f(*map(zero_filled, xs)),
+                    *operands,
+                )
+            else:
+                # Convolutions, embeddings and the like always take the zero-filled
+                # route: XLA:CPU runs convolutions inside a conditional ~10x slower.
+                sums[tap.leaf] = clipped_sum(*map(zero_filled, operands))
             before = sums[tap.leaf]
-            continue
-
-        def clipped_sum(a, g, tap=tap, p=p, formed=k in formed):
-            """sum_i factor_i (this layer's gradient from x_i, g_i); every entry finite."""
-            if formed:  # the per-example gradients the norm was taken from
-                return _weighted_example_dot(g, factor, sum_dtype)
-            g = unscale(g)
-            if tap.mode == "example":  # g is the layer's per-example gradient
-                return _weighted_example_dot(g, factor, sum_dtype)
-            p = p.astype(sum_dtype)
-            if _is_float(a.dtype):
-                a = a.astype(sum_dtype)
-            wg = _weighted_examples(g, factor, sum_dtype)
-            site = _site(plan, tap, sum_dtype)
-            _, pull = jax.vjp(lambda q: jax.vmap(site, (None, 0))(q, a), p)
-            return pull(wg)[0]
-
-        if k in formed:
-            operands = (None, formed.pop(k))
-        else:
-            operands = (None, g) if tap.mode == "example" else (a, g)
-        if tap.mode == "example" or tap.rule == "generic":
-            fast = all_finite
-            if before is not None and before.size:
-                fast = fast & jnp.isfinite(before.ravel()[0])
-            sums[tap.leaf] = lax.cond(
-                fast,
-                clipped_sum,
-                lambda *xs, f=clipped_sum: f(*map(zero_filled, xs)),
-                *operands,
-            )
-        else:
-            # Convolutions, embeddings and the like always take the zero-filled
-            # route: XLA:CPU runs convolutions inside a conditional ~10x slower.
-            sums[tap.leaf] = clipped_sum(*map(zero_filled, operands))
-        before = sums[tap.leaf]
-    for leaf in plan.unused:
-        sums[leaf] = jnp.zeros(jnp.shape(params_leaves[leaf]), sum_dtype)
+        for leaf in plan.unused:
+            sums[leaf] = jnp.zeros(jnp.shape(params_leaves[leaf]), sum_dtype)
     return sums, norms, finite, losses

@@ -400,6 +400,13 @@ def build_report(
             "sampler": p.noise_sampler,
             "noised_coordinates": step.budget.noised_coordinates,
             "epsilon_residual": breakdown.noise_residual,
+            # The sum's L2 sensitivity as computed (the clip norm plus a bound on the
+            # floating-point rounding of the clipped sum, from public constants: the
+            # padded batch size, the partial sums, the dtypes and the model's shapes);
+            # the noise stddev is noise_multiplier times it.
+            "l2_sensitivity": step.sensitivity.get("sensitivity"),
+            "stddev": step.noise_multiplier * step.sensitivity.get("sensitivity", math.nan),
+            "sensitivity_bound": dict(step.sensitivity),
         },
         "l2_clip_norm": p.l2_clip_norm,
         "steps": completed,

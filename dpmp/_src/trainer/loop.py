@@ -118,6 +118,14 @@ def _log_plan(run: RunDir, step: PrivateStep) -> None:
         f"{p.target_epsilon:g} at delta {p.delta:g} over {t.steps} "
         f"steps, q = {step.sampling_prob:.6g}, accountant {p.accountant})"
     )
+    if step.sensitivity:
+        bound = step.sensitivity
+        run.log(
+            f"noise stddev = noise multiplier x L2 sensitivity {bound['sensitivity']:.9g}: the "
+            f"clip norm {bound['clip_norm']:g} plus the rounding of the clipped sum of "
+            f"{bound['batch_size']} padded examples in {bound['parts']} part(s), accumulated "
+            f"in {bound['accumulate_dtype']}"
+        )
     if step.mesh is not None:
         where = release.mesh_summary(step.mesh, sharded=t.shard_params)
         run.log(

@@ -16,8 +16,11 @@ Every device clips its own examples (``private_grad`` makes the replicated
 parameters vary over the axis, so no per-example gradient is summed across
 devices before it is clipped); the clipped sums meet in one float32 (the
 accumulate dtype) all-reduce, which the precision audit reads as its
-``all_reduce`` site. Parameters and optimizer state stay replicated. Poisson
-sampling stays one global draw: every process runs the same sampler (same
+``all_reduce`` site. That all-reduce adds in whatever order XLA picks; the
+step's sensitivity counts each device's sum as one of the partial sums whose
+float32 addition it bounds (``PrivateGradFn.sensitivity(parts=...)``).
+Parameters and optimizer state stay replicated. Poisson sampling stays one
+global draw: every process runs the same sampler (same
 secret seed), and each reads only the rows its devices hold.
 
 With ``training.shard_params`` the parameters and optimizer state are sharded

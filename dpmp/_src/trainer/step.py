@@ -19,6 +19,17 @@ chunks of that many examples, one device call each::
 
 so the compiled memory is set by the chunk, not by the logical batch.
 
+The noise is drawn for the sensitivity of the sum AS COMPUTED::
+
+    sensitivity = grad_fn.sensitivity(batch_size=padded batch size,
+                                      parts=physical chunks x devices)
+    stddev      = noise_multiplier * sensitivity    # l2_clip_norm= of private_optimizer
+
+which is the clip norm plus a bound on the floating-point rounding of the
+clipped sum (its float64 accumulation, its one rounding to float32, and the
+float32 additions of the chunks' and devices' partial sums, in any order):
+the accountant's Gaussian mechanism with that noise multiplier, exactly.
+
 With ``training.devices`` above 1 the batch (or each chunk) is split over a
 data-parallel mesh (``dpmp._src.trainer.mesh``): each device clips its rows,
 the clipped sums are all-reduced in the accumulate dtype, each device draws
@@ -103,6 +114,10 @@ class PrivateStep:
       grad_fn: the ``dpmp.private_grad`` function inside ``step_fn``.
       clipping: ``grad_fn.explain(...)`` for this run's batches: the clip
         method requested, the one used, why, and the rule for each parameter.
+      sensitivity: ``grad_fn.sensitivity_bound(...)`` for this run's padded batch
+        and its partial sums (physical chunks times devices): the L2 sensitivity
+        of the noised sum as computed, rounding included (``"sensitivity"``, the
+        ``l2_clip_norm`` the noise is drawn for), and the terms of its bound.
       feature_stats: the standardisation statistics, or None.
       keys: the run's ``RunKeys`` (secret unless reproducible; process 0's in
         a run of several processes).
@@ -131,6 +146,7 @@ class PrivateStep:
     clipping: dict[str, Any]
     feature_stats: FeatureStats | None
     keys: RunKeys
+    sensitivity: dict[str, Any] = dataclasses.field(default_factory=dict)
     mesh: RunMesh | None = None
     state_shardings: Any = None
     chunks: Callable | None = None
@@ -151,6 +167,13 @@ class PrivateStep:
     budget = property(lambda self: self.plan.budget)
     sampling_prob = property(lambda self: self.plan.sampling_prob)
     count_noise_stddev = property(lambda self: self.plan.count_noise_stddev)
+
+
+def _partial_sums(sampler, size: int | None, mesh: RunMesh | None) -> int:
+    """How many float32 sums of ``private_grad`` make a step's noised sum: one per
+    physical chunk and device (added up across chunks, all-reduced across devices)."""
+    chunks = 1 if size is None else sampler.padded_batch_size // size
+    return chunks * (mesh.size if mesh else 1)
 
 
 def _make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -365,10 +388,22 @@ def build_private_step(
         method=config.privacy.clip_method,
     )
     specs = mesh.param_specs(params_shape) if t.shard_params else None
+    params = jax.jit(model.init)(init_key)
+    size = t.physical_batch_size
+    first = sampler.batch(0)
+    # what one call of private_grad sees: a chunk, or a device's share of it
+    per_call = (size or len(first.indices)) // (mesh.size if mesh else 1)
+    explained_batch = jax.tree.map(lambda v: jnp.asarray(v[:per_call]), gather(data, first)[0])
+    clipping = _explain_clipping(grad_fn, params, explained_batch)
+    # The noise is the noise multiplier times the sensitivity of the sum as computed
+    # (rounding included): the accountant's Gaussian mechanism, exactly.
+    sensitivity = grad_fn.sensitivity_bound(
+        batch_size=sampler.padded_batch_size, parts=_partial_sums(sampler, size, mesh)
+    )
     optimizer = private_optimizer(
         _make_optimizer(config),
         noise_multiplier=plan.noise_multiplier,
-        l2_clip_norm=config.privacy.l2_clip_norm,
+        l2_clip_norm=sensitivity["sensitivity"],
         expected_batch_size=t.expected_batch_size,
         prng_key=keys.noise,
         policy=policy,
@@ -376,7 +411,6 @@ def build_private_step(
         # on a mesh each device draws only its part of the noise (the same values)
         sharding=None if mesh is None else NoiseSharding(mesh.mesh, AXIS, specs),
     )
-    params = jax.jit(model.init)(init_key)
     init_state = {
         "params": params,
         "opt_state": optimizer.init(params),
@@ -386,11 +420,6 @@ def build_private_step(
     if mesh is not None:
         state_shardings = mesh.state_shardings(init_state, specs)
         init_state = mesh.put(init_state, state_shardings)
-    size = t.physical_batch_size
-    first = sampler.batch(0)
-    # what one call of private_grad sees: a chunk, or a device's share of it
-    per_call = (size or len(first.indices)) // (mesh.size if mesh else 1)
-    explained_batch = jax.tree.map(lambda v: jnp.asarray(v[:per_call]), gather(data, first)[0])
     acc_shapes = jax.eval_shape(lambda p, b: grad_fn(p, b).grads, params, explained_batch)
     step_fn, chunk_fn, apply_fn, chunks, zeros = _step_functions(
         grad_fn, optimizer, mesh, specs, size, acc_shapes
@@ -417,7 +446,8 @@ def build_private_step(
         plan=plan,
         init_state=init_state,
         grad_fn=grad_fn,
-        clipping=_explain_clipping(grad_fn, params, explained_batch),
+        clipping=clipping,
+        sensitivity=sensitivity,
         feature_stats=feature_stats,
         keys=keys,
         mesh=mesh,
@@ -619,12 +649,13 @@ def privacy_audit_step(
     step: PrivateStep | None = None,
 ):
     """Empirical privacy audit (``dpmp.privacy_audit``) of the config's noise stage:
-    its policy, noise multiplier (calibrated as the run would), clip norm and delta."""
+    its policy, noise multiplier (calibrated as the run would), sensitivity (the clip
+    norm with the rounding bound of the clipped sum) and delta."""
     step = build_private_step(config, data) if step is None else step
     return privacy_audit(
         step.noise_multiplier,
         policy=step.policy,
-        clip_norm=config.privacy.l2_clip_norm,
+        clip_norm=step.sensitivity["sensitivity"],
         delta=config.privacy.delta,
         num_releases=num_releases,
         mechanism="dpmp" if config.privacy.noise_sampler == "snapped" else "plain",
