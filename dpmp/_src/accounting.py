@@ -21,8 +21,10 @@ multiplier, ``sigma_c`` = ``count_noise_stddev``)::
                       training, e.g. private feature statistics; not subsampled)
 
 Formal Guarantees:
-  * Each step's gradient sum has L2 sensitivity ``C`` (the clip norm) and gets
-    noise of stddev ``sigma * C``; each released count has sensitivity 1 (one
+  * Each step's gradient sum has L2 sensitivity ``D`` and gets noise of stddev
+    ``sigma * D``: ``D = g.sensitivity(batch_size=...)`` of ``dpmp.private_grad``,
+    the clip norm ``C`` plus a bound on the sum's floating-point rounding (the
+    trainer draws its noise for it); each released count has sensitivity 1 (one
     example changes a count over the batch by at most one) and gets noise of
     stddev ``sigma_c``. Both are computed from the *same* Poisson sample, so
     they are not two independently subsampled mechanisms: they form one
