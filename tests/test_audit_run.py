@@ -189,6 +189,7 @@ def test_zero_out_makes_excluded_records_padding():
     np.testing.assert_array_equal(got.indices, sampled.indices)
 
 
+@pytest.mark.slow  # two audit trainings, ~10 s
 def test_excluded_canaries_contribute_nothing():
     """Bit for bit: training with every canary out gives the same parameters
     whatever the canaries are (same keys: reproducible noise and sampling), and

@@ -204,6 +204,7 @@ print("JSON" + __import__("json").dumps(out))
 """
 
 
+@pytest.mark.slow  # a 4-device subprocess, ~11 s
 def test_each_device_draws_only_its_part_of_the_noise(tmp_path):
     """On 4 devices, replicated leaves (one that does not split into 4, one smaller
     than 4) and sharded ones (FSDP, along either axis): the noisy sum equals the
