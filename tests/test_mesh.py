@@ -169,7 +169,8 @@ import dpmp
 from dpmp._src import noise
 
 assert jax.device_count() == 4
-noise.SNAP_CHUNK = 4096  # pieces of one size, so that loop trip counts show the coordinates
+# pieces of one size, so that loop trip counts show the coordinates
+noise.SNAP_CHUNK = 4096
 mesh = Mesh(np.array(jax.devices()), ("data",))
 tree = {
     "w": jnp.linspace(-1, 1, 1_000_003, dtype=jnp.float32),  # does not split into 4

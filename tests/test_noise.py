@@ -170,8 +170,8 @@ def test_a_coordinates_noise_depends_on_its_index_alone():
 @pytest.mark.parametrize("size", [5_000, 100_000, 1_000_000, 16_777_216])
 def test_noise_stage_temporary_memory_is_bounded_per_coordinate(size):
     """The compiled noise stage (privatizer update on a flat gradient sum) needs at
-    most 8 bytes of temporary memory per noised coordinate, at every size: it draws
-    in bounded pieces written back in place (the whole-array draw needed 80)."""
+    most 8 bytes of temporary memory per noised coordinate, at every size (the
+    whole-array draw needed 80): a loop of bounded pieces written back in place."""
     priv = dpmp.gaussian_privatizer(stddev=1.0, prng_key=0, policy="bf16")
     grads = jax.ShapeDtypeStruct((size,), jnp.float32)
     state = jax.eval_shape(priv.init, grads)
