@@ -689,18 +689,20 @@ def _plan_residual(
     steps: int,
     with_count: int,
     sigma: float,
-    sigma_eff: float,
+    count_noise_stddev: float | None,
     delta: float,
     neighboring: str,
 ) -> NoiseResidual | None:
     """The noise residual of a plan of ``steps`` releases of ``coordinates`` gradient
-    coordinates; with count releases, the count's noise is one more coordinate and
-    the neighbour's shift is that of ``sigma_eff``. None: the plan does not count
-    coordinates (exact Gaussian noise) or releases nothing."""
+    coordinates at noise multiplier ``sigma``; with count releases, the count's noise
+    is one more coordinate and the neighbour's shift is that of the effective noise
+    multiplier. None: the plan does not count coordinates (exact Gaussian noise) or
+    releases nothing."""
     if coordinates is None or steps == 0:
         return None
     if with_count:
-        coordinates, sigma = coordinates + 1, sigma_eff
+        coordinates = coordinates + 1
+        sigma = effective_noise_multiplier(sigma, count_noise_stddev)
     return noise_residual(
         coordinates=coordinates,
         releases=steps,
@@ -860,7 +862,7 @@ def _epsilons(
             steps=steps,
             with_count=with_count,
             sigma=s,
-            sigma_eff=effective_noise_multiplier(s, count_noise_stddev),
+            count_noise_stddev=count_noise_stddev,
             delta=delta,
             neighboring=neighboring,
         )
@@ -1021,7 +1023,7 @@ def calibrate_noise_multiplier(
             steps=steps,
             with_count=with_count,
             sigma=floor,
-            sigma_eff=effective_noise_multiplier(floor, sigma_c),
+            count_noise_stddev=sigma_c,
             delta=delta,
             neighboring=neighboring,
         )
@@ -1293,7 +1295,7 @@ class _EpsilonCurve:
                 steps=plain + with_count,
                 with_count=with_count,
                 sigma=sigma,
-                sigma_eff=effective_noise_multiplier(sigma, b.count_noise_stddev),
+                count_noise_stddev=b.count_noise_stddev,
                 delta=b.delta,
                 neighboring=b.neighboring,
             )
