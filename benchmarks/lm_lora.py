@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import dpmp
-from dpmp._src.config import load_config
+from dpmp.app.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
@@ -87,9 +87,9 @@ def pretrained_only(shared: Path) -> dict:
     import jax
     import numpy as np
 
-    from dpmp._src.data import load_data
-    from dpmp._src.models import build_model
-    from dpmp._src.trainer.evaluate import evaluator
+    from dpmp.app.trainer.evaluate import evaluator
+    from dpmp.data._dataset import load_data
+    from dpmp.models._builtin import build_model
 
     config = load_config(ROOT / "configs/lm_lora.toml")
     data = load_data(config.data, config.training.seed)

@@ -29,9 +29,9 @@ import time
 import jax
 import numpy as np
 
-from dpmp._src.config import load_config
-from dpmp._src.trainer import build_private_step
-from dpmp._src.trainer.mesh import local
+from dpmp.app.config import load_config
+from dpmp.app.trainer import build_private_step
+from dpmp.app.trainer.mesh import local
 
 CHECKPOINTS = (1, 2, 5, 10, 20, 50, 100, 200, 300)
 

@@ -41,9 +41,9 @@ import jax.numpy as jnp
 import optax
 
 import dpmp
-from dpmp._src.accounting import SNAP_NDTRI_REL_ERROR, _cell_log_ratio
-from dpmp._src.config import load_config
-from dpmp._src.trainer import build_private_step
+from dpmp.accounting._accounting import SNAP_NDTRI_REL_ERROR, _cell_log_ratio
+from dpmp.app.config import load_config
+from dpmp.app.trainer import build_private_step
 
 SAMPLERS = ("plain", "snapped")
 MIN_SAMPLE_S = 0.5

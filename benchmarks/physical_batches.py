@@ -18,10 +18,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from dpmp._src.config import load_config
-from dpmp._src.data import load_data
-from dpmp._src.trainer import build_private_step, run_keys
-from dpmp._src.trainer.batches import physical_chunks
+from dpmp.app.config import load_config
+from dpmp.app.trainer import build_private_step, run_keys
+from dpmp.app.trainer.batches import physical_chunks
+from dpmp.data._dataset import load_data
 
 
 def temp_bytes(compiled) -> int:

@@ -10,8 +10,8 @@ import json
 
 import numpy as np
 
-from dpmp._src.config import load_config
-from dpmp._src.data import PAD, load_data
+from dpmp.app.config import load_config
+from dpmp.data._dataset import PAD, load_data
 
 
 def targets(tokens: np.ndarray) -> np.ndarray:

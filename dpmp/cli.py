@@ -51,7 +51,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from dpmp._src.config import load_config
+    from dpmp.app.config import load_config
 
     overrides = list(args.overrides)
     if getattr(args, "data", None):
@@ -79,9 +79,9 @@ def _load(args):
 
 # ---- train -------------------------------------------------------------------------
 def _cmd_train(args) -> int:
-    from dpmp._src.checkpoint import CheckpointError
-    from dpmp._src.release import run_failures
-    from dpmp._src.trainer import train
+    from dpmp.app.checkpoint import CheckpointError
+    from dpmp.app.release import run_failures
+    from dpmp.app.trainer import train
 
     config = _load(args)
     out = Path(args.out)
@@ -105,7 +105,7 @@ def _cmd_train(args) -> int:
         print(f"dpmp train: process {jax.process_index()} of {jax.process_count()}: done")
         return 0
     try:
-        from dpmp._src.plots import plot_run
+        from dpmp.app.plots import plot_run
 
         plots = plot_run(out)
     except Exception as e:  # plots are a convenience; the run itself is saved
@@ -124,7 +124,7 @@ def _cmd_train(args) -> int:
 
 
 def _inventory(run_dir) -> list[str]:
-    from dpmp._src.release import inventory_lines
+    from dpmp.app.release import inventory_lines
 
     return inventory_lines(run_dir)
 
@@ -209,7 +209,7 @@ def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
 
 
 def _cmd_audit(args) -> int:
-    from dpmp._src.trainer import audit_step, privacy_audit_step
+    from dpmp.app.trainer import audit_step, privacy_audit_step
 
     _check_audit_options(args)
     if args.run:
@@ -263,14 +263,14 @@ def _check_audit_options(args) -> None:
 
 
 def _default_canaries() -> int:
-    from dpmp._src.audit_run import DEFAULT_CANARIES
+    from dpmp.app.audit_run import DEFAULT_CANARIES
 
     return DEFAULT_CANARIES
 
 
 def _audit_run(args) -> int:
     """``dpmp audit --run``: one training with canaries, its epsilon lower bound."""
-    from dpmp._src.audit_run import audit_run
+    from dpmp.app.audit_run import audit_run
 
     report = audit_run(
         _load(args),
@@ -292,7 +292,7 @@ def _audit_run(args) -> int:
 
 # ---- compare -----------------------------------------------------------------------
 def _cmd_compare(args) -> int:
-    from dpmp._src.trainer.compare import compare, format_table
+    from dpmp.app.trainer.compare import compare, format_table
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
@@ -388,7 +388,7 @@ def _cmd_budget(args) -> int:
 
 # ---- report ------------------------------------------------------------------------
 def _cmd_report(args) -> int:
-    from dpmp._src.plots import plot_run
+    from dpmp.app.plots import plot_run
 
     run = Path(args.run_dir)
     path = run / "report.json"
@@ -594,11 +594,11 @@ def _parser() -> argparse.ArgumentParser:
 
 # What each command imports, loaded up front with Ctrl-C held (see _import_all).
 _IMPORTS = {
-    "train": ("jax", "dpmp._src.trainer", "dpmp._src.release", "dpmp._src.plots", "matplotlib"),
-    "audit": ("jax", "dpmp._src.trainer", "dpmp._src.audit", "dpmp._src.audit_run"),
-    "budget": ("dpmp._src.accounting",),
-    "compare": ("jax", "dpmp._src.trainer.compare"),
-    "report": ("dpmp._src.release", "dpmp._src.plots", "matplotlib"),
+    "train": ("jax", "dpmp.app.trainer", "dpmp.app.release", "dpmp.app.plots", "matplotlib"),
+    "audit": ("jax", "dpmp.app.trainer", "dpmp.audit._precision", "dpmp.app.audit_run"),
+    "budget": ("dpmp.accounting._accounting",),
+    "compare": ("jax", "dpmp.app.trainer.compare"),
+    "report": ("dpmp.app.release", "dpmp.app.plots", "matplotlib"),
 }
 
 
@@ -649,7 +649,7 @@ def _import_all(modules, distributed: dict | None = None) -> None:
 
 def _join(distributed: dict | None) -> None:
     if distributed is not None:
-        from dpmp._src.trainer.mesh import initialize
+        from dpmp.app.trainer.mesh import initialize
 
         try:
             initialize(**distributed, named="--coordinator, --num-processes and --process-id")

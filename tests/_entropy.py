@@ -1,5 +1,5 @@
 """A deterministic stand-in for ``os.urandom``, so that runs with secret keys can be
-compared bit for bit: ``install(monkeypatch, seed)`` makes ``dpmp._src.entropy``
+compared bit for bit: ``install(monkeypatch, seed)`` makes ``dpmp.noise._entropy``
 read a stream seeded by ``seed`` (a different seed: different keys)."""
 
 import numpy as np
@@ -18,7 +18,7 @@ class FakeEntropy:
 
 
 def install(monkeypatch, seed: int) -> FakeEntropy:
-    from dpmp._src import entropy
+    from dpmp.noise import _entropy as entropy
 
     fake = FakeEntropy(seed)
     monkeypatch.setattr(entropy, "_urandom", fake)

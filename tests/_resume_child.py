@@ -14,9 +14,9 @@ import time
 
 from _entropy import FakeEntropy
 
-from dpmp._src import entropy
-from dpmp._src.config import load_config
-from dpmp._src.trainer import train
+from dpmp.app.config import load_config
+from dpmp.app.trainer import train
+from dpmp.noise import _entropy as entropy
 
 
 def main() -> None:

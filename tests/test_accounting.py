@@ -604,7 +604,7 @@ def test_cell_log_ratio_bounds_the_exact_mass_change_mpmath():
     the per-cell bound noise_residual composes."""
     import mpmath
 
-    from dpmp._src.accounting import _U_REL, SNAP_NDTRI_REL_ERROR, _cell_log_ratio
+    from dpmp.accounting._accounting import _U_REL, SNAP_NDTRI_REL_ERROR, _cell_log_ratio
 
     mpmath.mp.dps = 50
     rng = np.random.default_rng(1)
@@ -686,9 +686,9 @@ def test_residual_stays_small_at_the_sizes_models_are_trained(coordinates, steps
 
 def test_residual_of_the_default_run_is_below_1e_5():
     """The default config (digits MLP, epsilon 2): its calibrated plan's residual."""
-    from dpmp._src.adapters import model_from_config
-    from dpmp._src.data import load_data
-    from dpmp._src.trainer.plan import noise_plan
+    from dpmp.app.trainer.plan import noise_plan
+    from dpmp.data._dataset import load_data
+    from dpmp.models._adapters import model_from_config
 
     config = dpmp.Config()
     data = load_data(config.data, config.training.seed)
@@ -731,7 +731,7 @@ def test_residual_constants_against_mpmath():
     import mpmath
     from scipy import stats
 
-    from dpmp._src.accounting import (
+    from dpmp.accounting._accounting import (
         SNAP_TAIL,
         _outside_mass,
         _tail_count,

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dpmp._src.adapters import as_model, load_factory, model_from_config, model_signature
-from dpmp._src.config import ConfigError, ModelConfig
-from dpmp._src.policy import Policy
+from dpmp.app.config import ConfigError, ModelConfig
+from dpmp.models._adapters import as_model, load_factory, model_from_config, model_signature
+from dpmp.precision._policy import Policy
 
 IN, K = 6, 3
 

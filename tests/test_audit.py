@@ -15,14 +15,14 @@ from jax_privacy import clipping as jp_clipping
 from jax_privacy import noise_addition as jp_noise
 
 import dpmp
-from dpmp._src.audit import (
+from dpmp.audit._numeric import NumericReport, fp_sum_sensitivity, numeric_audit
+from dpmp.audit._precision import (
     KINDS,
     Finding,
     PrecisionAuditError,
     PrecisionReport,
     audit_precision,
 )
-from dpmp._src.audit_numeric import NumericReport, fp_sum_sensitivity, numeric_audit
 from tests._devices import run_on_host_devices
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -191,7 +191,7 @@ _MULTI_DEVICE = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
     from jax_privacy import clipping
-    from dpmp._src.audit import audit_precision
+    from dpmp.audit._precision import audit_precision
 
     assert jax.device_count() == 4, jax.devices()
     def loss(p, b):

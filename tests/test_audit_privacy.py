@@ -18,7 +18,7 @@ from dp_accounting.pld import privacy_loss_distribution as pld
 
 import dpmp
 from dpmp import cli
-from dpmp._src import audit_privacy
+from dpmp.audit import _privacy as audit_privacy
 
 
 def _agrees_with_exact(share, mass, n, z=5.0):

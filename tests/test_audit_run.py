@@ -12,12 +12,12 @@ import scipy.stats
 from jax_privacy import auditing as jp_auditing
 
 from dpmp import cli
-from dpmp._src.audit_one_run import auc, epsilon_lower_bound, exact_gaussian_game, guess
-from dpmp._src.audit_run import _setup, _train, _zero_out, audit_run
-from dpmp._src.config import Config, ConfigError, load_config
-from dpmp._src.data import load_data
-from dpmp._src.sampling import SampledBatch
-from dpmp._src.trainer import step as step_module
+from dpmp.app.audit_run import _setup, _train, _zero_out, audit_run
+from dpmp.app.config import Config, ConfigError, load_config
+from dpmp.app.trainer import step as step_module
+from dpmp.audit._one_run import auc, epsilon_lower_bound, exact_gaussian_game, guess
+from dpmp.data._dataset import load_data
+from dpmp.data._sampling import SampledBatch
 
 
 def _p_value(m, k, c, eps, delta):

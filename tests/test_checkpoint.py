@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import dpmp
-from dpmp._src.checkpoint import (
+from dpmp.app.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
@@ -126,7 +126,7 @@ _KILL_DURING_SAVE = r"""
 import os, signal, sys
 import numpy as np
 import jax.numpy as jnp
-from dpmp._src import checkpoint
+from dpmp.app import checkpoint
 d = sys.argv[1]
 checkpoint.save_checkpoint(d, step=1, state={"w": jnp.full((1000,), 1.0)}, meta={})
 real_savez = np.savez

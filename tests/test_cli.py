@@ -511,7 +511,7 @@ def test_a_fixed_noise_multiplier_too_small_is_refused_before_pre_training(capsy
 
 
 def test_a_second_writer_is_refused_and_changes_nothing(capsys, tmp_path):
-    from dpmp._src.run_dir import locked
+    from dpmp.app.run_dir import locked
 
     out = tmp_path / "run"
     with locked(out):  # as a running `dpmp train` holds it
@@ -595,7 +595,7 @@ def test_budget_argument_errors(argv, needles, capsys):
 
 
 def test_debug_mode_reraises(monkeypatch):
-    from dpmp._src.config import ConfigError
+    from dpmp.app.config import ConfigError
 
     monkeypatch.setenv("DPMP_DEBUG", "1")
     with pytest.raises(ConfigError, match="training.steps"):
@@ -654,7 +654,7 @@ def test_train_own_model_from_its_file_on_a_npy_folder(tmp_path):
 
     import numpy as np
 
-    from dpmp._src.data import load_data
+    from dpmp.data._dataset import load_data
 
     (tmp_path / "their_module.py").write_text(
         "import flax.linen as nn\n\n"
@@ -714,7 +714,7 @@ def test_train_own_model_from_its_file_on_a_npy_folder(tmp_path):
 def test_a_run_that_did_not_do_what_was_asked_exits_3_and_says_why(
     sets, needle, capsys, tmp_path, monkeypatch
 ):
-    from dpmp._src.trainer import loop
+    from dpmp.app.trainer import loop
 
     # a too-small fixed sigma is refused before training; the stop is the guarantee
     # behind that refusal, reached here with the refusal switched off
@@ -755,7 +755,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, delay_s):
     assert err.splitlines()[-1].startswith("dpmp train: "), err
     assert not (out / "report.json").exists()
     if out.exists():  # nothing half-written: a second run in the same place starts
-        from dpmp._src.run_dir import locked
+        from dpmp.app.run_dir import locked
 
         with locked(out):
             pass
@@ -764,7 +764,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, delay_s):
 _GC_INTERRUPT = """
 import gc, os, signal, sys
 from dpmp import cli
-from dpmp._src.trainer import loop
+from dpmp.app.trainer import loop
 
 build = loop._build_step
 
@@ -826,7 +826,7 @@ def test_the_memory_check_counts_parameters_gradients_and_adam_state(capsys, mon
     """The default MLP (64-256-10: 19,210 float32 parameters, by hand) needs 7
     copies of them with Adam (the parameters, their clipped sum, two moments, and
     the new parameters and moments): refused below that many bytes, built above."""
-    from dpmp._src.trainer import step
+    from dpmp.app.trainer import step
 
     need = 7 * 4 * (64 * 256 + 256 + 256 * 10 + 10)
     monkeypatch.setattr(step, "_memory_bytes", lambda: need - 1)

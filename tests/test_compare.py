@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from dpmp import cli
-from dpmp._src.config import Config, load_config
-from dpmp._src.data import load_data
-from dpmp._src.trainer.compare import KINDS, compare, format_table
-from dpmp._src.trainer.step import build_private_step
+from dpmp.app.config import Config, load_config
+from dpmp.app.trainer.compare import KINDS, compare, format_table
+from dpmp.app.trainer.step import build_private_step
+from dpmp.data._dataset import load_data
 
 SMALL = ["training.expected_batch_size=64", "privacy.noise_multiplier=1.0"]
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dpmp._src import config as config_lib
-from dpmp._src.config import Config, ConfigError, load_config
+from dpmp.app import config as config_lib
+from dpmp.app.config import Config, ConfigError, load_config
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 ALL_KEYS = {"policy"} | {
@@ -37,7 +37,7 @@ def test_readme_key_table_is_the_generated_one():
     assert listed == ALL_KEYS, f"missing {ALL_KEYS - listed}, stale {listed - ALL_KEYS}"
     assert block == config_lib.markdown_table(), (
         "README.md's config key table is out of date: paste the output of "
-        "`python -m dpmp._src.config` between its config-keys markers"
+        "`python -m dpmp.app.config` between its config-keys markers"
     )
 
 
@@ -165,7 +165,7 @@ _HUGE_IS_FINE = {
 
 
 def _numeric_keys():
-    from dpmp._src.config import config_reference
+    from dpmp.app.config import config_reference
 
     return [
         row["key"]
@@ -197,7 +197,7 @@ def test_the_limits_mirrored_from_accounting_agree_with_it():
     """config.py keeps dpmp.accounting's limits as literals (it does not import the
     accountant); they must say the same."""
     from dpmp import accounting
-    from dpmp._src import config
+    from dpmp.app import config
 
     assert config.MAX_EPSILON == accounting.MAX_EPSILON
     low, high = config.NOISE_RANGE

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from dpmp._src import entropy
+from dpmp.noise import _entropy as entropy
 
 from ._entropy import install
 

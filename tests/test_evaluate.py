@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpmp._src.models import Model
-from dpmp._src.trainer.evaluate import evaluator
+from dpmp.app.trainer.evaluate import evaluator
+from dpmp.models._builtin import Model
 
 
 def _model_reading_its_metrics_from_the_input():

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import dpmp
-from dpmp._src.checkpoint import CheckpointError, latest_meta
-from dpmp._src.config import ConfigError, load_config
-from dpmp._src.data import load_data
-from dpmp._src.lora import adapted, lora_model
-from dpmp._src.models import build_model, count_params
-from dpmp._src.trainer import build_private_step, train
+from dpmp.app.checkpoint import CheckpointError, latest_meta
+from dpmp.app.config import ConfigError, load_config
+from dpmp.app.trainer import build_private_step, train
+from dpmp.data._dataset import load_data
+from dpmp.models._builtin import build_model, count_params
+from dpmp.models._lora import adapted, lora_model
 
 
 def _base():
@@ -145,7 +145,7 @@ def test_lora_after_public_pretraining_leaves_the_base_bit_identical(tmp_path):
             assert np.array_equal(np.asarray(before), np.asarray(after)), path
             frozen += 1
     assert frozen >= 8
-    from dpmp._src.trainer.pretrain import params_digest
+    from dpmp.app.trainer.pretrain import params_digest
 
     assert params_digest(pretrained) == start["params_sha256"]
 

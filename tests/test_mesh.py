@@ -19,16 +19,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpmp._src.config import ConfigError, load_config
+from dpmp.app.config import ConfigError, load_config
 from tests._devices import ROOT, run_on_host_devices
 
 _STEPS_MATCH = """
 import json
 import jax, jax.numpy as jnp, numpy as np
-from dpmp._src.config import load_config
-from dpmp._src.clipping import PrivateGradFn
-from dpmp._src.trainer.step import audit_step, build_private_step
-from dpmp._src.trainer.mesh import local
+from dpmp.app.config import load_config
+from dpmp.clipping._private_grad import PrivateGradFn
+from dpmp.app.trainer.step import audit_step, build_private_step
+from dpmp.app.trainer.mesh import local
 
 assert jax.device_count() == 4, jax.devices()
 BASE = ["model.hidden=[32]", "training.expected_batch_size=96", "privacy.reproducible_noise=true",
@@ -100,8 +100,8 @@ if "ghost" not in CASES:
     raise SystemExit
 
 # the same step with the clipped sums all-reduced in bfloat16: the audit flags it
-from dpmp._src.trainer.step import _whole_step
-from dpmp._src.audit import audit_precision
+from dpmp.app.trainer.step import _whole_step
+from dpmp.audit._precision import audit_precision
 step = run(4, steps=0)[0]
 def half_sums(*args, **kwargs):
     got = step.grad_fn(*args, **kwargs)
@@ -166,7 +166,7 @@ import re
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import dpmp
-from dpmp._src import noise
+from dpmp.noise import _noise as noise
 
 assert jax.device_count() == 4
 # pieces of one size, so that loop trip counts show the coordinates
@@ -238,7 +238,7 @@ def test_training_devices_is_checked(value, words):
 def test_more_devices_than_jax_sees_is_one_line():
     import jax
 
-    from dpmp._src.trainer.mesh import make_mesh
+    from dpmp.app.trainer.mesh import make_mesh
 
     config = load_config(None, [f"training.devices={jax.device_count() + 1}"])
     with pytest.raises(ConfigError, match=r"training.devices: \d+, but JAX sees") as e:
@@ -248,7 +248,7 @@ def test_more_devices_than_jax_sees_is_one_line():
 
 
 def test_a_batch_that_does_not_split_over_the_devices_is_refused():
-    from dpmp._src.trainer.batches import make_sampler
+    from dpmp.app.trainer.batches import make_sampler
 
     config = load_config(None, ["training.physical_batch_size=50", "training.devices=4"])
     with pytest.raises(ConfigError, match="physical_batch_size: 50 does not split over"):
@@ -391,12 +391,12 @@ def test_joining_without_a_coordinator_is_one_line(tmp_path):
 
 _SHARED_KEYS = """
 import json, sys
-from dpmp._src.trainer.mesh import initialize
+from dpmp.app.trainer.mesh import initialize
 initialize(f"localhost:{sys.argv[1]}", 2, int(sys.argv[2]))
 import jax, numpy as np
-from dpmp._src.config import load_config
-from dpmp._src.trainer.mesh import shared_keys
-from dpmp._src.trainer.plan import run_keys
+from dpmp.app.config import load_config
+from dpmp.app.trainer.mesh import shared_keys
+from dpmp.app.trainer.plan import run_keys
 
 own = run_keys(load_config(None))  # fresh OS entropy, different in each process
 got = shared_keys(own)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import dpmp
-from dpmp._src.config import ModelConfig
-from dpmp._src.models import build_model, count_params
+from dpmp.app.config import ModelConfig
+from dpmp.models._builtin import build_model, count_params
 
 DIGITS = types.SimpleNamespace(input_shape=(8, 8, 1), num_classes=10)
 SMALL_VIT = dict(patch=4, dim=16, depth=1, heads=2)
@@ -114,8 +114,8 @@ def test_vit_example_does_not_see_the_batch():
 
 
 def _lm_model(policy="fp32", seq_len=12):
-    from dpmp._src.config import ModelConfig
-    from dpmp._src.data import VOCAB
+    from dpmp.app.config import ModelConfig
+    from dpmp.data._dataset import VOCAB
 
     info = type("Text", (), {"input_shape": (seq_len + 1,), "num_classes": VOCAB})()
     info.task = "next_token"
@@ -123,13 +123,13 @@ def _lm_model(policy="fp32", seq_len=12):
 
 
 def _records(seq_len=12):
-    from dpmp._src.data import encode_records
+    from dpmp.data._dataset import encode_records
 
     return encode_records(["hello world, hello", "abc", "private record"], seq_len)
 
 
 def test_lm_loss_is_the_masked_next_token_cross_entropy_float64():
-    from dpmp._src.data import PAD
+    from dpmp.data._dataset import PAD
 
     model = _lm_model()
     params = jax.jit(model.init)(jax.random.key(0))
@@ -152,7 +152,7 @@ def test_lm_loss_is_the_masked_next_token_cross_entropy_float64():
 
 
 def test_lm_padding_contributes_nothing_and_attention_is_causal():
-    from dpmp._src.data import PAD, encode_records
+    from dpmp.data._dataset import PAD, encode_records
 
     model = _lm_model(seq_len=12)
     params = jax.jit(model.init)(jax.random.key(1))
@@ -176,7 +176,7 @@ def test_lm_padding_contributes_nothing_and_attention_is_causal():
 
 
 def test_lm_needs_text_and_text_needs_the_lm():
-    from dpmp._src.config import ModelConfig
+    from dpmp.app.config import ModelConfig
 
     digits = type("Digits", (), {"input_shape": (8, 8, 1), "num_classes": 10})()
     with pytest.raises(ValueError, match="needs a text dataset"):

@@ -5,7 +5,7 @@ import json
 import matplotlib
 import numpy as np
 
-from dpmp._src import plots
+from dpmp.app import plots
 
 matplotlib.use("Agg")
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpmp._src.config import DataConfig
-from dpmp._src.data import load_data
-from dpmp._src.preprocess import (
+from dpmp.app.config import DataConfig
+from dpmp.data._dataset import load_data
+from dpmp.data._preprocess import (
     FeatureStats,
     exact_feature_stats,
     private_feature_stats,

@@ -2,9 +2,9 @@
 
 import pytest
 
-from dpmp._src import release
-from dpmp._src.clipping import PrivateGradStats
-from dpmp._src.config import load_config
+from dpmp.app import release
+from dpmp.app.config import load_config
+from dpmp.clipping._private_grad import PrivateGradStats
 
 EVALUATION = {
     "step": 4,

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpmp._src import replay
+from dpmp.clipping import _replay as replay
 
 
 def _unit_axis_model(x):

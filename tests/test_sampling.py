@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpmp._src.sampling import PoissonSampler, SampledBatch, ShuffledSampler
+from dpmp.data._sampling import PoissonSampler, SampledBatch, ShuffledSampler
 
 # Significance level for the statistical tests; each uses its own fixed seed,
 # so they are deterministic, and a correct sampler passes them.

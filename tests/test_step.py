@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dpmp._src.clipping import PrivateGradStats, combine_stats
-from dpmp._src.config import Config, load_config
-from dpmp._src.data import load_data
-from dpmp._src.noise import private_optimizer
-from dpmp._src.trainer import audit_step, build_private_step, run_keys
-from dpmp._src.trainer.batches import physical_chunks
-from dpmp._src.trainer.step import _make_optimizer, _summed, _whole_step
+from dpmp.app.config import Config, load_config
+from dpmp.app.trainer import audit_step, build_private_step, run_keys
+from dpmp.app.trainer.batches import physical_chunks
+from dpmp.app.trainer.step import _make_optimizer, _summed, _whole_step
+from dpmp.clipping._private_grad import PrivateGradStats, combine_stats
+from dpmp.data._dataset import load_data
+from dpmp.noise._noise import private_optimizer
 
 LOGICAL = [
     "policy=fp32",
@@ -199,8 +199,8 @@ def test_memory_check_reads_the_compiled_step_and_refuses_what_does_not_fit(step
     """``step_memory`` is the compiled step's own count (arguments, outputs and
     temporaries; with chunks, the larger call plus what stays beside it), at least
     the parameters and Adam's slots in and out; a limit below it is one line."""
-    from dpmp._src.config import ConfigError
-    from dpmp._src.trainer.step import check_step_memory, step_memory
+    from dpmp.app.config import ConfigError
+    from dpmp.app.trainer.step import check_step_memory, step_memory
 
     chunked, one_shot = steps
     m = one_shot.step_fn.lower(*one_shot.example_args).compile().memory_analysis()

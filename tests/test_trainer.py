@@ -17,18 +17,18 @@ import numpy as np
 import pytest
 
 import dpmp
-from dpmp._src import accounting
-from dpmp._src.checkpoint import (
+from dpmp.accounting import _accounting as accounting
+from dpmp.app.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     restore_latest,
 )
-from dpmp._src.config import Config, ConfigError, load_config
-from dpmp._src.data import load_data
-from dpmp._src.release import privacy_warnings as release_warnings
-from dpmp._src.run_dir import read_metrics
-from dpmp._src.trainer import audit_step, build_private_step, train
+from dpmp.app.config import Config, ConfigError, load_config
+from dpmp.app.release import privacy_warnings as release_warnings
+from dpmp.app.run_dir import read_metrics
+from dpmp.app.trainer import audit_step, build_private_step, train
+from dpmp.data._dataset import load_data
 
 from . import _entropy
 
@@ -237,7 +237,7 @@ def test_a_noise_multiplier_too_small_for_the_plan_is_refused_before_any_step(di
 
 def test_run_stops_at_the_last_step_within_budget(digits, tmp_path, monkeypatch):
     """The tracker's stop, the guarantee behind the refusal above (switched off here)."""
-    from dpmp._src.trainer import loop
+    from dpmp.app.trainer import loop
 
     monkeypatch.setattr(loop, "_check_fixed_noise", lambda *args: None)
     cfg = small("privacy.noise_multiplier=0.9", "training.steps=40")
@@ -348,7 +348,7 @@ def test_runs_differ_and_rerunning_the_report_config_does_not_reproduce(
 def test_reproducible_noise_derives_the_keys_from_the_seed():
     """Fresh runs draw new keys; privacy.reproducible_noise derives them from
     training.seed (that a run is a function of its keys is the resume test's point)."""
-    from dpmp._src.trainer import run_keys
+    from dpmp.app.trainer import run_keys
 
     def data(keys):
         return (
@@ -622,7 +622,7 @@ def test_public_files_hold_no_exact_training_statistic(digits, tmp_path, capsys)
     recorded in private/ (exact overflow counts of a private dynamic loss scale
     included), nor the secret seed or the data fingerprint."""
     from dpmp import cli
-    from dpmp._src.plots import plot_series
+    from dpmp.app.plots import plot_series
 
     infos = []
     report = train(
@@ -888,8 +888,8 @@ def test_ctrl_c_stops_between_steps_with_a_checkpoint_and_the_run_resumes(digits
     import os
     import signal
 
-    from dpmp._src.checkpoint import list_checkpoints
-    from dpmp._src.trainer.loop import RunInterrupted
+    from dpmp.app.checkpoint import list_checkpoints
+    from dpmp.app.trainer.loop import RunInterrupted
 
     def press_ctrl_c(step, info):
         if step == 3:

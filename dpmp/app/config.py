@@ -1,0 +1,766 @@
+"""Run configuration: frozen, keyword-only dataclasses, validated in one place.
+
+A config is a TOML file with one table per section::
+
+    policy = "bf16"
+
+    [data]
+    dataset = "digits"
+
+    [model]
+    kind = "mlp"
+    hidden = [256]
+
+    [privacy]
+    target_epsilon = 2.0
+    delta = 1e-5
+
+    [training]
+    expected_batch_size = 512
+    steps = 300
+
+Every key has a default (the default run trains a private MLP on the digits
+data in bf16 at epsilon 2). ``--set section.key=value`` on the command line
+overrides a key; values are parsed as TOML literals (``4``, ``1e-5``, ``"adam"``,
+``[128, 128]``, ``true``), and a bare word is taken as a string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from dpmp.precision._policy import Policy
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LossScaleConfig",
+    "ModelConfig",
+    "PretrainConfig",
+    "PrivacyConfig",
+    "TrainingConfig",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A bad config field or value; the message names the field and what is allowed."""
+
+
+# The choices of each enumerated key: validation and the README's key table use them.
+DATASETS = ("digits", "npz", "npy", "python_docs", "text")
+MODEL_KINDS = ("mlp", "nnx_mlp", "linear", "vit", "lm")
+ACCOUNTANTS = ("pld", "rdp")
+SAMPLINGS = ("poisson", "shuffle")
+CLIP_METHODS = ("vmap", "ghost", "auto")
+NOISE_SAMPLERS = ("snapped", "plain")
+OPTIMIZERS = ("adam", "sgd", "momentum")
+LOSS_SCALE_KINDS = ("none", "static", "private_dynamic", "nonprivate_dynamic")
+STANDARDIZE_MODES = ("none", "private", "nonprivate")
+PRETRAIN_DATASETS = ("none", "python_stdlib", "text")
+
+# What the other keys accept, in words (for the key table; validation is in
+# each section's ``__post_init__``). A key missing here is described by its type.
+_ALLOWED = {
+    "policy": 'preset fp32, bf16 or fp16, then optional key=dtype overrides, e.g. "bf16,grad=f32"',
+    "data.path": (
+        "path to a .npz file (npz), a folder of .npy files (npy), or a .txt or .jsonl file (text)"
+    ),
+    "model.kind": '"mlp", "nnx_mlp", "linear", "vit", "lm", or "package.module:factory"',
+    "training.physical_batch_size": "integer > 0, or unset",
+    "training.devices": 'integer in [1, 65536], or "all"',
+    "data.test_fraction": "number in (0, 1)",
+    "model.hidden": "list of integers in [1, 2^20] (may be empty)",
+    "model.heads": "integer in [1, 1024] dividing model.dim",
+    "model.lora_rank": "integer >= 0",
+    "pretrain.path": "path to a .txt or .jsonl file (text)",
+    "privacy.delta": "number in (0, 1)",
+    "training.seed": "integer in [0, 2^32 - 1]",
+    "pretrain.seed": "integer in [0, 2^32 - 1]",
+    "pretrain.steps": "integer in [1, 10^6]",
+    "pretrain.batch_size": "integer in [1, 65536]",
+    "model.depth": "integer in [1, 128]",
+    "model.dim": "integer in [1, 65536]",
+    "model.patch": "integer in [1, 1024]",
+    "privacy.target_epsilon": "number in (0, 100]",
+    "privacy.noise_multiplier": "number in [1e-6, 1e6], or unset (calibrated)",
+    "loss_scale.count_noise_stddev": "number in [1e-6, 1e6]",
+    "data.standardize_noise_multiplier": "number in [1e-6, 1e6]",
+    "training.steps": "integer in [1, 10^6]",
+    "loss_scale.factor": "number > 1",
+    "loss_scale.min_scale": "number > 0, at most max_scale",
+}
+
+
+def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{field}: {value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+# Every number a config gives is checked against these before anything is
+# allocated: a float must be finite in float32 (the dtype it is computed in), a
+# noise multiplier within dp-accounting's range (dpmp.accounting), a seed what
+# numpy and scikit-learn accept.
+FLOAT32_MAX = 3.4028234663852886e38
+NOISE_RANGE = (1e-6, 1e6)  # dpmp.accounting.MAX_NOISE_MULTIPLIER
+MAX_EPSILON = 100.0  # dpmp.accounting.MAX_EPSILON
+MAX_SEED = 2**32 - 1
+MAX_DEVICES = 65536
+
+
+def _positive(
+    field: str,
+    value: Any,
+    *,
+    integer: bool = False,
+    allow_zero: bool = False,
+    at_most: float | None = None,
+) -> None:
+    ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok_type:
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"{field}: must be {kind}, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{field}: must be finite and {bound}, got {value!r}")
+    if at_most is None and not integer:
+        at_most = FLOAT32_MAX
+    if at_most is not None and value > at_most:
+        why = " (the largest float32)" if at_most == FLOAT32_MAX else ""
+        raise ConfigError(f"{field}: at most {at_most:g}{why}, got {value!r}")
+
+
+def _noise(field: str, value: Any) -> None:
+    """A noise multiplier (or count noise stddev) within the accountant's range."""
+    _positive(field, value, at_most=NOISE_RANGE[1])
+    if value < NOISE_RANGE[0]:
+        raise ConfigError(f"{field}: at least {NOISE_RANGE[0]:g}, got {value!r}")
+
+
+def _seed(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise ConfigError(f"{field}: must be an integer in [0, 2^32 - 1], got {value!r}")
+
+
+def _is_factory(kind: str) -> bool:
+    """``"package.module:factory"``: dotted identifiers, one colon."""
+    module, sep, name = kind.partition(":")
+    return bool(sep) and name.isidentifier() and all(p.isidentifier() for p in module.split("."))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the examples come from.
+
+    dataset: ``"digits"`` (scikit-learn's handwritten digits, shipped with the
+      package), ``"npz"`` (``path`` with arrays ``x``, ``y`` and optionally
+      ``x_test``, ``y_test``) or ``"npy"`` (``path`` a folder of
+      ``x_train.npy``, ``y_train.npy``, ``x_test.npy``, ``y_test.npy``; the
+      features are memory-mapped, so they may be larger than memory);
+      text for next-token prediction (``model.kind = "lm"``):
+      ``"python_docs"`` (the help topics of Python's own documentation,
+      ``pydoc_data.topics``, shipped with Python: each distinct line of at
+      least 16 characters is a record) or ``"text"`` (``path`` a ``.txt``
+      file, one record per line, or a ``.jsonl`` file of ``{"text": ...}``
+      objects, one record each). A record is the privacy unit.
+    path: the ``.npz`` file, the folder of ``.npy`` files, or the text file.
+    seq_len: text: bytes per record (UTF-8; longer records are cut, shorter
+      ones padded; padding contributes nothing to the loss).
+    test_fraction: share held out for testing when the data has no test split.
+    standardize: scale features by a mean and std of the training set:
+      ``"none"`` (no statistic of the training data is computed; the digits use
+      their public pixel range, 0..16 mapped to [-1, 1]), ``"private"`` (the
+      mean and second moment of the clipped features, Gaussian-noised and
+      accounted in the run's epsilon) or ``"nonprivate"`` (the exact mean and
+      std: the run is NOT differentially private).
+    standardize_clip: private standardisation: each example's feature vector is
+      clipped to this L2 norm before the sums (the digits in [-1, 1] have norm
+      at most 8).
+    standardize_noise_multiplier: private standardisation: noise stddev of the
+      sum of clipped features divided by ``standardize_clip`` (and of the sum
+      of their squares divided by its square); the two releases cost what one
+      Gaussian of noise multiplier ``standardize_noise_multiplier / sqrt(2)``
+      costs.
+    """
+
+    dataset: str = "digits"
+    path: str | None = None
+    test_fraction: float = 0.2
+    seq_len: int = 64
+    standardize: str = "none"
+    standardize_clip: float = 8.0
+    standardize_noise_multiplier: float = 50.0
+
+    def __post_init__(self):
+        _choice("data.dataset", self.dataset, DATASETS)
+        if self.path is not None and not isinstance(self.path, str):
+            raise ConfigError(f"data.path: must be a string (a .npz file), got {self.path!r}")
+        _positive("data.seq_len", self.seq_len, integer=True)
+        if self.seq_len > 4096:
+            raise ConfigError(f"data.seq_len: at most 4096, got {self.seq_len}")
+        if self.dataset in ("npz", "npy", "text") and not self.path:
+            raise ConfigError(f'data.path: required when data.dataset = "{self.dataset}"')
+        if isinstance(self.standardize, bool):
+            raise ConfigError(
+                f"data.standardize: {str(self.standardize).lower()} is no longer allowed; "
+                'allowed: "none", "private", "nonprivate" ("nonprivate" is what true did; '
+                "it is NOT differentially private)"
+            )
+        _choice("data.standardize", self.standardize, STANDARDIZE_MODES)
+        _positive("data.standardize_clip", self.standardize_clip)
+        _noise("data.standardize_noise_multiplier", self.standardize_noise_multiplier)
+        if not (isinstance(self.test_fraction, int | float) and 0 < self.test_fraction < 1):
+            raise ConfigError(f"data.test_fraction: must be in (0, 1), got {self.test_fraction!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The model.
+
+    kind: ``"mlp"`` (flax linen), ``"nnx_mlp"`` (flax nnx), ``"linear"`` (a plain
+      JAX function of a params dict), ``"vit"`` (a small flax linen vision
+      transformer on square images), ``"lm"`` (a small flax linen causal
+      transformer over bytes, for the text datasets; uses ``dim``, ``depth``
+      and ``heads``), or your own model as
+      ``"package.module:factory"``: ``factory(input_shape, num_classes)``
+      returns a flax linen or nnx module, an Equinox module or an ``(init,
+      apply)`` pair (the module must be importable: its folder on
+      ``PYTHONPATH``). The other keys of this section are then unused.
+    hidden: hidden layer widths of the MLPs (``linear`` with none: softmax regression).
+    patch: ViT patch size in pixels; must divide the image side.
+    dim: ViT and LM width.
+    depth: number of ViT or LM blocks.
+    heads: ViT and LM attention heads.
+    lora_rank: 0 trains every parameter; r > 0 freezes them and trains low-rank
+      adapters only (LoRA): each weight matrix (a ``kernel`` or ``weight`` of
+      two or more axes) becomes ``W + lora_alpha / r * A @ B`` with ``A`` of
+      r columns (random) and ``B`` of r rows (zero at the start). Clipping,
+      noise and the accounting then cover exactly the adapters; the frozen
+      parameters stay bit-identical. Needs pre-trained parameters (a
+      ``[pretrain]`` section, or ``init_params`` of ``dpmp.train``).
+    lora_alpha: the adapters' scale: the update is ``lora_alpha / lora_rank * A @ B``.
+    """
+
+    kind: str = "mlp"
+    hidden: tuple[int, ...] = (256,)
+    patch: int = 2
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+    lora_rank: int = 0
+    lora_alpha: float = 8.0
+
+    def __post_init__(self):
+        if not (isinstance(self.kind, str) and _is_factory(self.kind)):
+            if self.kind not in MODEL_KINDS:
+                raise ConfigError(
+                    f"model.kind: {self.kind!r} is not allowed; allowed: "
+                    f"{', '.join(MODEL_KINDS)}, or your own as 'package.module:factory'"
+                )
+        hidden = self.hidden
+        if isinstance(hidden, int):
+            hidden = (hidden,)
+        if not isinstance(hidden, list | tuple):
+            raise ConfigError(f"model.hidden: must be a list of widths, got {hidden!r}")
+        for h in hidden:
+            _positive("model.hidden", h, integer=True, at_most=2**20)
+        object.__setattr__(self, "hidden", tuple(hidden))
+        # the built-in ViT and LM are for single machines: widths beyond the
+        # largest published transformers' (~20k) are typos, and so are depths
+        # whose step would take minutes to compile
+        for name, most in (("patch", 1024), ("dim", 65536), ("heads", 1024), ("depth", 128)):
+            _positive(f"model.{name}", getattr(self, name), integer=True, at_most=most)
+        if self.dim % self.heads:
+            raise ConfigError(
+                f"model.dim ({self.dim}) must be divisible by model.heads ({self.heads})"
+            )
+        _positive("model.lora_rank", self.lora_rank, integer=True, allow_zero=True)
+        _positive("model.lora_alpha", self.lora_alpha)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrivacyConfig:
+    """The privacy guarantee and how it is spent.
+
+    target_epsilon: the epsilon the whole run may spend.
+    delta: the delta of the run's (epsilon, delta) guarantee.
+    noise_multiplier: sigma; if unset it is calibrated so that the run's
+      ``steps`` spend exactly ``target_epsilon``. A given sigma too small for
+      ``training.steps`` within ``target_epsilon`` is refused before training.
+    l2_clip_norm: C, the per-example clip norm.
+    accountant: ``"pld"`` or ``"rdp"``.
+    sampling: ``"poisson"`` (what the accounting assumes) or ``"shuffle"``
+      (fixed shuffled batches: the report says the Poisson epsilon does not apply).
+    clip_method: how per-example norms are taken (``dpmp.private_grad``'s
+      ``method``): ``"auto"`` (default: ghost where it can, else vmap),
+      ``"vmap"`` (per-example gradients) or ``"ghost"`` (from each layer's
+      activations and output gradients; fails on a model it cannot handle).
+      The report says which ran and why.
+    noise_sampler: ``"snapped"`` (default: ``dpmp.snapped_gaussian``, safe
+      against observers of exact outputs; its floating-point residual is part
+      of the reported epsilon) or ``"plain"`` (float32 ``jax.random.normal``:
+      ``dpmp audit --privacy`` shows what leaks).
+    reproducible_noise: derive the noise keys and the sampler's seed from
+      ``training.seed`` instead of the OS entropy, for debugging and tests. The
+      run can then be replayed by anyone who knows the seed and the other
+      records: the report and the log say it is NOT differentially private.
+    """
+
+    target_epsilon: float = 2.0
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    l2_clip_norm: float = 1.0
+    accountant: str = "pld"
+    sampling: str = "poisson"
+    clip_method: str = "auto"
+    noise_sampler: str = "snapped"
+    reproducible_noise: bool = False
+
+    def __post_init__(self):
+        _positive("privacy.target_epsilon", self.target_epsilon, at_most=MAX_EPSILON)
+        if not (isinstance(self.delta, int | float) and 0 < self.delta < 1):
+            raise ConfigError(f"privacy.delta: must be in (0, 1), got {self.delta!r}")
+        if self.noise_multiplier is not None:
+            _noise("privacy.noise_multiplier", self.noise_multiplier)
+        _positive("privacy.l2_clip_norm", self.l2_clip_norm)
+        _choice("privacy.accountant", self.accountant, ACCOUNTANTS)
+        _choice("privacy.sampling", self.sampling, SAMPLINGS)
+        _choice("privacy.clip_method", self.clip_method, CLIP_METHODS)
+        _choice("privacy.noise_sampler", self.noise_sampler, NOISE_SAMPLERS)
+        if not isinstance(self.reproducible_noise, bool):
+            raise ConfigError(
+                "privacy.reproducible_noise: must be true or false, "
+                f"got {self.reproducible_noise!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """The optimisation.
+
+    steps: number of private steps.
+    expected_batch_size: Poisson sampling rate times the number of examples.
+    optimizer: ``"adam"``, ``"sgd"`` or ``"momentum"`` (SGD with momentum 0.9).
+    learning_rate: the optimizer's step size.
+    microbatch_size: examples per vmapped microbatch; the padded batch is
+      rounded up to a multiple of it (unset: the whole batch at once).
+    physical_batch_size: examples per device call: the logical (Poisson)
+      batch is processed in chunks of this size, their clipped sums added in
+      the accumulate dtype, and noised once per step, so the compiled memory
+      is that of one chunk (unset: the whole batch in one call). The padded
+      batch is rounded up to a multiple of it.
+    eval_every: test accuracy and loss (public; train accuracy and loss go to
+      ``private/``) every this many steps (0: only at the end); the default
+      gives the run's accuracy-against-epsilon plot a curve. An evaluation
+      step is always recorded (``log_every`` or not).
+    log_every: a ``metrics.jsonl`` record (and one in ``private/metrics.jsonl``)
+      every this many steps and at the end (0: only at the end).
+    checkpoint_every: a checkpoint every this many steps and at the end (0: only
+      at the end); a killed run resumes from the newest.
+    seed: seeds the initialisation and the train/test split. The noise and the
+      sampling draw secret keys from the OS entropy (unless
+      ``privacy.reproducible_noise``).
+    devices: devices of the data-parallel mesh: each step's batch (or each
+      physical chunk) is split over them, their clipped sums all-reduced in the
+      accumulate dtype, the noise added once; ``"all"``: every device JAX sees
+      (every process's, in a run of several processes).
+    shard_params: shard the parameters and the optimizer state over the mesh
+      (FSDP-style; needs more than one device): each leaf is split along its
+      largest dimension the device count divides, gathered whole for each
+      step's forward and backward passes (so every per-example norm is complete
+      before clipping), and the clipped sums are reduce-scattered in the
+      accumulate dtype.
+    """
+
+    steps: int = 300
+    expected_batch_size: int = 512
+    optimizer: str = "adam"
+    learning_rate: float = 7e-3
+    microbatch_size: int | None = None
+    physical_batch_size: int | None = None
+    eval_every: int = 20
+    log_every: int = 10
+    checkpoint_every: int = 50
+    seed: int = 0
+    devices: int | str = 1
+    shard_params: bool = False
+
+    def __post_init__(self):
+        _positive("training.steps", self.steps, integer=True)
+        if self.steps > 10**6:  # dpmp.accounting.MAX_STEPS
+            raise ConfigError(f"training.steps: at most 1,000,000, got {self.steps:,}")
+        _positive("training.expected_batch_size", self.expected_batch_size, integer=True)
+        _choice("training.optimizer", self.optimizer, OPTIMIZERS)
+        _positive("training.learning_rate", self.learning_rate)
+        if self.microbatch_size is not None:
+            _positive("training.microbatch_size", self.microbatch_size, integer=True)
+        if self.physical_batch_size is not None:
+            _positive("training.physical_batch_size", self.physical_batch_size, integer=True)
+            if self.microbatch_size and self.physical_batch_size % self.microbatch_size:
+                raise ConfigError(
+                    f"training.microbatch_size: {self.microbatch_size} must divide "
+                    f"training.physical_batch_size ({self.physical_batch_size})"
+                )
+        for name in ("eval_every", "log_every", "checkpoint_every"):
+            _positive(f"training.{name}", getattr(self, name), integer=True, allow_zero=True)
+        _seed("training.seed", self.seed)
+        if self.devices != "all":
+            if isinstance(self.devices, str):
+                raise ConfigError(
+                    f'training.devices: a number of devices or "all", got {self.devices!r}'
+                )
+            _positive("training.devices", self.devices, integer=True, at_most=MAX_DEVICES)
+        if not isinstance(self.shard_params, bool):
+            raise ConfigError(
+                f"training.shard_params: must be true or false, got {self.shard_params!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """Loss scaling.
+
+    kind: ``"none"`` (the bf16 default), ``"static"``, ``"private_dynamic"`` (driven
+      by a noised overflow count, accounted) or ``"nonprivate_dynamic"`` (exact
+      count: a diagnostic that is NOT differentially private).
+    initial: the initial (or static) scale.
+    period: dynamic: grow the scale after this many steps without overflow.
+    factor: dynamic: grow and back off by this factor.
+    min_scale: dynamic: the scale never goes below this.
+    max_scale: dynamic: the scale never goes above this.
+    count_noise_stddev: noise on the released overflow count (private_dynamic). It
+      shares the budget with the gradient noise (the two form one Gaussian with
+      noise multiplier (sigma^-2 + count_noise_stddev^-2)^-1/2), so keep it well
+      above the gradient's sigma: at 64 the scale costs ~0.04 of the default run's epsilon 2.
+    """
+
+    kind: str = "none"
+    initial: float = 2.0**15
+    period: int = 50
+    factor: float = 2.0
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    count_noise_stddev: float = 64.0
+
+    def __post_init__(self):
+        _choice("loss_scale.kind", self.kind, LOSS_SCALE_KINDS)
+        for name in ("initial", "factor", "min_scale", "max_scale"):
+            _positive(f"loss_scale.{name}", getattr(self, name))
+        _noise("loss_scale.count_noise_stddev", self.count_noise_stddev)
+        _positive("loss_scale.period", self.period, integer=True)
+        if self.factor <= 1:
+            raise ConfigError(f"loss_scale.factor: must be > 1, got {self.factor}")
+        if self.min_scale > self.max_scale:
+            raise ConfigError("loss_scale.min_scale: must not exceed loss_scale.max_scale")
+        dynamic = self.kind in ("private_dynamic", "nonprivate_dynamic")
+        if dynamic and not self.min_scale <= self.initial <= self.max_scale:
+            # a dynamic scale would silently clamp it at its first adjustment
+            raise ConfigError(
+                f"loss_scale.initial: {self.initial!r} is outside [loss_scale.min_scale, "
+                f"loss_scale.max_scale] = [{self.min_scale!r}, {self.max_scale!r}]"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PretrainConfig:
+    """Non-private pre-training on PUBLIC text before the private run (``model.kind = "lm"``).
+
+    dataset: ``"none"`` (the private run starts from a random initialisation),
+      ``"python_stdlib"`` (the docstrings of Python's standard library, read
+      from its source files, which ship with Python: each distinct line of at
+      least 16 characters is a record) or ``"text"`` (``path``, a ``.txt`` or
+      ``.jsonl`` file as ``data.path``). This text is NOT protected: only public
+      data belongs here. It costs no epsilon; the parameters it gives are
+      saved in the run's ``pretrained/`` folder and reused while this section,
+      the model and the text stay the same.
+    path: the public ``.txt`` or ``.jsonl`` file (``dataset = "text"``).
+    steps: pre-training steps (Adam on the mean loss of a batch).
+    batch_size: records per pre-training step (drawn uniformly, with ``seed``).
+    learning_rate: the pre-training step size.
+    seed: seeds the initialisation and the batches of the pre-training (public:
+      they touch public data only).
+    """
+
+    dataset: str = "none"
+    path: str | None = None
+    steps: int = 1000
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self):
+        _choice("pretrain.dataset", self.dataset, PRETRAIN_DATASETS)
+        if self.path is not None and not isinstance(self.path, str):
+            raise ConfigError(f"pretrain.path: must be a string (a text file), got {self.path!r}")
+        if self.dataset == "text" and not self.path:
+            raise ConfigError('pretrain.path: required when pretrain.dataset = "text"')
+        _positive("pretrain.steps", self.steps, integer=True, at_most=10**6)
+        _positive("pretrain.batch_size", self.batch_size, integer=True, at_most=65536)
+        _positive("pretrain.learning_rate", self.learning_rate)
+        _seed("pretrain.seed", self.seed)
+
+    @property
+    def enabled(self) -> bool:
+        return self.dataset != "none"
+
+
+_SECTIONS = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "privacy": PrivacyConfig,
+    "training": TrainingConfig,
+    "loss_scale": LossScaleConfig,
+    "pretrain": PretrainConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """A whole run: the policy string plus one section per concern.
+
+    policy: the precision policy (``dpmp.Policy.parse``): compute and gradient
+      dtypes; clip, accumulate and noise below float32 need ``unsafe=true``.
+    """
+
+    policy: str = "bf16"
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    privacy: PrivacyConfig = dataclasses.field(default_factory=PrivacyConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
+    pretrain: PretrainConfig = dataclasses.field(default_factory=PretrainConfig)
+
+    def __post_init__(self):
+        try:
+            policy = Policy.parse(self.policy)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        object.__setattr__(self, "policy", str(policy))
+        if self.pretrain.enabled and self.model.kind != "lm":
+            raise ConfigError(
+                f"pretrain.dataset: {self.pretrain.dataset!r} pre-trains the byte-level "
+                f"language model; it needs model.kind = 'lm', got {self.model.kind!r}"
+            )
+
+    @property
+    def precision(self) -> Policy:
+        return Policy.parse(self.policy)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["model"]["hidden"] = list(self.model.hidden)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Config:
+        """Builds a config from nested dicts; unknown sections or keys are errors."""
+        if not isinstance(raw, dict):
+            raise ConfigError("config: expected a table of sections")
+        kwargs: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key == "policy":
+                kwargs["policy"] = value
+                continue
+            if key not in _SECTIONS:
+                raise ConfigError(
+                    f"unknown section {key!r}; allowed: policy, {', '.join(_SECTIONS)}"
+                )
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a table of keys, got {value!r}")
+            section = _SECTIONS[key]
+            names = [f.name for f in dataclasses.fields(section)]
+            for k in value:
+                if k not in names:
+                    raise ConfigError(f"unknown key {key}.{k}; allowed: {', '.join(names)}")
+            try:
+                kwargs[key] = section(**value)
+            except TypeError as e:  # pragma: no cover - keys are checked above
+                raise ConfigError(f"{key}: {e}") from e
+        return cls(**kwargs)
+
+
+_CHOICES = {
+    "data.dataset": DATASETS,
+    "privacy.accountant": ACCOUNTANTS,
+    "privacy.sampling": SAMPLINGS,
+    "privacy.clip_method": CLIP_METHODS,
+    "privacy.noise_sampler": NOISE_SAMPLERS,
+    "training.optimizer": OPTIMIZERS,
+    "loss_scale.kind": LOSS_SCALE_KINDS,
+    "data.standardize": STANDARDIZE_MODES,
+    "pretrain.dataset": PRETRAIN_DATASETS,
+}
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """``name: text`` entries of a section's docstring (continuation lines indented)."""
+    import inspect
+
+    docs: dict[str, str] = {}
+    name = None
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines()[1:]:
+        head, sep, text = line.partition(": ")
+        if sep and line[:1].strip() and head.isidentifier():
+            name = head
+            docs[name] = text.strip()
+        elif name and line.startswith("  ") and line.strip():
+            docs[name] += " " + line.strip()
+        else:
+            name = None
+    return {k: v.replace("``", "`") for k, v in docs.items()}
+
+
+def _toml_literal(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    if isinstance(value, float):
+        text = repr(value)
+        mantissa, e, exponent = text.partition("e")
+        return f"{mantissa}e{int(exponent)}" if e else text
+    return str(value)
+
+
+def _type_words(hint: Any) -> str:
+    text = str(hint)
+    if "tuple" in text or "list" in text:
+        return "list"
+    for word, name in (("bool", "true or false"), ("int", "integer"), ("float", "number")):
+        if word in text:
+            return name + (", or unset" if "None" in text else "")
+    return "string" + (", or unset" if "None" in text else "")
+
+
+def config_reference() -> list[dict[str, str]]:
+    """Every config key with its default, meaning and allowed values.
+
+    Read from the config dataclasses (defaults, types), their docstrings
+    (meanings) and the choice tuples the validation uses, so that the README's
+    key table can be generated and checked: ``python -m dpmp.app.config``
+    prints it as Markdown.
+    """
+    rows = [
+        {
+            "key": "policy",
+            "default": _toml_literal(Config.__dataclass_fields__["policy"].default),
+            "meaning": _field_docs(Config)["policy"],
+            "allowed": _ALLOWED["policy"],
+        }
+    ]
+    for section, cls in _SECTIONS.items():
+        docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
+            if key in _CHOICES:
+                allowed = ", ".join(f'"{c}"' for c in _CHOICES[key])
+            else:
+                allowed = _ALLOWED.get(key) or _positive_words(key, hints[f.name])
+            rows.append(
+                {
+                    "key": key,
+                    "default": _toml_literal(getattr(defaults, f.name)),
+                    "meaning": docs.get(f.name, ""),
+                    "allowed": allowed,
+                }
+            )
+    return rows
+
+
+def _positive_words(key: str, hint: Any) -> str:
+    words = _type_words(hint)
+    if words.startswith(("integer", "number")):
+        bound = ">= 0" if key.endswith("_every") else "> 0"
+        return words.replace("integer", f"integer {bound}").replace("number", f"number {bound}")
+    return words
+
+
+def markdown_table() -> str:
+    """The README's config key table (``config_reference`` as Markdown)."""
+    lines = ["| key | default | meaning | allowed |", "| --- | --- | --- | --- |"]
+    for row in config_reference():
+        cells = [f"`{row['key']}`", f"`{row['default']}`", row["meaning"], row["allowed"]]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word: a string
+
+
+def _coerce(section, key: str, value: Any) -> Any:
+    """Ints given where floats are expected (``--set privacy.delta=1``) become floats."""
+    hints = typing.get_type_hints(section)
+    hint = str(hints.get(key, ""))
+    if (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and "float" in hint
+        and "int" not in hint
+    ):
+        return float(value)
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Reads a TOML config (or the defaults) and applies ``section.key=value`` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config: no such file {str(path)!r}")
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config: {path} is not valid TOML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config: {path} is not valid TOML (not UTF-8 text): {e}") from e
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        value = _parse_value(text.strip())
+        if key == "policy":
+            raw["policy"] = value
+            continue
+        if "." not in key:
+            raise ConfigError(
+                f"--set {item!r}: expected section.key=value with a section of: "
+                f"{', '.join(_SECTIONS)} (or policy=...)"
+            )
+        section, name = key.split(".", 1)
+        if section not in _SECTIONS:
+            raise ConfigError(
+                f"unknown section {section!r}; allowed: policy, {', '.join(_SECTIONS)}"
+            )
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section}: expected a table of keys, got {table!r}")
+        table[name] = _coerce(_SECTIONS[section], name, value)
+    # ints in TOML files where floats are expected
+    for section, cls in _SECTIONS.items():
+        table = raw.get(section, {})
+        if isinstance(table, dict):  # anything else: Config.from_dict names the section
+            for name, value in list(table.items()):
+                table[name] = _coerce(cls, name, value)
+    return Config.from_dict(raw)
+
+
+if __name__ == "__main__":  # python -m dpmp.app.config: the README's key table
+    print(markdown_table(), end="")

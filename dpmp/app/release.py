@@ -1,0 +1,505 @@
+"""What a run publishes, and what it keeps to itself.
+
+Every number that leaves a run is a release. Each one the trainer writes is
+exactly one of:
+
+* **privatized and accounted**: the parameters (noised gradients); with a
+  private dynamic loss scale, the noised overflow counts and the loss scale
+  they drive (post-processing); with private standardisation, the noised
+  feature statistics (kept in checkpoints);
+* **computed on the held-out test split**: test accuracy and test loss;
+* **part of the public plan**: the config, epsilon, delta, the noise
+  multiplier, steps, the number of training records n (public under zero-out
+  neighbours, ``NEIGHBOURING_RELATION_NOTE``), the sampling probability and
+  padded batch size computed from it, the precision audit and clip method of
+  the step (functions of shapes and dtypes, not of values).
+
+Everything else -- the exact batch loss, exact overflow counts, the clipped
+fraction, gradient norms, realised batch sizes and truncations, train
+accuracy and loss, timings -- goes only to the run's ``private/`` folder,
+labelled ``PRIVATE_NOTE`` there. Checkpoints hold the secret noise keys, the
+sampler's seed and a fingerprint of the data: as secret as the data.
+
+    public:   report.json  metrics.jsonl  train.log  *.png  progress bar  callback
+    private:  private/metrics.jsonl  private/diagnostics.json  private/README.txt
+    secret:   checkpoints/
+
+A run that is not differentially private says so: ``privacy_warnings(...)``
+lists why, ``report["private"]`` is False, and the log, the end-of-run summary
+and ``dpmp report`` repeat it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from dpmp.accounting import _accounting as accounting
+from dpmp.accounting._accounting import NEIGHBOURING_RELATION_NOTE
+from dpmp.app.run_dir import LOG_FILE, METRICS_FILE, PRIVATE_DIR, PRIVATE_NOTE, REPORT_FILE
+from dpmp.data._sampling import ShuffledSampler
+
+__all__ = [
+    "PRIVATE_DIR",
+    "PRIVATE_NOTE",
+    "PRIVATE_README",
+    "PUBLIC_FILES",
+    "audit_warnings",
+    "build_report",
+    "config_dict",
+    "epsilon_breakdown",
+    "file_inventory",
+    "inventory_lines",
+    "mesh_summary",
+    "private_diagnostics",
+    "private_record",
+    "privacy_notes",
+    "privacy_warnings",
+    "progress_fields",
+    "public_info",
+    "public_record",
+    "run_failures",
+]
+
+PUBLIC_FILES = (REPORT_FILE, METRICS_FILE, LOG_FILE, "privacy_utility.png", "precision.png")
+PRIVATE_README = f"""{PRIVATE_NOTE}
+
+The files in this folder hold exact statistics of the private training data:
+per-batch losses, overflow counts, clipped fractions, gradient norms, batch
+sizes, train accuracy and loss, timings. None of them is noised or accounted
+in the run's epsilon. Use them to debug the run; do not publish them.
+
+Safe to publish (privatized, held-out test, or the public plan):
+{", ".join(PUBLIC_FILES)}.
+Secret: ../checkpoints/ (the noise keys, the sampler's seed and a fingerprint
+of the data: as secret as the data itself).
+"""
+
+NONPRIVATE_LOSS_SCALE = (
+    "loss_scale.kind = 'nonprivate_dynamic': the loss scale was adjusted from the EXACT "
+    "overflow count, a function of the private data that is neither noised nor accounted. "
+    "This run is NOT differentially private; its epsilon covers the noised gradients only."
+)
+REPRODUCIBLE_NOISE = (
+    "privacy.reproducible_noise = true: the gradient noise, the overflow-count noise, the "
+    "Poisson sampling and the standardisation noise were derived from training.seed, which "
+    "is in this report. Anyone who knows it and the other records can rerun the training "
+    "and tell which dataset it was. This run is NOT differentially private."
+)
+NONPRIVATE_STANDARDIZE = (
+    "data.standardize = 'nonprivate': every feature was scaled by the EXACT mean and std of "
+    "the training data, neither noised nor accounted, so every example's gradient depends "
+    "on every record. This run is NOT differentially private."
+)
+
+
+PLAIN_NOISE = (
+    "privacy.noise_sampler = 'plain': the gradient noise is float32 jax.random.normal, 2^23 "
+    "values within about 5.4 sigma on a lattice that depends on the gradient sum. The "
+    "epsilon holds for observers of rounded outputs; an observer of the exact noisy values "
+    "can tell neighbouring datasets apart (dpmp audit --privacy measures it)."
+)
+
+
+def privacy_warnings(config) -> list[str]:
+    """Why a run of ``config`` is NOT differentially private (empty: it is)."""
+    out = []
+    if config.privacy.reproducible_noise:
+        out.append(REPRODUCIBLE_NOISE)
+    if config.loss_scale.kind == "nonprivate_dynamic":
+        out.append(NONPRIVATE_LOSS_SCALE)
+    if config.data.standardize == "nonprivate":
+        out.append(NONPRIVATE_STANDARDIZE)
+    if config.privacy.sampling == "shuffle":
+        out.append(ShuffledSampler.privacy_note)
+    return out
+
+
+def audit_warnings(audit: dict[str, Any]) -> list[str]:
+    """A failed precision audit: the sensitivity the accounting assumes is not certified."""
+    if audit.get("ok") is not False:
+        return []
+    kinds = sorted({v.get("kind", "?") for v in audit.get("violations", [])})
+    missing = audit.get("missing") or []
+    found = []
+    if kinds:
+        found.append("violations: " + ", ".join(kinds))
+    if missing:
+        found.append("missing: " + ", ".join(missing))
+    return [
+        f"the precision audit of the private step failed ({', '.join(found)}): the "
+        "clipped sum's sensitivity or the noise the accounting assumes is not certified, "
+        "so epsilon may not hold"
+    ]
+
+
+def run_failures(report: dict[str, Any]) -> list[str]:
+    """Why a finished run did not do what was asked (empty: it did), from the
+    report's public numbers only: an early stop, a failed or broken audit,
+    parameters that are not finite, or (private dynamic loss scale) a noised
+    overflow count of at least half the expected examples."""
+    out = []
+    stopped = report.get("stopped_early")
+    if stopped:
+        out.append(f"the privacy budget stopped it early: {stopped['reason']}")
+    audit = report.get("audit") or {}
+    if audit.get("ok") is False:
+        out.append("the precision audit of the step found violations (report.json: audit)")
+    elif audit.get("ok") is None:
+        out.append(f"the precision audit of the step could not run: {audit.get('error')}")
+    if report.get("finite_params") is False:
+        out.append("the trained parameters are not finite")
+    noised = (report.get("overflow") or {}).get("noised_count_total")
+    expected = report.get("steps", 0) * report["config"]["training"]["expected_batch_size"]
+    if noised is not None and expected and noised >= expected / 2:
+        out.append(
+            f"about {min(noised / expected, 1):.0%} of the examples overflowed (noised count "
+            f"{noised:.0f} of about {expected} examples): the model barely trained; lower "
+            "loss_scale.initial or loss_scale.max_scale, or use bf16"
+        )
+    return out
+
+
+def privacy_notes(config, breakdown: accounting.EpsilonBreakdown) -> list[str]:
+    """What the published files hold, and the releases besides the gradients."""
+    notes = [
+        "report.json, metrics.jsonl, train.log and the plots hold only privatized numbers, "
+        "numbers computed on the held-out test split, and the public plan. private/ holds "
+        f"exact training statistics ({PRIVATE_NOTE}). checkpoints/ hold the secret noise "
+        "keys, the sampler's seed and a fingerprint of the data: keep them as secret as "
+        "the data.",
+    ]
+    if config.privacy.noise_sampler == "plain":
+        notes.append(PLAIN_NOISE)
+    elif breakdown.noise_residual:
+        notes.append(
+            "the gradient noise is dpmp's snapped Gaussian (float64 inverse-CDF normal, "
+            "rounded to a power-of-two grid); its accounted floating-point residual "
+            f"({breakdown.noise_residual:.3g}) is included in the run's epsilon."
+        )
+    d = config.data
+    if d.standardize == "private":
+        notes.append(
+            "features were standardised by a mean and std released with the Gaussian "
+            f"mechanism (features clipped to L2 norm {d.standardize_clip:g}, noise multiplier "
+            f"{d.standardize_noise_multiplier:g} on each sum); its epsilon cost "
+            f"({breakdown.preprocessing:.4g}) is included in the run's epsilon."
+        )
+    return notes
+
+
+# ---- per-step records --------------------------------------------------------------
+
+
+def public_record(
+    *,
+    step: int,
+    epsilon: float,
+    delta: float,
+    loss_scale: float,
+    next_loss_scale: float,
+    loss_scale_changes: int,
+    noised_overflow: float | None,
+    noised_overflow_total: float | None,
+    evaluation: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A ``metrics.jsonl`` record: public numbers only.
+
+    ``noised_overflow`` is the privatized count a private dynamic loss scale
+    released (None for other scales); ``evaluation`` is this step's
+    evaluation, of which only the test metrics are taken.
+    """
+    record = {
+        "step": step,
+        "epsilon": epsilon,
+        "delta": delta,
+        "loss_scale": loss_scale,
+        "next_loss_scale": next_loss_scale,
+        "loss_scale_changes": loss_scale_changes,
+    }
+    if noised_overflow is not None:
+        record["noised_overflow"] = noised_overflow
+        record["noised_overflow_total"] = noised_overflow_total
+    if evaluation:
+        record["test_accuracy"] = evaluation["test_accuracy"]
+        record["test_loss"] = evaluation["test_loss"]
+    return record
+
+
+def private_record(
+    *, step: int, stats, totals: dict[str, Any], step_time_s: float, evaluation
+) -> dict[str, Any]:
+    """A ``private/metrics.jsonl`` record: exact statistics of the batch (NOT private)."""
+    n = int(stats.num_examples)
+    record = {
+        "step": step,
+        "loss": float(stats.loss_mean),
+        "overflow": int(stats.num_nonfinite),
+        "overflow_total": totals["overflow"],
+        "clipped_fraction": int(stats.num_clipped) / max(n, 1),
+        "batch_size": n,
+        "grad_norm_mean": float(stats.norm_mean),
+        "grad_norm_max": float(stats.norm_max),
+        "step_time_s": step_time_s,
+        "elapsed_s": totals["elapsed_s"],
+    }
+    if evaluation:
+        record["train_accuracy"] = evaluation["train_accuracy"]
+        record["train_loss"] = evaluation["train_loss"]
+    return record
+
+
+def public_info(record: dict[str, Any]) -> dict[str, Any]:
+    """What the progress bar and the ``train`` callback get: the public record, less
+    its step (the callback's first argument)."""
+    return {k: v for k, v in record.items() if k != "step"}
+
+
+def progress_fields(record: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's fields, from a public record."""
+    fields = {"eps": f"{record['epsilon']:.3f}", "scale": f"{record['next_loss_scale']:g}"}
+    if "noised_overflow_total" in record:
+        fields["noised overflow"] = f"{record['noised_overflow_total']:.0f}"
+    if "test_accuracy" in record:
+        fields["test acc"] = f"{record['test_accuracy']:.3f}"
+    return fields
+
+
+# ---- end of run --------------------------------------------------------------------
+
+
+def private_diagnostics(
+    *, totals: dict[str, Any], sampler, evaluation: dict[str, Any], wall_time_s: float
+) -> dict[str, Any]:
+    """``private/diagnostics.json``: the run's exact totals (NOT private; the run
+    directory labels the file with ``PRIVATE_NOTE``)."""
+    out = {
+        "overflow": {
+            "examples_nonfinite": totals["overflow"],
+            "steps_with_overflow": totals["steps_with_overflow"],
+        },
+        "clipping": {
+            "clipped_fraction": totals["clipped"] / max(totals["examples"], 1),
+            "examples_seen": totals["examples"],
+        },
+        "train_accuracy": evaluation.get("train_accuracy"),
+        "train_loss": evaluation.get("train_loss"),
+        "wall_time_s": wall_time_s,
+        "train_loop_s": totals["elapsed_s"],
+    }
+    if getattr(sampler, "poisson", False):
+        out["sampling"] = {
+            "truncated_steps": sampler.num_truncated,
+            "dropped_examples": sampler.num_dropped,
+        }
+    return out
+
+
+def epsilon_breakdown(step, steps: int) -> accounting.EpsilonBreakdown:
+    """The run's epsilon after ``steps`` steps at dp-accounting's default (finer)
+    discretisation, in parts (the tracker's coarser value is ``epsilon_tracked``)."""
+    p = step.config.privacy
+    return accounting.epsilon_breakdown(
+        noise_multiplier=step.noise_multiplier,
+        sampling_prob=step.sampling_prob,
+        steps=steps,
+        delta=step.budget.delta,  # privacy.delta less what truncation may take
+        count_noise_stddev=step.count_noise_stddev,
+        count_every=1,
+        accountant=p.accountant,
+        preprocessing_noise_multiplier=step.budget.preprocessing_noise_multiplier,
+        noised_coordinates=step.budget.noised_coordinates,
+    )
+
+
+def build_report(
+    *,
+    step,
+    tracker: accounting.BudgetTracker,
+    completed: int,
+    totals: dict[str, Any],
+    scale_history: list,
+    evaluation: dict[str, Any],
+    audit: dict[str, Any],
+    stopped: dict[str, Any] | None,
+    sampler,
+    params,
+    final_scale: float,
+    versions: dict[str, Any],
+    finite_params: bool,
+    num_params: int,
+    starting_point: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``report.json``: the plan, epsilon, test metrics, loss scale, audit. Public."""
+    config = step.config
+    p, ls, d = config.privacy, config.loss_scale, config.data
+    breakdown = epsilon_breakdown(step, completed)
+    poisson = p.sampling == "poisson"
+    warnings_ = privacy_warnings(config) + audit_warnings(audit)
+
+    sampling: dict[str, Any] = {
+        "kind": "poisson" if poisson else "shuffle",
+        "sampling_prob": step.sampling_prob,
+        "expected_batch_size": config.training.expected_batch_size,
+        "padded_batch_size": sampler.padded_batch_size,
+        "privacy_note": sampler.privacy_note,
+    }
+    if poisson:
+        sampling["truncation_probability"] = sampler.truncation_probability
+        sampling["truncation_delta"] = sampler.truncation_delta(completed, breakdown.total)
+
+    overflow: dict[str, Any] = {
+        "privatized": ls.kind == "private_dynamic",
+        "count_releases": tracker.count_releases,
+        "count_noise_stddev": step.count_noise_stddev,
+        "epsilon_cost": breakdown.counts,
+        "epsilon_without_counts": breakdown.dpsgd,
+    }
+    if ls.kind == "private_dynamic":
+        overflow["noised_count_total"] = totals["noised_overflow"]
+        overflow["privacy"] = "only noised counts are released (exact counts stay in private/)"
+    elif ls.kind == "nonprivate_dynamic":
+        overflow["privacy"] = "NOT PRIVATE: decisions used the exact count, unaccounted"
+    else:
+        overflow["privacy"] = f"loss scale '{ls.kind}' releases nothing; it costs no epsilon"
+
+    standardize: dict[str, Any] = {"mode": d.standardize}
+    if d.standardize == "private":
+        standardize.update(
+            clip=d.standardize_clip,
+            noise_multiplier=d.standardize_noise_multiplier,
+            release_noise_multiplier=step.budget.preprocessing_noise_multiplier,
+            epsilon_cost=breakdown.preprocessing,
+        )
+    elif d.standardize == "nonprivate":
+        standardize["privacy"] = "NOT PRIVATE: exact training mean and std, unaccounted"
+
+    return {
+        "policy": config.policy,
+        "private": not warnings_,
+        "privacy_warnings": warnings_,
+        "privacy_notes": privacy_notes(config, breakdown),
+        "neighbouring_relation": NEIGHBOURING_RELATION_NOTE,
+        "accounting_relation": "add_or_remove",
+        "epsilon": breakdown.total,
+        "epsilon_tracked": tracker.spent(),
+        "target_epsilon": p.target_epsilon,
+        "delta": p.delta,
+        "delta_parts": {
+            "accountant": step.budget.delta,
+            "truncation_reserved": step.plan.truncation_delta,
+            "note": "delta is the whole: the accountant's epsilon holds at the delta a "
+            "possibly truncated Poisson sample leaves (its part reserved), and covers the "
+            "snapped noise's residual, whose failure probability is part of it",
+        },
+        "accountant": p.accountant,
+        "noise_multiplier": step.noise_multiplier,
+        "noise_multiplier_calibrated": step.noise_calibrated,
+        "noise": {
+            "sampler": p.noise_sampler,
+            "noised_coordinates": step.budget.noised_coordinates,
+            "epsilon_residual": breakdown.noise_residual,
+            # The sum's L2 sensitivity as computed (the clip norm plus a bound on the
+            # floating-point rounding of the clipped sum, from public constants: the
+            # padded batch size, the partial sums, the dtypes and the model's shapes);
+            # the noise stddev is noise_multiplier times it.
+            "l2_sensitivity": step.sensitivity.get("sensitivity"),
+            "stddev": step.noise_multiplier * step.sensitivity.get("sensitivity", math.nan),
+            "sensitivity_bound": dict(step.sensitivity),
+        },
+        "l2_clip_norm": p.l2_clip_norm,
+        "steps": completed,
+        "planned_steps": config.training.steps,
+        "stopped_early": stopped,
+        "test_accuracy": evaluation.get("test_accuracy"),
+        "test_loss": evaluation.get("test_loss"),
+        # next-token data: accuracy and loss are per predicted token (held out)
+        "test_perplexity": (
+            math.exp(evaluation["test_loss"])
+            if step.data.task == "next_token" and evaluation.get("test_loss") is not None
+            else None
+        ),
+        "overflow": overflow,
+        "loss_scale": {
+            "kind": ls.kind,
+            "initial": scale_history[0][1],
+            "final": final_scale,
+            "changes": totals["loss_scale_changes"],
+            "history": scale_history,
+            "history_note": "[step, value]: the scale used from that (1-based) step on",
+        },
+        "standardize": standardize,
+        "clipping": {
+            "method_requested": step.clipping["requested"],
+            "method": step.clipping["method"],
+            "method_reason": step.clipping["reason"],
+            "layers": step.clipping["layers"],
+        },
+        "audit": audit,
+        "sampling": sampling,
+        "mesh": mesh_summary(step.mesh, sharded=config.training.shard_params),
+        "model": step.model.summary(params),
+        "data": step.data.summary(),
+        "config": config_dict(config),
+        "versions": versions,
+        "num_params": num_params,
+        "finite_params": finite_params,
+        # pre-trained on public text, given, or (LoRA) the model's initialisation
+        "starting_point": starting_point,
+    }
+
+
+def mesh_summary(mesh, *, sharded: bool = False) -> dict[str, Any]:
+    """Where the run ran (the public plan's hardware, no data)."""
+    import jax
+
+    devices = [jax.local_devices()[0]] if mesh is None else mesh.devices
+    reduce = "psum_scatter (parameters sharded)" if sharded else "psum"
+    return {
+        "devices": len(devices),
+        "processes": len({d.process_index for d in devices}),
+        "platform": devices[0].platform,
+        "sharded_params": sharded,
+        "all_reduce": None if mesh is None else f"{reduce} of the clipped sums, accumulate dtype",
+    }
+
+
+def config_dict(config) -> dict[str, Any]:
+    """The config as plain JSON values (what report.json and checkpoints hold)."""
+    import json
+
+    return json.loads(json.dumps(config.to_dict()))
+
+
+# ---- what `dpmp report` says about the files ---------------------------------------
+
+
+def file_inventory(run_dir: str | Path) -> dict[str, list[str]]:
+    """The run directory's files, by whether they may be published.
+
+    Returns ``{"public": [...], "private": [...], "secret": [...]}``: paths
+    relative to ``run_dir`` that exist (``private`` and ``secret`` folders as
+    ``name/``).
+    """
+    run_dir = Path(run_dir)
+    public = [name for name in PUBLIC_FILES if (run_dir / name).is_file()]
+    if (run_dir / "pretrained").is_dir():  # trained on public text only
+        public.append("pretrained/")
+    private = [f"{PRIVATE_DIR}/"] if (run_dir / PRIVATE_DIR).is_dir() else []
+    secret = ["checkpoints/"] if (run_dir / "checkpoints").is_dir() else []
+    return {"public": public, "private": private, "secret": secret}
+
+
+def inventory_lines(run_dir: str | Path) -> list[str]:
+    """``file_inventory`` in words, for the command line."""
+    inv = file_inventory(run_dir)
+    lines = ["safe to publish: " + (", ".join(inv["public"]) or "-")]
+    if inv["private"]:
+        lines.append(f"private ({PRIVATE_NOTE}): " + ", ".join(inv["private"]))
+    if inv["secret"]:
+        lines.append(
+            "secret (noise keys, sampler seed, data fingerprint; as secret as the data): "
+            + ", ".join(inv["secret"])
+        )
+    return lines

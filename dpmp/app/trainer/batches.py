@@ -1,0 +1,130 @@
+"""Data and sampling: which examples each step uses, and how they reach the step.
+
+``make_sampler`` builds the run's sampler: Poisson sampling (what the
+accountant assumes; every example joins each step's logical batch with
+probability ``q``), padded to a fixed size so that one compiled step serves
+every batch, or fixed shuffled batches (``privacy.sampling = "shuffle"``, not
+covered by the Poisson epsilon). The padded size is a multiple of
+``training.physical_batch_size`` (and of ``training.microbatch_size``).
+
+``gather`` reads a batch's examples from the training split -- an in-memory
+array, a memory-mapped ``.npy`` file or any random-access source -- so only
+the batch is ever in memory; ``physical_chunks`` cuts it into the chunks the
+device sees one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from dpmp.app.config import Config, ConfigError
+from dpmp.app.trainer.plan import max_truncation_prob
+from dpmp.data._dataset import Dataset
+from dpmp.data._preprocess import FeatureStats, exact_feature_stats, private_feature_stats
+from dpmp.data._sampling import PoissonSampler, ShuffledSampler
+
+__all__ = [
+    "chunk_size",
+    "feature_stats",
+    "gather",
+    "input_dtype",
+    "make_sampler",
+    "physical_chunks",
+]
+
+
+def chunk_size(config: Config, devices: int = 1) -> int | None:
+    """The size every padded batch must be a multiple of, or None: the physical
+    batch, or a microbatch on each of ``devices`` devices."""
+    t = config.training
+    unit = (t.microbatch_size or 1) * devices
+    if t.physical_batch_size is None:
+        return unit if unit > 1 else None
+    if t.physical_batch_size % unit:  # microbatch divides physical: validated
+        raise ConfigError(
+            f"training.physical_batch_size: {t.physical_batch_size} does not split over "
+            f"training.devices = {devices} devices"
+            + (f" in microbatches of {t.microbatch_size}" if t.microbatch_size else "")
+            + f"; make it a multiple of {unit}"
+        )
+    return t.physical_batch_size
+
+
+def make_sampler(config: Config, num_train: int, seed: int, devices: int = 1):
+    """The run's sampler over ``num_train`` examples with the secret ``seed``, its
+    padded batches split evenly over ``devices`` devices."""
+    t = config.training
+    # a batch never holds more than every example (a larger physical or micro
+    # batch would be padding, allocated)
+    for name in ("expected_batch_size", "physical_batch_size", "microbatch_size"):
+        size = getattr(t, name)
+        if size is not None and size > num_train:
+            raise ConfigError(f"training.{name}: {size} exceeds the {num_train} training examples")
+    unit = chunk_size(config, devices)
+    if config.privacy.sampling == "shuffle":
+        if unit and t.expected_batch_size % unit:
+            raise ConfigError(
+                f"training.expected_batch_size: {t.expected_batch_size} shuffled examples "
+                f"per step do not split into batches of {unit}"
+            )
+        return ShuffledSampler(num_train, t.expected_batch_size, seed=seed, num_steps=t.steps)
+    tail = max_truncation_prob(config)
+    sampler = PoissonSampler(
+        num_train, t.expected_batch_size, seed=seed, num_steps=t.steps, max_truncation_prob=tail
+    )
+    if unit and sampler.padded_batch_size % unit:
+        padded = -(-sampler.padded_batch_size // unit) * unit
+        sampler = PoissonSampler(
+            num_train, t.expected_batch_size, padded_batch_size=padded, seed=seed, num_steps=t.steps
+        )
+    return sampler
+
+
+def feature_stats(config: Config, data: Dataset, seed: int) -> FeatureStats | None:
+    """The standardisation statistics ``data.standardize`` asks for, or None."""
+    d = config.data
+    if d.standardize == "private":
+        return private_feature_stats(
+            data.x_train,
+            clip=d.standardize_clip,
+            noise_multiplier=d.standardize_noise_multiplier,
+            seed=seed,
+        )
+    if d.standardize == "nonprivate":
+        return exact_feature_stats(data.x_train)
+    return None
+
+
+def gather(data: Dataset, batch) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The batch's training examples ``{"x": float32 (int32 tokens), "y": int32}`` and
+    its padding mask.
+
+    Padding rows repeat example 0 (masked out of every sum). Only the batch's
+    rows are read, so a memory-mapped split is never loaded whole.
+    """
+    pad = np.asarray(batch.is_padding_example, bool)
+    idx = np.where(pad, 0, np.asarray(batch.indices))
+    x = np.asarray(data.x_train[idx], input_dtype(data))
+    return {"x": x, "y": np.asarray(data.y_train[idx], np.int32)}, pad
+
+
+def input_dtype(data: Dataset) -> type:
+    """What the model takes: int32 tokens for next-token data, else float32 features."""
+    return np.int32 if data.task == "next_token" else np.float32
+
+
+def physical_chunks(
+    batch: dict[str, np.ndarray], pad: np.ndarray, size: int
+) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+    """Consecutive chunks of ``size`` rows of a padded batch (its length is a multiple).
+
+    Every chunk is processed, padding-only ones included, so that a step's
+    time does not depend on how many examples were sampled.
+    """
+    n = len(pad)
+    if n % size:
+        raise ValueError(f"physical_batch_size: {size} does not divide the padded batch {n}")
+    for start in range(0, n, size):
+        yield {k: v[start : start + size] for k, v in batch.items()}, pad[start : start + size]

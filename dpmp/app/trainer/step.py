@@ -1,0 +1,677 @@
+"""The jitted private step of a run, and its audits.
+
+One step (``build_private_step``)::
+
+    batch    = Poisson sample of the training set, padded to a fixed size
+    out      = dpmp.private_grad(model.loss_fn, ...)(params, batch, loss_scale,
+                                                     is_padding_example)
+    updates  = dpmp.private_optimizer(optax opt, ...)   # snapped noise, / E[B]
+    params   = params + updates                          # fp32 master params
+
+With ``training.physical_batch_size`` the logical batch is processed in
+chunks of that many examples, one device call each::
+
+    acc      = 0                                     # accumulate dtype (>= fp32)
+    for chunk in physical_chunks(batch):             # every chunk, padding too
+        acc += private_grad(...)(params, chunk, static scale, its padding).grads
+    updates  = private_optimizer.update(acc, ...)    # ONE noise draw per step
+    scale    = adjust_loss_scale(scale, overflow count of the whole batch)
+
+so the compiled memory is set by the chunk, not by the logical batch.
+
+The noise is drawn for the sensitivity of the sum AS COMPUTED::
+
+    sensitivity = grad_fn.sensitivity(batch_size=padded batch size,
+                                      parts=physical chunks x devices)
+    stddev      = noise_multiplier * sensitivity    # l2_clip_norm= of private_optimizer
+
+which is the clip norm plus a bound on the floating-point rounding of the
+clipped sum (its float64 accumulation, its one rounding to float32, and the
+float32 additions of the chunks' and devices' partial sums, in any order):
+the accountant's Gaussian mechanism with that noise multiplier, exactly.
+
+With ``training.devices`` above 1 the batch (or each chunk) is split over a
+data-parallel mesh (``dpmp.app.trainer.mesh``): each device clips its rows,
+the clipped sums are all-reduced in the accumulate dtype, each device draws
+its part of the noise (``dpmp.NoiseSharding``: the same values as one device
+would draw), and the update and the loss-scale decision run replicated::
+
+    acc      = psum over devices of private_grad(...)(params, rows, static scale, ...)
+    updates  = private_optimizer.update(acc, ...)    # each device draws its part
+    scale    = adjust_loss_scale(scale, overflow count of all devices)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dpmp.app.config import Config, ConfigError
+from dpmp.app.trainer.batches import feature_stats as compute_feature_stats
+from dpmp.app.trainer.batches import gather, make_sampler, physical_chunks
+from dpmp.app.trainer.mesh import AXIS, RunMesh, make_mesh, shared_keys
+from dpmp.app.trainer.plan import NoisePlan, RunKeys, max_truncation_prob, noise_plan, run_keys
+from dpmp.audit._precision import audit_precision
+from dpmp.audit._privacy import privacy_audit
+from dpmp.clipping._private_grad import adjust_loss_scale, combine_stats, private_grad
+from dpmp.clipping._private_loss_scale import PrivateDynamicLossScale
+from dpmp.data._dataset import Dataset, load_data
+from dpmp.data._preprocess import FeatureStats, standardize
+from dpmp.models._adapters import model_from_config
+from dpmp.models._builtin import Model, count_bytes, count_params
+from dpmp.models._lora import lora_model
+from dpmp.noise._noise import NoiseSharding, private_optimizer
+from dpmp.precision._loss_scale import (
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+)
+
+__all__ = [
+    "AUDIT_EXPECT",
+    "PrivateStep",
+    "audit_step",
+    "audit_summary",
+    "build_private_step",
+    "check_step_memory",
+    "privacy_audit_step",
+    "step_memory",
+]
+
+# Sites every private step must show; all_reduce only exists on several devices.
+AUDIT_EXPECT = ("batch_reduction", "norm", "noise_sample", "noise_add", "update")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrivateStep:
+    """Everything one private step of a run is made of (see ``build_private_step``).
+
+    Attributes:
+      step_fn: ``step_fn(params, batch, is_padding_example, opt_state,
+        loss_scale) -> (params, opt_state, loss_scale, stats)``; ``batch`` is
+        ``{"x": [B, ...] float32, "y": [B] int32}``. Jitted as a whole, or,
+        with physical chunks, a Python loop over ``chunk_fn`` then ``apply_fn``
+        (it can be traced, so the audit reads it as one function).
+      example_args: real arguments for ``step_fn`` (initial state, batch 0).
+      chunk_fn: jitted ``chunk_fn(params, chunk, is_padding, loss_scale, acc)
+        -> (acc, stats)`` adding one chunk's clipped sum to ``acc``; None
+        without physical chunks.
+      apply_fn: jitted ``apply_fn(params, acc, opt_state, loss_scale,
+        num_nonfinite) -> (params, opt_state, loss_scale, noised_count)``: the
+        noise and the update of a chunked step; None without physical chunks.
+      config, policy, data, model, sampler, optimizer: the parts.
+      data: the training data as the step sees it (standardised, if the
+        config says so).
+      plan: the ``NoisePlan`` (sigma, calibrated or given, the budget, q).
+      init_state: the initial ``params``, ``opt_state`` and ``loss_scale``.
+      grad_fn: the ``dpmp.private_grad`` function inside ``step_fn``.
+      clipping: ``grad_fn.explain(...)`` for this run's batches: the clip
+        method requested, the one used, why, and the rule for each parameter.
+      sensitivity: ``grad_fn.sensitivity_bound(...)`` for this run's padded batch
+        and its partial sums (physical chunks times devices): the L2 sensitivity
+        of the noised sum as computed, rounding included (``"sensitivity"``, the
+        ``l2_clip_norm`` the noise is drawn for), and the terms of its bound.
+      feature_stats: the standardisation statistics, or None.
+      keys: the run's ``RunKeys`` (secret unless reproducible; process 0's in
+        a run of several processes).
+      mesh: the data-parallel ``RunMesh``, or None on one device.
+      state_shardings: on a mesh, the sharding of every leaf of ``init_state``
+        (replicated, or the parameters and their optimizer slots sharded).
+      chunks: with physical chunks, ``chunks(batch, is_padding_example)`` yields
+        ``chunk_fn``'s ``(chunk, is_padding)``; None without.
+      zeros: with physical chunks, ``zeros()`` is the empty sum ``chunk_fn``
+        starts from; None without.
+    """
+
+    step_fn: Callable
+    example_args: tuple
+    chunk_fn: Callable | None
+    apply_fn: Callable | None
+    config: Config
+    policy: Any
+    data: Dataset
+    model: Model
+    sampler: Any
+    optimizer: optax.GradientTransformation
+    plan: NoisePlan
+    init_state: dict[str, Any]
+    grad_fn: Any
+    clipping: dict[str, Any]
+    feature_stats: FeatureStats | None
+    keys: RunKeys
+    sensitivity: dict[str, Any] = dataclasses.field(default_factory=dict)
+    mesh: RunMesh | None = None
+    state_shardings: Any = None
+    chunks: Callable | None = None
+    zeros: Callable | None = None
+
+    def batch(self, sampled) -> tuple[Any, Any]:
+        """The ``(batch, is_padding_example)`` arguments of ``step_fn`` for a sampled
+        batch, read from the training data (on a mesh: split over its devices,
+        each process reading only its own rows)."""
+        return _step_batch(self.data, sampled, self.mesh, self.config.training.physical_batch_size)
+
+    def __iter__(self):  # ``step_fn, example_args = build_private_step(...)``
+        return iter((self.step_fn, self.example_args))
+
+    # The plan's numbers, as the report and the log read them.
+    noise_multiplier = property(lambda self: self.plan.noise_multiplier)
+    noise_calibrated = property(lambda self: self.plan.calibrated)
+    budget = property(lambda self: self.plan.budget)
+    sampling_prob = property(lambda self: self.plan.sampling_prob)
+    count_noise_stddev = property(lambda self: self.plan.count_noise_stddev)
+
+
+def _partial_sums(sampler, size: int | None, mesh: RunMesh | None) -> int:
+    """How many float32 sums of ``private_grad`` make a step's noised sum: one per
+    physical chunk and device (added up across chunks, all-reduced across devices)."""
+    chunks = 1 if size is None else sampler.padded_batch_size // size
+    return chunks * (mesh.size if mesh else 1)
+
+
+def _make_optimizer(config: Config) -> optax.GradientTransformation:
+    t = config.training
+    if t.optimizer == "adam":
+        return optax.adam(t.learning_rate)
+    if t.optimizer == "momentum":
+        return optax.sgd(t.learning_rate, momentum=0.9)
+    return optax.sgd(t.learning_rate)
+
+
+def _make_loss_scale(config: Config, key) -> Any:
+    ls = config.loss_scale
+    if ls.kind == "none":
+        return NoOpLossScale()
+    if ls.kind == "static":
+        return StaticLossScale(ls.initial)
+    if ls.kind == "private_dynamic":
+        return PrivateDynamicLossScale(
+            ls.initial,
+            key,
+            count_noise_stddev=ls.count_noise_stddev,
+            period=ls.period,
+            factor=ls.factor,
+            min_scale=ls.min_scale,
+            max_scale=ls.max_scale,
+        )
+    return DynamicLossScale(
+        ls.initial,
+        period=ls.period,
+        factor=ls.factor,
+        min_scale=ls.min_scale,
+        max_scale=ls.max_scale,
+    )
+
+
+def _step_batch(data: Dataset, sampled, mesh: RunMesh | None, chunk: int | None):
+    """``PrivateStep.batch``: numpy arrays on one device, global arrays on a mesh."""
+    if mesh is None:
+        return gather(data, sampled)
+
+    def rows(start, stop):
+        part = slice(start, stop)
+        indices, pad = sampled.indices[part], sampled.is_padding_example[part]
+        return gather(data, sampled._replace(indices=indices, is_padding_example=pad))
+
+    return mesh.put_batch(rows, len(sampled.is_padding_example), chunk)
+
+
+def _step_functions(grad_fn, optimizer, mesh, specs, size, acc_shapes) -> tuple[Callable, ...]:
+    """``(step_fn, chunk_fn, apply_fn, chunks, zeros)``: one device or a mesh (its
+    parameters replicated, or sharded as ``specs`` say), the batch whole or in
+    physical chunks of ``size`` (the last four are None without chunks)."""
+    sum_fn = _summed(grad_fn) if mesh is None else mesh.summed(grad_fn, specs)
+    if size is None:
+        return _whole_step(sum_fn, optimizer), None, None, None, None
+    if mesh is None:
+        chunks = functools.partial(physical_chunks, size=size)
+        shardings = None
+    else:
+        chunks = mesh.chunks
+        shardings = mesh.state_shardings({"params": acc_shapes, "opt_state": ()}, specs)["params"]
+    zeros = jax.jit(
+        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), acc_shapes),
+        out_shardings=shardings,
+    )
+    return (*_chunked_step(sum_fn, optimizer, chunks, zeros), chunks, zeros)
+
+
+def _summed(grad_fn) -> Callable:
+    """``sum_fn(params, batch, pad, scale) -> (clipped sum, stats)`` on one device."""
+
+    def sum_fn(params, batch, pad, scale):
+        out = grad_fn(params, batch, loss_scale=scale, is_padding_example=pad)
+        return out.grads, out.stats
+
+    return sum_fn
+
+
+def _static(loss_scale):
+    """The scale every part of a step uses; it is adjusted once, from the whole
+    batch's overflow count, after the parts."""
+    if isinstance(loss_scale, NoOpLossScale | StaticLossScale):
+        return loss_scale
+    return StaticLossScale(loss_scale.loss_scale)
+
+
+def _apply(optimizer, params, grads, opt_state, loss_scale, num_nonfinite):
+    """Noise, update and the next loss scale, from a step's clipped sum."""
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    next_scale, noised = adjust_loss_scale(loss_scale, num_nonfinite)
+    return params, opt_state, next_scale, noised
+
+
+def _whole_step(sum_fn, optimizer) -> Callable:
+    """A step over the whole batch in one call, with the scale adjusted after the sum
+    (so that a mesh's devices see one scale, and the adjustment reads their total)."""
+
+    def private_step(params, batch, is_padding_example, opt_state, loss_scale):
+        grads, stats = sum_fn(params, batch, is_padding_example, _static(loss_scale))
+        params, opt_state, next_scale, noised = _apply(
+            optimizer, params, grads, opt_state, loss_scale, stats.num_nonfinite
+        )
+        return params, opt_state, next_scale, stats._replace(noised_overflow_count=noised)
+
+    return jax.jit(private_step)
+
+
+def _chunked_step(sum_fn, optimizer, chunks: Callable, zeros: Callable) -> tuple[Callable, ...]:
+    """``(step_fn, chunk_fn, apply_fn)`` of a step over the physical chunks
+    ``chunks(batch, pad)`` yields; ``zeros()`` is the empty sum."""
+
+    @jax.jit
+    def chunk_fn(params, chunk, is_padding, loss_scale, acc):
+        grads, stats = sum_fn(params, chunk, is_padding, loss_scale)
+        return jax.tree.map(jnp.add, acc, grads), stats
+
+    apply_fn = jax.jit(functools.partial(_apply, optimizer))
+
+    def step_fn(params, batch, is_padding_example, opt_state, loss_scale):
+        chunk_scale = _static(loss_scale)
+        acc = zeros()
+        parts = []
+        for chunk, pad in chunks(batch, is_padding_example):
+            acc, stats = chunk_fn(params, chunk, pad, chunk_scale, acc)
+            parts.append(stats)
+        stats = combine_stats(parts)
+        params, opt_state, next_scale, noised = apply_fn(
+            params, acc, opt_state, loss_scale, stats.num_nonfinite
+        )
+        return params, opt_state, next_scale, stats._replace(noised_overflow_count=noised)
+
+    return step_fn, chunk_fn, apply_fn
+
+
+def build_private_step(
+    config: Config,
+    data: Dataset | None = None,
+    *,
+    model: Model | None = None,
+    keys: RunKeys | None = None,
+    feature_stats: FeatureStats | None = None,
+    init_params: Any = None,
+) -> PrivateStep:
+    """The private step of ``config`` and real arguments for it.
+
+    ``step_fn, example_args = build_private_step(config)`` unpacks it; the
+    precision audit of a config is
+    ``dpmp.audit_precision(step_fn, *example_args, policy=config.precision,
+    params_argnums=0, batch_argnums=1)`` (``audit_step`` does exactly this).
+
+    Args:
+      config: a ``dpmp`` run ``Config``.
+      data: a ``Dataset`` (not standardised); default
+        ``load_data(config.data, seed)``.
+      model: a ``Model`` (``dpmp.models._adapters.as_model`` makes one of a flax,
+        Equinox or plain-JAX model); default ``build_model(config.model, ...)``.
+      keys: the run's noise keys and seeds; default ``run_keys(config)``
+        (fresh OS entropy unless ``privacy.reproducible_noise``).
+      feature_stats: standardisation statistics to reuse (a resumed run's);
+        default: computed as ``data.standardize`` says.
+      init_params: parameters to start from (pre-trained ones, in the
+        structure of the model's ``init``) instead of its initialisation; with
+        ``model.lora_rank`` the frozen base the adapters adapt (default: the
+        model's initialisation).
+    """
+    policy = config.precision
+    t = config.training
+    if data is None:
+        data = load_data(config.data, t.seed)
+    keys = shared_keys(run_keys(config) if keys is None else keys)
+    mesh = make_mesh(config)
+    if t.shard_params and mesh is None:
+        raise ConfigError(
+            "training.shard_params: shards over a mesh of several devices; set "
+            'training.devices to more than 1 (or "all" with several devices)'
+        )
+    shards = mesh.size if t.shard_params else 1
+    if config.data.standardize != "none":
+        if not data.in_memory:
+            raise ConfigError(
+                f"data.standardize: {config.data.standardize!r} needs the features in memory "
+                "as float32 arrays; memory-mapped or streamed data must come standardised"
+            )
+        if feature_stats is None:
+            feature_stats = compute_feature_stats(config, data, keys.standardize_seed)
+        data = standardize(data, feature_stats)
+    if model is None:
+        model = model_from_config(config.model, data, policy)
+    init_key = jax.random.split(jax.random.key(t.seed), 3)[0]
+    lora = bool(config.model.lora_rank)
+    params_shape = jax.eval_shape(model.init, init_key)
+    _check_fits(config, params_shape, trainable=not lora, shards=shards)
+    model = _starting_point(config, model, init_params, params_shape, init_key)
+    if lora:  # the adapters are what trains (init_params have the model's own shapes)
+        params_shape = jax.eval_shape(model.init, init_key)
+        _check_fits(config, params_shape, trainable=True, shards=shards)
+    sampler = make_sampler(config, data.num_train, keys.sampler_seed, mesh.size if mesh else 1)
+    plan = noise_plan(
+        config,
+        num_train=data.num_train,
+        params_shape=params_shape,
+        truncation_probability=_truncation_bound(config, sampler),
+    )
+    grad_fn = private_grad(
+        model.loss_fn,
+        l2_clip_norm=config.privacy.l2_clip_norm,
+        policy=policy,
+        microbatch_size=t.microbatch_size,
+        allow_nonprivate_loss_scale=config.loss_scale.kind == "nonprivate_dynamic",
+        method=config.privacy.clip_method,
+    )
+    specs = mesh.param_specs(params_shape) if t.shard_params else None
+    params = jax.jit(model.init)(init_key)
+    size = t.physical_batch_size
+    first = sampler.batch(0)
+    # what one call of private_grad sees: a chunk, or a device's share of it
+    per_call = (size or len(first.indices)) // (mesh.size if mesh else 1)
+    explained_batch = jax.tree.map(lambda v: jnp.asarray(v[:per_call]), gather(data, first)[0])
+    clipping = _explain_clipping(grad_fn, params, explained_batch)
+    # The noise is the noise multiplier times the sensitivity of the sum as computed
+    # (rounding included): the accountant's Gaussian mechanism, exactly.
+    sensitivity = grad_fn.sensitivity_bound(
+        batch_size=sampler.padded_batch_size, parts=_partial_sums(sampler, size, mesh)
+    )
+    optimizer = private_optimizer(
+        _make_optimizer(config),
+        noise_multiplier=plan.noise_multiplier,
+        l2_clip_norm=sensitivity["sensitivity"],
+        expected_batch_size=t.expected_batch_size,
+        prng_key=keys.noise,
+        policy=policy,
+        sampler=config.privacy.noise_sampler,
+        # on a mesh each device draws only its part of the noise (the same values)
+        sharding=None if mesh is None else NoiseSharding(mesh.mesh, AXIS, specs),
+    )
+    init_state = {
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "loss_scale": _make_loss_scale(config, keys.loss_scale),
+    }
+    state_shardings = None
+    if mesh is not None:
+        state_shardings = mesh.state_shardings(init_state, specs)
+        init_state = mesh.put(init_state, state_shardings)
+    acc_shapes = jax.eval_shape(lambda p, b: grad_fn(p, b).grads, params, explained_batch)
+    step_fn, chunk_fn, apply_fn, chunks, zeros = _step_functions(
+        grad_fn, optimizer, mesh, specs, size, acc_shapes
+    )
+    batch, pad = jax.tree.map(jnp.asarray, _step_batch(data, first, mesh, size))
+    example_args = (
+        init_state["params"],
+        batch,
+        pad,
+        init_state["opt_state"],
+        init_state["loss_scale"],
+    )
+    return PrivateStep(
+        step_fn=step_fn,
+        example_args=example_args,
+        chunk_fn=chunk_fn,
+        apply_fn=apply_fn,
+        config=config,
+        policy=policy,
+        data=data,
+        model=model,
+        sampler=sampler,
+        optimizer=optimizer,
+        plan=plan,
+        init_state=init_state,
+        grad_fn=grad_fn,
+        clipping=clipping,
+        sensitivity=sensitivity,
+        feature_stats=feature_stats,
+        keys=keys,
+        mesh=mesh,
+        state_shardings=state_shardings,
+        chunks=chunks,
+        zeros=zeros,
+    )
+
+
+def _truncation_bound(config: Config, sampler) -> float:
+    """A bound on the sampler's truncation probability per step that does not
+    depend on how its padded size was rounded for the devices or chunks (so that
+    1 and 4 devices plan alike): the bound its padded size was chosen for."""
+    if not sampler.poisson:
+        return 0.0
+    bound = max_truncation_prob(config)
+    if sampler.truncation_probability > bound:
+        raise ConfigError(
+            f"the Poisson sampler's padded size {sampler.padded_batch_size} truncates a step "
+            f"with probability {sampler.truncation_probability:.3g}, above {bound:.3g}"
+        )
+    return bound
+
+
+def _device_bytes(tree: Any) -> int:
+    """Bytes of ``tree``'s arrays on the first device that holds a part of them."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        if isinstance(a, jax.Array) and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            shards = a.addressable_shards
+            device = shards[0].device
+            total += sum(s.data.nbytes for s in shards if s.device == device)
+        else:
+            total += getattr(a, "nbytes", 0)
+    return total
+
+
+def _compiled_bytes(fn, *args) -> int:
+    """Arguments + outputs + temporaries - aliases of ``fn`` compiled for ``args``, on
+    one device (the compilation is cached: the step's first call reuses it)."""
+    m = fn.lower(*args).compile().memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def step_memory(step: PrivateStep) -> int:
+    """Bytes one device needs for one step of ``step``, from its compiled programs.
+
+    The whole step: its arguments, outputs and temporaries (clipping, the noise
+    stage, the optimizer). With physical chunks, the larger of a chunk's call and
+    the noise-and-update call, each with the state that stays on the device
+    beside it (the optimizer state during the chunks, the whole batch)."""
+    params, batch, pad, opt_state, scale = step.example_args
+    if step.chunk_fn is None:
+        return _compiled_bytes(step.step_fn, *step.example_args)
+    chunk, chunk_pad = next(iter(step.chunks(batch, pad)))
+    acc = step.zeros()
+    beside = _device_bytes((batch, pad))
+    chunk_call = _compiled_bytes(step.chunk_fn, params, chunk, chunk_pad, _static(scale), acc)
+    apply_call = _compiled_bytes(step.apply_fn, params, acc, opt_state, scale, jnp.int32(0))
+    return max(chunk_call + _device_bytes(opt_state), apply_call) + beside
+
+
+def check_step_memory(step: PrivateStep, limit: int | None = None) -> int:
+    """``step_memory(step)``, or a ``ConfigError`` in one line when it exceeds
+    ``limit`` (default: the first device's memory)."""
+    need = step_memory(step)
+    limit = _memory_bytes() if limit is None else limit
+    if need > limit:
+        t = step.config.training
+        knobs = (
+            "training.physical_batch_size"
+            if t.physical_batch_size
+            else "training.expected_batch_size or training.physical_batch_size"
+        )
+        raise ConfigError(
+            f"the private step needs {need / 2**30:,.2f} GiB per device (compiled: parameters, "
+            f"optimizer state, batch, clipping, noise and update) and this device has "
+            f"{limit / 2**30:,.2f} GiB; lower {knobs}, or the model's size"
+        )
+    return need
+
+
+# What a trained parameter costs in a step, itself included: its clipped (then
+# noisy) sum, the optimizer's slots (Adam: two moments; momentum: one), and the
+# step's new parameters and slots (its arguments are not donated). The noise
+# stage adds a bounded amount (dpmp.noise._noise.SNAP_CHUNK), not a copy. A lower
+# bound from shapes alone; ``check_step_memory`` measures the compiled step.
+_COPIES = {"adam": 7, "momentum": 5, "sgd": 3}
+
+
+def _memory_bytes() -> int:
+    """The first device's memory (its allocator's limit), or the host's RAM."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_fits(config: Config, shapes: Any, *, trainable: bool, shards: int = 1) -> None:
+    """Refuses parameters (with their gradients and optimizer state when
+    ``trainable``, split over ``shards`` devices) that cannot fit in memory, from
+    shapes alone: a typo such as ``model.dim = 100000000000`` is one line, not an
+    out-of-memory crash."""
+    count, need = count_params(shapes), count_bytes(shapes)
+    if trainable:
+        need = need * _COPIES.get(config.training.optimizer, 4) // shards
+    limit = _memory_bytes()
+    if need <= limit:
+        return
+    m = config.model
+    fields = {
+        "mlp": f"model.hidden = {list(m.hidden)}",
+        "nnx_mlp": f"model.hidden = {list(m.hidden)}",
+        "vit": f"model.dim = {m.dim}, model.depth = {m.depth}",
+        "lm": f"model.dim = {m.dim}, model.depth = {m.depth}",
+    }.get(m.kind, f"model.kind = {m.kind!r}")
+    if trainable and m.lora_rank:
+        fields = f"model.lora_rank = {m.lora_rank}"
+    what = "with gradients and optimizer state " if trainable else ""
+    raise ConfigError(
+        f"{fields}: {count:,} parameters need {need / 2**30:,.1f} GiB {what}and this "
+        f"machine has {limit / 2**30:,.1f} GiB"
+    )
+
+
+def _starting_point(config: Config, model: Model, init_params: Any, like: Any, init_key) -> Model:
+    """``model`` starting from ``init_params``, or adapting them frozen (LoRA);
+    ``like``: the shapes of ``model.init``."""
+    if init_params is not None:
+        _check_like(init_params, like)
+        # in the dtypes of the model's own parameters (float32 masters)
+        init_params = jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), init_params, like)
+    if config.model.lora_rank:
+        base = jax.jit(model.init)(init_key) if init_params is None else init_params
+        try:
+            return lora_model(
+                model, base, rank=config.model.lora_rank, alpha=config.model.lora_alpha
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if init_params is None:
+        return model
+    return dataclasses.replace(model, init=lambda key: init_params)
+
+
+def _check_like(params: Any, like: Any) -> None:
+    got, want = jax.tree.structure(params), jax.tree.structure(like)
+    if got != want:
+        raise ValueError(
+            f"init_params: not the model's parameter structure:\n{got}\nexpected\n{want}"
+        )
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(like))):
+        if tuple(a.shape) != tuple(b.shape):
+            raise ValueError(
+                f"init_params: leaf {i} has shape {tuple(a.shape)}, the model's {tuple(b.shape)}"
+            )
+
+
+def _explain_clipping(grad_fn, params, batch) -> dict[str, Any]:
+    """Which clip method the step uses; ``method="ghost"`` on an unsupported model is a
+    ``ConfigError`` naming the parameter (before any work)."""
+    try:
+        return grad_fn.explain(params, batch)
+    except ValueError as e:
+        raise ConfigError(f"privacy.clip_method: {e}") from None
+
+
+def _expected_sites(step: PrivateStep) -> tuple[str, ...]:
+    """The sites the step's audit must find: on a mesh, the all-reduce too."""
+    return AUDIT_EXPECT + (() if step.mesh is None else ("all_reduce",))
+
+
+def audit_step(config: Config, data: Dataset | None = None, *, step: PrivateStep | None = None):
+    """Precision audit (``dpmp.audit_precision``) of the config's private step."""
+    step = build_private_step(config, data) if step is None else step
+    return audit_precision(
+        step.step_fn,
+        *step.example_args,
+        policy=step.policy,
+        params_argnums=0,
+        batch_argnums=1,
+        expect=_expected_sites(step),
+        name=f"private step ({step.model.name}, {config.policy}"
+        + ("" if step.mesh is None else f", {step.mesh.size} devices")
+        + ")",
+    )
+
+
+def privacy_audit_step(
+    config: Config,
+    data: Dataset | None = None,
+    *,
+    num_releases: int = 1_000_000,
+    step: PrivateStep | None = None,
+):
+    """Empirical privacy audit (``dpmp.privacy_audit``) of the config's noise stage:
+    its policy, noise multiplier (calibrated as the run would), sensitivity (the clip
+    norm with the rounding bound of the clipped sum) and delta."""
+    step = build_private_step(config, data) if step is None else step
+    return privacy_audit(
+        step.noise_multiplier,
+        policy=step.policy,
+        clip_norm=step.sensitivity["sensitivity"],
+        delta=config.privacy.delta,
+        num_releases=num_releases,
+        mechanism="dpmp" if config.privacy.noise_sampler == "snapped" else "plain",
+    )
+
+
+def audit_summary(step: PrivateStep) -> dict[str, Any]:
+    """The precision audit as the report gives it; an audit error never stops a run."""
+    try:
+        report = audit_step(step.config, step=step)
+    except Exception as e:  # the audit must never take the run down
+        return {"ok": None, "error": f"{type(e).__name__}: {e}"}
+    return {
+        "ok": report.ok,
+        "violations": [f.to_dict() for f in report.violations],
+        "missing": list(report.missing),
+        "counts": report.counts(),
+        "expect": list(_expected_sites(step)),
+    }

@@ -1,0 +1,675 @@
+"""Training data for the trainer: scikit-learn's digits, a user ``.npz`` file, a
+folder of memory-mapped ``.npy`` files, arrays, or random-access sources.
+
+``load_data(config.data, seed)`` returns a :class:`Dataset` of float32 features
+and int32 labels, split into train and test. It computes no statistic of the
+training data: the digits' pixels (0..16, a public range) are mapped to
+[-1, 1] as ``x / 8 - 1``, and a user's features are taken as they are.
+Standardisation by data statistics is a separate, opt-in stage
+(``dpmp.data._preprocess``). ``fingerprint(data)`` identifies the arrays (a
+resumed run refuses other data).
+
+Features keep the shape of one example (``input_shape``): the digits are
+8 x 8 x 1 images, so the vision transformer can cut them into patches and the
+MLPs flatten them. An ``.npz`` file's ``x`` of shape ``[n, h, w, c]`` keeps its
+image shape, ``[n, h, w]`` becomes ``[n, h, w, 1]``, and ``[n, d]`` stays flat.
+
+Data larger than memory: ``data.dataset = "npy"`` opens ``x_train.npy`` and
+``x_test.npy`` in ``data.path`` memory-mapped (labels are read whole), and
+``Dataset.from_sources(train, test)`` wraps any random-access source (grain's
+``RandomAccessDataSource`` protocol: ``__len__`` and ``__getitem__(i)``
+returning ``(x, y)`` or ``{"x": x, "y": y}``). The trainer then reads only the
+rows of each batch; validation and the fingerprint stream over the rows.
+
+Text for next-token prediction: ``python_docs_records`` (the default private
+text: lines of Python's documentation help topics) and
+``python_stdlib_records`` (the default PUBLIC text of ``[pretrain]``: lines of
+the standard library's docstrings) ship with Python; ``read_text_file`` reads
+a user's ``.txt`` or ``.jsonl``; ``text_dataset`` makes byte tokens of records.
+
+Every problem with a user file is a :class:`DataError` (a ``ValueError``)
+whose message names the array and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpmp.app.config import DataConfig
+
+__all__ = [
+    "DataError",
+    "Dataset",
+    "MIN_TRAIN_EXAMPLES",
+    "PAD",
+    "VOCAB",
+    "RecordColumn",
+    "as_dataset",
+    "fingerprint",
+    "load_data",
+]
+
+# Text: one token per UTF-8 byte, then a begin-of-record and a padding token.
+BOS, PAD = 256, 257
+VOCAB = 258
+# The default corpus keeps lines of at least this many characters.
+MIN_LINE = 16
+
+# Bytes read at a time when a split is streamed (validation, fingerprint).
+_BLOCK_BYTES = 1 << 22
+
+
+def _rows_per_block(x: Any) -> int:
+    row = max(1, int(np.prod(x.shape[1:], dtype=np.int64)) * np.dtype(x.dtype).itemsize)
+    return max(1, _BLOCK_BYTES // row)
+
+
+# Fewer examples than this cannot be sampled, split and evaluated meaningfully.
+MIN_TRAIN_EXAMPLES = 10
+MIN_TEST_EXAMPLES = 1
+
+
+class DataError(ValueError):
+    """The data cannot be used; the message names the array and the problem."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dataset:
+    """Train and test arrays and what a model needs to know about them.
+
+    Attributes:
+      x_train, x_test: features, ``[n, *input_shape]``: float32 arrays in
+        memory, or anything indexed by rows (a memory-mapped ``.npy`` of any
+        numeric dtype, a ``RecordColumn``); batches are cast to float32.
+      y_train, y_test: int32 labels in ``[0, num_classes)``, in memory.
+      num_classes: K; the training labels are exactly 0..K-1 (``_check_classes``).
+      input_shape: shape of one example (``(8, 8, 1)`` for digits).
+      description: one line saying where the data came from.
+      standardize: how the features were standardised: ``"none"``,
+        ``"private"`` or ``"nonprivate"`` (see ``dpmp.data._preprocess``).
+      task: ``"classify"`` (``y`` are class labels) or ``"next_token"``
+        (``x`` are int32 byte tokens ``[n, seq_len + 1]``: BOS, the record's
+        UTF-8 bytes, PAD after its end; ``y`` is the record's token count;
+        ``num_classes`` is the vocabulary, ``VOCAB``).
+    """
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    input_shape: tuple[int, ...]
+    description: str
+    standardize: str = "none"
+    task: str = "classify"
+
+    @property
+    def num_train(self) -> int:
+        return int(self.x_train.shape[0])
+
+    @property
+    def num_test(self) -> int:
+        return int(self.x_test.shape[0])
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether the features are plain float32 arrays in memory (not mapped,
+        streamed or tokens)."""
+        return all(
+            type(x) is np.ndarray and x.dtype == np.float32 for x in (self.x_train, self.x_test)
+        )
+
+    @classmethod
+    def from_arrays(
+        cls, train: tuple[Any, Any], test: tuple[Any, Any], *, description: str | None = None
+    ) -> Dataset:
+        """A dataset of ``train = (x, y)`` and ``test = (x, y)`` arrays.
+
+        Features are not copied: a memory-mapped array (``np.load(...,
+        mmap_mode="r")``) stays on disk. ``[n, h, w]`` features get a channel
+        axis. Raises ``DataError`` naming the array at fault.
+        """
+        x_train = _features("x_train", train[0], copy=not isinstance(train[0], np.memmap))
+        x_test = _features("x_test", test[0], copy=not isinstance(test[0], np.memmap))
+        return _assemble(x_train, train[1], x_test, test[1], description or "user arrays")
+
+    @classmethod
+    def from_sources(cls, train: Any, test: Any, *, description: str | None = None) -> Dataset:
+        """A dataset of two random-access sources of ``(x, y)`` or ``{"x", "y"}`` records.
+
+        Each source needs ``len(source)`` and ``source[i]`` (grain's
+        ``RandomAccessDataSource`` protocol). Labels are read once, here (one
+        pass over the records); features are read by the batch.
+        """
+        x_train, y_train = _columns("train", train)
+        x_test, y_test = _columns("test", test)
+        return _assemble(x_train, y_train, x_test, y_test, description or "user sources")
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-serialisable description (for the run report)."""
+        return {
+            "description": self.description,
+            "num_train": self.num_train,
+            "num_test": self.num_test,
+            "num_classes": self.num_classes,
+            "input_shape": list(self.input_shape),
+            "standardize": self.standardize,
+            "task": self.task,
+        }
+
+
+def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
+    """Loads, validates and splits the configured data (no standardisation).
+
+    Args:
+      config: a ``DataConfig`` (default: the digits data).
+      seed: seeds the stratified train/test split when the data has no test split.
+
+    Returns:
+      A :class:`Dataset`.
+
+    Raises:
+      DataError: the ``.npz`` file is missing, unreadable or malformed.
+    """
+    config = DataConfig() if config is None else config
+    if config.dataset == "digits":
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        # [n, 8, 8, 1]; pixels 0..16 by the data set's definition: x / 8 - 1 maps
+        # that public range to [-1, 1] without reading any statistic of the data.
+        x = digits.images.astype(np.float32)[..., None] / np.float32(8) - np.float32(1)
+        y = digits.target.astype(np.int32)
+        x_train, x_test, y_train, y_test = _split(x, y, config.test_fraction, seed)
+        description = (
+            f"scikit-learn digits: {x.shape[0]} 8x8 grey images, 10 classes, pixels 0..16 "
+            f"mapped to [-1, 1]; stratified split (test_fraction={config.test_fraction}, "
+            f"seed={seed})"
+        )
+    elif config.dataset == "npz":
+        x_train, y_train, x_test, y_test, description = _load_npz(
+            config.path, config.test_fraction, seed
+        )
+    elif config.dataset == "npy":
+        return _load_npy(config.path)
+    elif config.dataset in ("python_docs", "text"):
+        return _load_text(config, seed)
+    else:  # pragma: no cover - DataConfig validates the choice
+        raise DataError(f"data.dataset: unknown {config.dataset!r}")
+    return _assemble(
+        np.ascontiguousarray(x_train, np.float32),
+        y_train,
+        np.ascontiguousarray(x_test, np.float32),
+        y_test,
+        description,
+    )
+
+
+def as_dataset(data: Any) -> Dataset:
+    """``data`` as a ``Dataset``: a ``Dataset`` as it is, a ``(train, test)`` pair of
+    ``(x, y)`` array pairs or of random-access sources."""
+    if isinstance(data, Dataset):
+        return data
+    if not (isinstance(data, tuple | list) and len(data) == 2):
+        raise DataError(
+            f"data: expected a dpmp.Dataset or a (train, test) pair, got {type(data).__name__}"
+        )
+    train, test = data
+    if isinstance(train, tuple | list) and len(train) == 2:
+        return Dataset.from_arrays(tuple(train), tuple(test))
+    return Dataset.from_sources(train, test)
+
+
+def _assemble(x_train, y_train, x_test, y_test, description: str) -> Dataset:
+    y_train = _labels("y_train", np.asarray(y_train))
+    y_test = _labels("y_test", np.asarray(y_test))
+    _same_length("x_train", x_train, "y_train", y_train)
+    _same_length("x_test", x_test, "y_test", y_test)
+    if tuple(x_test.shape[1:]) != tuple(x_train.shape[1:]):
+        raise DataError(
+            f"x_test: examples have shape {tuple(x_test.shape[1:])}, but x_train has "
+            f"{tuple(x_train.shape[1:])}"
+        )
+    if len(y_train) < MIN_TRAIN_EXAMPLES:
+        raise DataError(
+            f"x_train: too few training examples ({len(y_train)}); need at least "
+            f"{MIN_TRAIN_EXAMPLES}"
+        )
+    num_classes = _check_classes(y_train, y_test)
+    return Dataset(
+        x_train=x_train,
+        y_train=np.ascontiguousarray(y_train, np.int32),
+        x_test=x_test,
+        y_test=np.ascontiguousarray(y_test, np.int32),
+        num_classes=num_classes,
+        input_shape=tuple(int(d) for d in x_train.shape[1:]),
+        description=description,
+    )
+
+
+def fingerprint(data: Dataset) -> str:
+    """sha256 (hex) of the train and test arrays: their dtypes, shapes and bytes.
+
+    A function of the private data: it is kept in checkpoints (as secret as
+    the data) and never written to a report or log.
+    """
+    h = hashlib.sha256()
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        arr = getattr(data, name)
+        h.update(f"{name}:{np.dtype(arr.dtype).str}:{tuple(arr.shape)};".encode())
+        rows = _rows_per_block(arr)
+        for start in range(0, len(arr), rows):  # streamed: never the whole split
+            h.update(np.ascontiguousarray(arr[start : start + rows]).tobytes())
+    return h.hexdigest()
+
+
+def _split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int):
+    from sklearn.model_selection import train_test_split
+
+    counts = np.bincount(y)
+    n_test = int(np.ceil(test_fraction * len(y)))
+    # Stratify when every present class can appear on both sides.
+    stratify = y if counts[counts > 0].min() >= 2 and n_test >= np.count_nonzero(counts) else None
+    return train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=stratify)
+
+
+def _load_npz(path: str | None, test_fraction: float, seed: int):
+    if not path:
+        raise DataError('data.path: required when data.dataset = "npz"')
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"data.path: no such file {str(file)!r}")
+    if not zipfile.is_zipfile(file):
+        raise DataError(f"{file}: not a readable .npz file (not a zip archive of .npy arrays)")
+    try:
+        with open(file, "rb") as f, np.load(f, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except ValueError as e:  # object arrays need pickle, which we refuse
+        raise DataError(
+            f"{file}: an array holds Python objects (not numbers); store numeric arrays: {e}"
+        ) from e
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        raise DataError(f"{file}: not a readable .npz file: {e}") from e
+
+    for name in ("x", "y"):
+        if name not in arrays:
+            raise DataError(
+                f"{file}: missing array {name!r}; found {sorted(arrays) or 'none'} "
+                "(expected x, y and optionally x_test, y_test)"
+            )
+    has_test = ("x_test" in arrays, "y_test" in arrays)
+    if has_test[0] != has_test[1]:
+        present, absent = ("x_test", "y_test") if has_test[0] else ("y_test", "x_test")
+        raise DataError(f"{file}: array {present!r} is given without {absent!r}")
+
+    x = _features("x", arrays["x"])
+    y = _labels("y", arrays["y"])
+    _same_length("x", x, "y", y)
+    if all(has_test):
+        x_train, y_train = x, y
+        x_test = _features("x_test", arrays["x_test"])
+        y_test = _labels("y_test", arrays["y_test"])
+        _same_length("x_test", x_test, "y_test", y_test)
+        if x_test.shape[1:] != x_train.shape[1:]:
+            raise DataError(
+                f"x_test: examples have shape {x_test.shape[1:]}, but x has {x_train.shape[1:]}"
+            )
+        split = "test split from the file"
+    else:
+        if len(x) < MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES:
+            raise DataError(
+                f"x: too few examples ({len(x)}); need at least "
+                f"{MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES} to hold out a test split"
+            )
+        x_train, x_test, y_train, y_test = _split(x, y, test_fraction, seed)
+        split = f"split test_fraction={test_fraction}, seed={seed}"
+    if len(x_train) < MIN_TRAIN_EXAMPLES:
+        raise DataError(
+            f"x: too few training examples ({len(x_train)}); need at least {MIN_TRAIN_EXAMPLES}"
+        )
+    if len(x_test) < MIN_TEST_EXAMPLES:
+        raise DataError("x_test: no test examples")
+    description = (
+        f"{file.name}: {len(x_train)} train / {len(x_test)} test examples of shape "
+        f"{tuple(x_train.shape[1:])}; {split}"
+    )
+    return x_train, y_train, x_test, y_test, description
+
+
+def _features(name: str, x: Any, *, copy: bool = True) -> Any:
+    """Validated features; float32 in memory, or (``copy=False``) the array as it is
+    (a memory-mapped file stays mapped). Finiteness is checked row block by block."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    if np.dtype(x.dtype).kind not in "biuf":
+        raise DataError(f"{name}: must be numeric, got dtype {x.dtype}")
+    if len(x.shape) < 2:
+        raise DataError(
+            f"{name}: must have shape [examples, features...], got shape {tuple(x.shape)} "
+            "(one feature per example? reshape to [n, 1])"
+        )
+    if len(x.shape) == 3 and isinstance(x, np.ndarray):  # [n, h, w] grey images: a view
+        x = x[..., None]
+    if len(x.shape) > 4:
+        raise DataError(f"{name}: at most 4 dimensions [n, h, w, c], got shape {x.shape}")
+    if x.shape[0] == 0:
+        raise DataError(f"{name}: has no examples")
+    if copy:
+        x = np.asarray(x, np.float32)
+    if np.dtype(x.dtype).kind == "f":
+        _check_finite(name, x)
+    return x
+
+
+def _check_finite(name: str, x: Any) -> None:
+    bad_values, bad_rows, first, kind = 0, 0, None, "inf"
+    rows = _rows_per_block(x)
+    for start in range(0, len(x), rows):
+        block = np.asarray(x[start : start + rows])
+        bad = ~np.isfinite(block)
+        if bad.any():
+            rows = np.unique(np.nonzero(bad)[0])
+            bad_values += int(bad.sum())
+            bad_rows += len(rows)
+            first = start + int(rows[0]) if first is None else first
+            kind = "NaN" if kind == "NaN" or np.isnan(block).any() else "inf"
+    if bad_values:
+        raise DataError(
+            f"{name}: {bad_values} non-finite values ({kind}) in {bad_rows} example(s), "
+            f"first at index {first}"
+        )
+
+
+def _load_npy(path: str | None) -> Dataset:
+    """``x_train.npy``, ``y_train.npy``, ``x_test.npy`` and ``y_test.npy`` in the folder
+    ``path``; the features are memory-mapped, never read whole."""
+    if not path:
+        raise DataError('data.path: required when data.dataset = "npy"')
+    folder = Path(path)
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "no such folder"
+        raise DataError(f"data.path: {what} {str(folder)!r} (npy data is a folder of .npy files)")
+    arrays = {}
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        file = folder / f"{name}.npy"
+        if not file.is_file():
+            raise DataError(
+                f"{folder}: missing {file.name} (expected x_train, y_train, x_test, y_test .npy)"
+            )
+        try:
+            mode = "r" if name.startswith("x") else None
+            arrays[name] = np.load(file, mmap_mode=mode, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise DataError(f"{file}: not a readable .npy array of numbers: {e}") from e
+    x_train = _features("x_train", arrays["x_train"], copy=False)
+    x_test = _features("x_test", arrays["x_test"], copy=False)
+    description = (
+        f"{folder.name}/*.npy (memory-mapped): {len(x_train)} train / {len(x_test)} test "
+        f"examples of shape {tuple(x_train.shape[1:])}, {x_train.dtype}"
+    )
+    return _assemble(x_train, arrays["y_train"], x_test, arrays["y_test"], description)
+
+
+def _load_text(config: DataConfig, seed: int) -> Dataset:
+    """Records of text as byte tokens, split at random into train and test."""
+    if config.dataset == "python_docs":
+        records, source = python_docs_records()
+    else:
+        records, source = read_text_file(config.path)
+    return text_dataset(records, source, config.seq_len, config.test_fraction, seed)
+
+
+def text_dataset(
+    records: list[str], source: str, seq_len: int, test_fraction: float, seed: int
+) -> Dataset:
+    """A next-token ``Dataset`` of ``records`` (byte tokens), split at random."""
+    if len(records) < MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES:
+        raise DataError(
+            f"data: {len(records)} records of text; need at least "
+            f"{MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES}"
+        )
+    tokens, counts = encode_records(records, seq_len)
+    order = np.random.default_rng(seed).permutation(len(records))
+    n_test = max(MIN_TEST_EXAMPLES, int(np.ceil(test_fraction * len(records))))
+    test, train = order[:n_test], order[n_test:]
+    return Dataset(
+        x_train=tokens[train],
+        y_train=counts[train],
+        x_test=tokens[test],
+        y_test=counts[test],
+        num_classes=VOCAB,
+        input_shape=(seq_len + 1,),
+        description=(
+            f"{source}: {len(train)} train / {len(test)} test records, UTF-8 bytes, "
+            f"{seq_len} per record (longer ones cut; split test_fraction="
+            f"{test_fraction}, seed={seed})"
+        ),
+        task="next_token",
+    )
+
+
+def _distinct_lines(texts) -> list[str]:
+    """The distinct stripped lines of at least ``MIN_LINE`` characters, sorted (so that
+    no test record is also a training record)."""
+    lines = (line.strip() for text in texts for line in text.splitlines())
+    return sorted({line for line in lines if len(line) >= MIN_LINE})
+
+
+def python_docs_records() -> tuple[list[str], str]:
+    """The default private text: lines of the help topics of Python's documentation."""
+    from pydoc_data.topics import topics
+
+    source = (
+        f"Python {sys.version.split()[0]} documentation help topics (pydoc_data.topics): "
+        f"distinct lines of at least {MIN_LINE} characters"
+    )
+    return _distinct_lines(topics[k] for k in sorted(topics)), source
+
+
+# Folders of the standard library left out of the public corpus: tests, and
+# programs rather than library modules.
+_STDLIB_SKIP = frozenset({"test", "tests", "idlelib", "lib2to3", "__phello__", "site-packages"})
+
+
+def python_stdlib_records() -> tuple[list[str], str]:
+    """The default PUBLIC text: lines of the docstrings of Python's standard library
+    (modules, classes and functions), parsed from its source files (not imported).
+    It shares 25 of its 27,423 lines with ``python_docs_records`` (Python 3.11)."""
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p for p in root.rglob("*.py") if not _STDLIB_SKIP & set(p.relative_to(root).parts)
+    )
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+    def docstrings(file: Path):
+        try:
+            tree = ast.parse(file.read_bytes())
+        except (SyntaxError, ValueError, OSError):  # a broken or unreadable file: skip it
+            return
+        for node in ast.walk(tree):
+            if isinstance(node, kinds) and (doc := ast.get_docstring(node)):
+                yield doc
+
+    records = _distinct_lines(doc for file in files for doc in docstrings(file))
+    source = (
+        f"Python {sys.version.split()[0]} standard library docstrings ({len(files)} source "
+        f"files): distinct lines of at least {MIN_LINE} characters"
+    )
+    return records, source
+
+
+def encode_records(records: list[str], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens [n, seq_len + 1] int32, counts [n] int32)``: BOS, then each record's
+    first ``seq_len`` UTF-8 bytes, then PAD; ``counts`` are the predicted tokens."""
+    tokens = np.full((len(records), seq_len + 1), PAD, np.int32)
+    tokens[:, 0] = BOS
+    counts = np.zeros(len(records), np.int32)
+    for i, record in enumerate(records):
+        data = np.frombuffer(record.encode("utf-8")[:seq_len], np.uint8)
+        tokens[i, 1 : 1 + len(data)] = data
+        counts[i] = len(data)
+    return tokens, counts
+
+
+def read_text_file(path: str | None, field: str = "data.path") -> tuple[list[str], str]:
+    """Records of a ``.txt`` (one per non-empty line) or ``.jsonl`` (``{"text": ...}``);
+    errors name the config ``field`` that gave the path."""
+    file = Path(str(path))
+    if not file.is_file():
+        what = "is not a regular file" if file.exists() else "no such file"
+        raise DataError(f"{field}: {what} {str(file)!r}")
+    if file.suffix not in (".txt", ".jsonl"):
+        raise DataError(f"{field}: {file.name}: expected a .txt or .jsonl file")
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{file}: not UTF-8 text: {e}") from None
+    if file.suffix == ".txt":
+        return [line for line in lines if line.strip()], f"{file.name} (one record per line)"
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{file}:{number}: not a JSON object: {e.msg}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise DataError(f'{file}:{number}: expected an object with a string "text"')
+        records.append(obj["text"])
+    return records, f"{file.name} (one record per JSON line)"
+
+
+class RecordColumn:
+    """One field of a random-access source, indexed by rows like an array.
+
+    ``column[i:j]`` and ``column[indices]`` read only those records and stack
+    their ``field`` (``0``/``"x"`` for features) into a float32 array.
+    """
+
+    def __init__(self, source: Any, field: int | str, shape: tuple[int, ...]):
+        self._source = source
+        self._field = field
+        self.shape = (len(source), *shape)
+        self.dtype = np.dtype(np.float32)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index) -> np.ndarray:
+        rows = range(*index.indices(len(self))) if isinstance(index, slice) else index
+        values = [np.asarray(_field(self._source[int(i)], self._field), np.float32) for i in rows]
+        if not values:
+            return np.zeros((0, *self.shape[1:]), np.float32)
+        return np.stack(values)
+
+
+def _field(record: Any, field: int | str) -> Any:
+    if isinstance(record, dict):
+        return record["x" if field == 0 else "y"]
+    return record[field]
+
+
+def _columns(name: str, source: Any) -> tuple[Any, np.ndarray]:
+    """(features column, labels) of a source; every record is read once."""
+    if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+        raise DataError(
+            f"data: the {name} source must support len() and [i] (grain's "
+            f"RandomAccessDataSource protocol), got {type(source).__name__}"
+        )
+    n = len(source)
+    if n == 0:
+        raise DataError(f"data: the {name} source has no records")
+    labels, shape = np.empty(n, np.int64), None
+    for i in range(n):
+        record = source[i]
+        if not (isinstance(record, dict) and {"x", "y"} <= set(record)) and not (
+            isinstance(record, tuple | list) and len(record) == 2
+        ):
+            raise DataError(
+                f"data: record {i} of the {name} source must be (x, y) or {{'x': x, 'y': y}}, "
+                f"got {type(record).__name__}"
+            )
+        x = np.asarray(_field(record, 0))
+        if shape is None:
+            shape = x.shape
+        elif x.shape != shape:
+            raise DataError(
+                f"data: record {i} of the {name} source has x of shape {x.shape}, record 0 {shape}"
+            )
+        if x.dtype.kind not in "biuf" or (x.dtype.kind == "f" and not np.isfinite(x).all()):
+            raise DataError(f"data: record {i} of the {name} source: x must be finite numbers")
+        label = np.asarray(_field(record, 1))
+        if label.shape != () or label.dtype.kind not in "iu":
+            raise DataError(f"data: record {i} of the {name} source: y must be an integer label")
+        labels[i] = int(label)
+    if len(shape) not in (1, 3):
+        raise DataError(
+            f"data: {name} records: x must be a vector [d] or an image [h, w, c], got {shape}"
+        )
+    return RecordColumn(source, 0, shape), labels
+
+
+# More classes than this is taken for a label column that is not class labels.
+MAX_CLASSES = 65_536
+
+
+def _check_classes(y_train: np.ndarray, y_test: np.ndarray) -> int:
+    """The number of classes K: the training labels must be exactly 0..K-1 (each
+    present), with 2 <= K <= MAX_CLASSES, and every test label among them."""
+    top = int(y_train.max())
+    if top >= MAX_CLASSES:
+        raise DataError(f"y: label {top} implies more than {MAX_CLASSES:,} classes")
+    present = np.unique(y_train)
+    if len(present) < 2:
+        raise DataError(f"y: the training labels hold one class ({top}); a classifier needs 2")
+    missing = np.setdiff1d(np.arange(top + 1), present)
+    if len(missing):
+        shown = ", ".join(str(int(m)) for m in missing[:5])
+        raise DataError(
+            f"y: labels must be 0..K-1 with every class in the training split; "
+            f"{len(missing)} missing ({shown}{', ...' if len(missing) > 5 else ''}); remap "
+            "them, e.g. y = np.unique(y, return_inverse=True)[1]"
+        )
+    unseen = np.setdiff1d(np.unique(y_test), present)
+    if len(unseen):
+        raise DataError(f"y_test: label {int(unseen[0])} never appears in the training labels")
+    return top + 1
+
+
+def _labels(name: str, y: np.ndarray) -> np.ndarray:
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise DataError(
+            f"{name}: must be a 1-D array of integer class labels, got shape {y.shape} "
+            "(one-hot labels? store their argmax)"
+        )
+    if y.dtype.kind == "b" or y.dtype.kind not in "iuf":
+        raise DataError(f"{name}: labels must be integers >= 0, got dtype {y.dtype}")
+    if y.dtype.kind == "f":
+        if not np.isfinite(y).all() or (y != np.round(y)).any():
+            raise DataError(f"{name}: labels must be integers >= 0, got non-integer values")
+    if y.size and y.min() < 0:
+        raise DataError(f"{name}: labels must be integers >= 0, got {y.min()}")
+    if y.size and y.max() >= 2**31:
+        raise DataError(f"{name}: label {y.max()} is too large")
+    return y.astype(np.int32)
+
+
+def _same_length(xname: str, x: np.ndarray, yname: str, y: np.ndarray) -> None:
+    if x.shape[0] != y.shape[0]:
+        raise DataError(
+            f"{xname} and {yname}: lengths differ ({x.shape[0]} examples vs {y.shape[0]} labels)"
+        )

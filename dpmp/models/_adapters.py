@@ -1,0 +1,217 @@
+"""Your own model, as the trainer sees it: flax linen, flax nnx, Equinox or functions.
+
+``as_model(obj, input_shape, num_classes, policy)`` turns a user model into a
+``dpmp.models._builtin.Model`` (``init``, ``loss_fn``, ``predict``, ``metrics``):
+
+=====================  ==============================================================
+form                   how it is used
+=====================  ==============================================================
+flax linen module      ``params = module.init(key, zeros[1, *input_shape])["params"]``,
+                       ``module.apply({"params": params}, x)``
+flax nnx module        ``graphdef, params, rest = nnx.split(module, nnx.Param, ...)``;
+                       only the ``nnx.Param`` leaves train; ``nnx.merge`` per call
+Equinox module         ``params, static = eqx.partition(module, eqx.is_inexact_array)``;
+                       called on ONE example (Equinox's convention), ``jax.vmap``-ed
+``(init, apply)``      ``params = init(key)``, ``apply(params, x) -> outputs``
+=====================  ==============================================================
+
+An nnx or Equinox module arrives initialised by its own keys, so
+``training.seed`` does not re-initialise it. Every form is called with its
+floating parameters and inputs cast to ``policy.compute`` (as jmp does: the
+gradients flow back to float32 master parameters) and its outputs cast to
+``policy.output``; ``loss(outputs, labels)`` (default: softmax cross-entropy
+on integer labels) gives one loss per example, in float32.
+
+Per-example clipping needs each example's gradient to depend on that example
+alone: a model with batch statistics (BatchNorm's ``batch_stats``, nnx
+``BatchStat``) is refused with a message saying so.
+
+``model_from_config(config.model, data, policy)`` builds the configured model;
+``model.kind = "package.module:factory"`` imports ``factory`` and calls
+``factory(input_shape, num_classes)`` for one of the forms above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dpmp.app.config import ConfigError, ModelConfig
+from dpmp.models._builtin import Model, build_model, count_params, wrap_forward
+from dpmp.precision._casting import cast_tree
+from dpmp.precision._policy import Policy
+
+__all__ = ["as_model", "load_factory", "model_from_config", "model_signature"]
+
+_BATCH_STATS = (
+    "per-example clipping needs each example's gradient to depend on that example "
+    "alone: use LayerNorm or GroupNorm instead of BatchNorm"
+)
+
+
+def as_model(
+    obj: Any,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    policy: Policy | str,
+    *,
+    loss: Callable | None = None,
+) -> Model:
+    """A ``Model`` of a flax linen or nnx module, an Equinox module, an ``(init,
+    apply)`` pair or a ``Model`` (returned as it is; ``loss`` must then be None).
+
+    Raises:
+      TypeError: ``obj`` is none of these forms.
+      ValueError: the model keeps batch statistics.
+    """
+    policy = Policy.parse(policy)
+    if isinstance(obj, Model):
+        if loss is not None:
+            raise ValueError("loss: a dpmp Model carries its own loss; pass loss=None")
+        return obj
+    input_shape = tuple(int(d) for d in input_shape)
+    framework, init, forward = _form(obj, input_shape)
+
+    def forward_in_compute(params, x):
+        return forward(cast_tree(params, policy.compute), x)
+
+    loss_fn, predict, metrics = wrap_forward(forward_in_compute, policy, loss)
+    name = type(obj).__name__ if framework != "jax" else getattr(obj[1], "__name__", "apply")
+    return Model(
+        kind="custom",
+        framework=framework,
+        name=f"{framework} {name}",
+        init=init,
+        loss_fn=loss_fn,
+        predict=predict,
+        metrics=metrics,
+        description=(
+            f"user model {name} ({framework}) on inputs {input_shape}, {num_classes} classes"
+            + ("" if loss is None else f", loss {getattr(loss, '__name__', 'user')}")
+        ),
+    )
+
+
+def _form(obj: Any, input_shape: tuple[int, ...]) -> tuple[str, Callable, Callable]:
+    """``(framework, init(key) -> params, forward(params, x) -> outputs)``."""
+    import equinox as eqx
+    import flax.linen as nn
+    from flax import nnx
+
+    if isinstance(obj, nn.Module):
+        return ("flax.linen", *_linen(obj, input_shape))
+    if isinstance(obj, nnx.Module):
+        return ("flax.nnx", *_nnx(obj))
+    if isinstance(obj, eqx.Module):
+        return ("equinox", *_eqx(obj))
+    if isinstance(obj, tuple | list) and len(obj) == 2 and all(map(callable, obj)):
+        return ("jax", obj[0], obj[1])
+    raise TypeError(
+        f"model: expected a flax linen or nnx module, an Equinox module or an (init, apply) "
+        f"pair of functions, got {type(obj).__name__}"
+    )
+
+
+def _linen(module, input_shape):
+    example = jnp.zeros((1, *input_shape), jnp.float32)
+    collections = set(jax.eval_shape(module.init, jax.random.key(0), example))
+    if collections - {"params"}:
+        raise ValueError(
+            f"model: the linen module keeps the collections {sorted(collections - {'params'})} "
+            f"besides 'params'; {_BATCH_STATS}"
+        )
+
+    def init(key):
+        return module.init(key, example)["params"]
+
+    def forward(params, x):
+        return module.apply({"params": params}, x)
+
+    return init, forward
+
+
+def _nnx(module):
+    from flax import nnx
+
+    if nnx.state(module, nnx.BatchStat):
+        raise ValueError(f"model: the nnx module keeps nnx.BatchStat variables; {_BATCH_STATS}")
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def init(key):
+        del key  # an nnx module arrives initialised
+        return params
+
+    def forward(p, x):
+        return nnx.merge(graphdef, p, rest)(x)
+
+    return init, forward
+
+
+def _eqx(module):
+    import equinox as eqx
+
+    params, static = eqx.partition(module, eqx.is_inexact_array)
+    if any(map(_is_norm, jax.tree.leaves(module, is_leaf=_is_norm))):
+        raise ValueError(f"model: the Equinox module holds a BatchNorm; {_BATCH_STATS}")
+
+    def init(key):
+        del key  # an Equinox module arrives initialised
+        return params
+
+    def forward(p, x):
+        return jax.vmap(eqx.combine(p, static))(x)  # Equinox models take one example
+
+    return init, forward
+
+
+def _is_norm(x) -> bool:
+    return type(x).__name__ == "BatchNorm"
+
+
+def load_factory(kind: str) -> Callable:
+    """The ``factory`` of ``"package.module:factory"``; a ``ConfigError`` names what failed."""
+    module_name, _, attr = kind.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"model.kind: cannot import {module_name!r} ({e}); put the folder that holds it "
+            "on PYTHONPATH"
+        ) from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"model.kind: {module_name!r} has no function {attr!r}")
+    return factory
+
+
+def model_from_config(config: ModelConfig, data_info: Any, policy: Policy | str) -> Model:
+    """The configured model for data with ``input_shape`` and ``num_classes``: a
+    built-in kind, or ``factory(input_shape, num_classes)`` of ``"module:factory"``."""
+    if ":" not in config.kind:
+        return build_model(config, data_info, policy)
+    shape = tuple(int(d) for d in data_info.input_shape)
+    made = load_factory(config.kind)(shape, int(data_info.num_classes))
+    try:
+        model = as_model(made, shape, data_info.num_classes, policy)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model.kind: {config.kind} returned an unusable model: {e}") from None
+    return _named(model, config.kind)
+
+
+def _named(model: Model, kind: str) -> Model:
+    return dataclasses.replace(model, kind=kind, description=f"{model.description}, from {kind}")
+
+
+def model_signature(params: Any) -> str:
+    """sha256 (hex) of the parameters' paths, shapes and dtypes (not their values)."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        h.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype};".encode())
+    h.update(str(count_params(params)).encode())
+    return h.hexdigest()

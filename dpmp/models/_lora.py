@@ -1,0 +1,156 @@
+"""Low-rank adapters (LoRA): train a few parameters, keep the model frozen.
+
+``lora_model(model, base, rank=r, alpha=a)`` is a ``Model`` whose parameters
+are the adapters alone; the frozen ``base`` parameters are held by the model
+and never change. Every weight matrix of ``base`` (a leaf named ``kernel``,
+flax's, or ``weight``, Equinox's, of two or more axes) is used as::
+
+    W + alpha / r * (A @ B).reshape(W.shape)     A [fan_in, r], B [r, fan_out]
+
+with ``A`` drawn from N(0, 1 / fan_in) and ``B`` zero, so the adapted model
+starts as the base model (Hu et al. 2021, "LoRA", arXiv:2106.09685). Biases,
+norms and position embeddings stay as they are. A kernel of more than two
+axes is seen as the matrix of its axes split where the two sides are closest
+in size (attention's ``[dim, heads, head_dim]`` query kernel as
+``dim x dim``).
+
+Because the private step differentiates the adapters only, per-example
+clipping, the noise, its sensitivity, the accounting and the audit cover
+exactly the trainable leaves, and the frozen ones come out of training bit
+for bit as they went in. The adapters are merged into the weights before the
+forward pass (``merge``), in float32 at full precision: the model then
+computes in its own policy as it would without adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dpmp.models._builtin import Model, count_params
+
+__all__ = ["adapted", "init_adapters", "lora_model", "merge"]
+
+# Names of the weight matrices that get adapters (flax, Equinox).
+WEIGHT_NAMES = ("kernel", "weight")
+
+
+def _name(path) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:  # pragma: no cover - every jax key type has one of the three
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def _is_weight(path, leaf) -> bool:
+    last = _name(path[-1:]) if path else ""
+    return last in WEIGHT_NAMES and getattr(leaf, "ndim", 0) >= 2
+
+
+def _split(shape: tuple[int, ...]) -> int:
+    """The axis where ``shape`` splits into the most nearly square matrix."""
+    return min(
+        range(1, len(shape)),
+        key=lambda k: abs(math.log(math.prod(shape[:k]) / math.prod(shape[k:]))),
+    )
+
+
+def adapted(base: Any) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of the weight matrices of ``base`` that get adapters."""
+    found = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(base)[0]:
+        if _is_weight(path, leaf):
+            found[_name(path)] = tuple(leaf.shape)
+    return found
+
+
+def init_adapters(base: Any, rank: int, key: jax.Array) -> dict[str, dict[str, jax.Array]]:
+    """``{name: {"a": A, "b": B}}`` for every weight matrix of ``base`` (float32).
+
+    Raises:
+      ValueError: ``rank`` is not a positive integer, or ``base`` has no weight matrix.
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"model.lora_rank: must be an integer > 0, got {rank!r}")
+    shapes = adapted(base)
+    if not shapes:
+        raise ValueError(
+            "model.lora_rank: the model has no weight matrix to adapt (no leaf named "
+            f"{' or '.join(WEIGHT_NAMES)} with two or more axes)"
+        )
+    out = {}
+    keys = jax.random.split(key, len(shapes))
+    for k, (name, shape) in zip(keys, sorted(shapes.items())):
+        cut = _split(shape)
+        fan_in, fan_out = math.prod(shape[:cut]), math.prod(shape[cut:])
+        a = jax.random.normal(k, (fan_in, rank), jnp.float32) / math.sqrt(fan_in)
+        out[name] = {"a": a, "b": jnp.zeros((rank, fan_out), jnp.float32)}
+    return out
+
+
+def merge(base: Any, adapters: dict[str, dict[str, jax.Array]], alpha: float) -> Any:
+    """``base`` with ``W + alpha / r * A @ B`` for every adapted weight matrix ``W``.
+
+    Raises:
+      ValueError: ``adapters`` does not match the weight matrices of ``base``.
+    """
+    expected = adapted(base)
+    if set(adapters) != set(expected):
+        missing, extra = set(expected) - set(adapters), set(adapters) - set(expected)
+        raise ValueError(
+            f"adapters do not match the model's weight matrices: missing {sorted(missing)}, "
+            f"unexpected {sorted(extra)}"
+        )
+
+    def one(path, w):
+        name = _name(path)
+        if name not in adapters:
+            return w
+        a, b = adapters[name]["a"], adapters[name]["b"]
+        scale = jnp.float32(alpha / a.shape[1])
+        # float32 at full precision: a TF32 matmul would round the update to 10 bits.
+        delta = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST) * scale
+        return (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, base)
+
+
+def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
+    """``model`` with ``base`` frozen and low-rank adapters as its only parameters.
+
+    ``init(key)`` draws the adapters; ``loss_fn``, ``predict`` and ``metrics``
+    take the adapters and run ``model`` on ``merge(base, adapters, alpha)``.
+    """
+    base = jax.tree.map(jnp.asarray, base)
+    # the shapes, and the errors before any work
+    shapes = jax.eval_shape(lambda b, k: init_adapters(b, rank, k), base, jax.random.key(0))
+    trainable = count_params(shapes)
+
+    def init(key):
+        return init_adapters(base, rank, key)
+
+    def merged(adapters):
+        return merge(base, adapters, alpha)
+
+    return dataclasses.replace(
+        model,
+        name=f"{model.name} + LoRA rank {rank}",
+        init=init,
+        loss_fn=lambda p, batch: model.loss_fn(merged(p), batch),
+        predict=lambda p, x: model.predict(merged(p), x),
+        metrics=lambda p, batch: model.metrics(merged(p), batch),
+        description=(
+            f"{model.description}; LoRA: rank {rank} adapters (alpha {alpha:g}) on its "
+            f"{len(adapted(base))} weight matrices train {trainable:,} parameters, its "
+            f"{count_params(base):,} parameters are frozen"
+        ),
+    )
