@@ -1,0 +1,142 @@
+"""The ``dpmp`` parser, :func:`main` and the console script :func:`console`.
+
+``COMMANDS`` lists the commands in the order ``dpmp --help`` shows them; a new
+command is a module defining a :class:`~dpmp.app.cli.command.Command` and one
+line here. :func:`main` parses the arguments (importing nothing heavy, so that
+``--help`` is fast), loads what the command needs with Ctrl-C held, runs it and
+turns its errors into one line and an exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from dpmp.app.cli import audit, budget, compare, report, train
+from dpmp.app.cli.command import Command, UsageError
+
+__all__ = ["COMMANDS", "console", "main", "parser"]
+
+COMMANDS: tuple[Command, ...] = (
+    train.COMMAND,
+    audit.COMMAND,
+    compare.COMMAND,
+    budget.COMMAND,
+    report.COMMAND,
+)
+
+
+def _version() -> str:
+    """The installed version, from the package metadata."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("dpmp")
+    except metadata.PackageNotFoundError:  # pragma: no cover - a source tree, not installed
+        return "unknown (not installed)"
+
+
+def parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
+    """The ``dpmp`` argument parser: one sub-parser per command."""
+    top = argparse.ArgumentParser(
+        prog="dpmp",
+        description="Differentially private training in JAX with precision controls.",
+    )
+    top.add_argument("--version", action="version", version=f"dpmp {_version()}")
+    sub = top.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for command in commands:
+        p = sub.add_parser(command.name, help=command.help, description=command.description)
+        command.add_arguments(p)
+    return top
+
+
+def _import_all(modules: Sequence[str], distributed: dict | None = None) -> None:
+    """Imports ``modules`` with Ctrl-C held until they are loaded, then raises it.
+
+    A KeyboardInterrupt raised inside a native extension's initialisation
+    (jaxlib's) leaves it half-loaded: the interpreter reported an ImportError
+    traceback, or lost the interrupt altogether and trained on. Importing is a
+    second or two, so holding Ctrl-C that long is the safe way to stop there.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        for name in modules:
+            importlib.import_module(name)
+        _join(distributed)
+        return
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        for name in modules:
+            importlib.import_module(name)
+        _join(distributed)  # before the backend starts
+        if "jax" in modules:
+            sys.modules["jax"].devices()  # the backend's own start-up, also native
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+
+
+def _join(distributed: dict | None) -> None:
+    if distributed is not None:
+        from dpmp.app.trainer.mesh import initialize
+
+        try:
+            initialize(**distributed, named="--coordinator, --num-processes and --process-id")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+
+def main(argv: list[str] | None = None, *, commands: Sequence[Command] = COMMANDS) -> int:
+    """Runs ``dpmp ARGV`` and returns its exit status.
+
+    0 done; 1 an audit found a violation; 2 an error in the arguments, the config
+    or the data (one line on stderr naming the field and what is allowed;
+    ``DPMP_DEBUG=1`` raises it instead); 3 a run that ended without doing what
+    was asked (``dpmp train``); 130 Ctrl-C; 141 the reader of stdout went away.
+    """
+    args = parser(commands).parse_args(argv)
+    command = next(c for c in commands if c.name == args.command)
+    try:
+        distributed = None if command.distributed is None else command.distributed(args)
+        _import_all(command.imports, distributed)
+        return command.run(args)
+    except KeyboardInterrupt as e:
+        # A run stopped between steps says where its checkpoint is (RunInterrupted).
+        print(f"dpmp {args.command}: {e or 'interrupted'}", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) closed the pipe: stop quietly, as Unix tools do
+        # (status 128 + SIGPIPE); point stdout at /dev/null so the exit flush is silent.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except (UsageError, ValueError, OSError) as e:
+        # ConfigError, DataError, PrecisionError, CheckpointError and accounting errors
+        # are ValueErrors whose messages name the field and the allowed values; an
+        # OSError names the path it could not read or write. DPMP_DEBUG=1 re-raises.
+        if os.environ.get("DPMP_DEBUG"):
+            raise
+        print(f"dpmp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def console() -> int:
+    """The ``dpmp`` console script: :func:`main`, leaving at once after Ctrl-C.
+
+    After an interrupt the run has already unwound (checkpoint saved, files
+    closed, lock released), but XLA's compiler threads may still be at work, and
+    tearing the interpreter down under them crashed it (SIGSEGV instead of 130).
+    """
+    status = main()
+    if status == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    return status

@@ -1,0 +1,64 @@
+"""``dpmp report``: a finished run's summary, its plots, and which of its files
+are safe to publish."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dpmp.app.cli.command import Command, UsageError
+from dpmp.app.cli.summary import inventory, summary
+
+__all__ = ["COMMAND"]
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true", help="print report.json")
+
+
+def _read_report(run_dir: str) -> dict:
+    """``RUN_DIR/report.json``, or a usage error saying what is wrong with it."""
+    run = Path(run_dir)
+    path = run / "report.json"
+    if not run.is_dir():
+        raise UsageError(f"no such run directory {run_dir!r}")
+    if not path.is_file():
+        raise UsageError(
+            f"{path} not found (the run has not finished; metrics.jsonl holds "
+            "what it logged so far)"
+        )
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(report, dict):
+        raise UsageError(f"{path}: expected a JSON object (a dpmp run report), got {report!r:.60}")
+    return report
+
+
+def _run(args: argparse.Namespace) -> int:
+    from dpmp.app.plots import plot_run
+
+    report = _read_report(args.run_dir)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(summary(report))
+    for p in plot_run(Path(args.run_dir)):
+        print(f"plot: {p}")
+    for line in inventory(Path(args.run_dir)):
+        print(line)
+    return 0
+
+
+COMMAND = Command(
+    name="report",
+    help="summary table and plots of a finished run",
+    description="Print a run's summary, (re)write its plots and say which of its "
+    "files are safe to publish.",
+    add_arguments=_arguments,
+    run=_run,
+    imports=("dpmp.app.release", "dpmp.app.plots", "matplotlib"),
+)
