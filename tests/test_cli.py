@@ -11,13 +11,16 @@ import numpy as np
 import pytest
 
 import dpmp
-from dpmp import cli
+from dpmp.app import cli
+from dpmp.app.cli.command import Command, UsageError
+from dpmp.app.cli.entry import COMMANDS
+from dpmp.app.cli.summary import summary
 
 
 def run_cli(*argv):
     """Runs the real console entry point in a subprocess."""
     return subprocess.run(
-        [sys.executable, "-m", "dpmp.cli", *argv], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "dpmp", *argv], capture_output=True, text=True, timeout=600
     )
 
 
@@ -190,12 +193,82 @@ def test_argparse_errors_exit_2(capsys):
 
 
 def test_console_entry_point_exit_status():
-    """``python -m dpmp.cli`` passes main's status to the shell, error line on stderr."""
+    """``python -m dpmp`` passes main's status to the shell, error line on stderr;
+    so do the installed ``dpmp`` script and ``python -m dpmp.cli``."""
+    from importlib import metadata
+
     out = run_cli("budget", "--steps", "3")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip() == (
         "dpmp budget: error: give --sampling-prob, or --batch-size and --num-examples"
     )
+    (script,) = metadata.entry_points(group="console_scripts", name="dpmp")
+    assert script.value == "dpmp.app.cli:console" and script.load() is cli.console
+    old = subprocess.run(
+        [sys.executable, "-m", "dpmp.cli", "budget", "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert (old.returncode, old.stdout, old.stderr) == (2, "", out.stderr)
+
+
+def _toy_arguments(p):
+    p.add_argument("--times", type=int, default=1, help="how many greetings")
+
+
+def _toy_run(args):
+    if args.times < 1:
+        raise UsageError(f"--times: must be >= 1, got {args.times}")
+    print("hello " * args.times)
+    return 0
+
+
+TOY = Command(
+    name="hello",
+    help="say hello",
+    description="Say hello a number of times.",
+    add_arguments=_toy_arguments,
+    run=_toy_run,
+)
+
+
+def test_a_command_is_one_module_and_one_registration(capsys):
+    """Each command is a Command in a module of its own; registering one more is
+    all a new command needs: it is in the help, runs, and its usage errors are
+    one line with status 2, as the built-in commands' are."""
+    assert [c.name for c in COMMANDS] == ["train", "audit", "compare", "budget", "report"]
+    assert [c.run.__module__ for c in COMMANDS] == [f"dpmp.app.cli.{c.name}" for c in COMMANDS]
+    commands = (*COMMANDS, TOY)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"], commands=commands)
+    assert exit_.value.code == 0 and "say hello" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["hello", "--help"], commands=commands)
+    assert exit_.value.code == 0 and "how many greetings" in capsys.readouterr().out
+    assert cli.main(["hello", "--times", "2"], commands=commands) == 0
+    assert capsys.readouterr().out.split() == ["hello", "hello"]
+    assert cli.main(["hello", "--times", "0"], commands=commands) == 2
+    assert_one_line_error(capsys, "hello", "--times: must be >= 1, got 0")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["hello"])  # registered in a list of its own only
+    assert exit_.value.code == 2
+
+
+def test_budget_accountants_are_the_accounting_layers(capsys, monkeypatch):
+    """``--accountant`` offers what ``dpmp.accounting.ACCOUNTANTS`` lists, no copy."""
+    with pytest.raises(SystemExit):
+        cli.main(["budget", "--help"])
+    names = ",".join(sorted(dpmp.accounting.ACCOUNTANTS))
+    assert f"--accountant {{{names}}}" in capsys.readouterr().out
+    monkeypatch.setattr(dpmp.accounting, "ACCOUNTANTS", (*dpmp.accounting.ACCOUNTANTS, "toy"))
+    with pytest.raises(SystemExit):
+        cli.main(["budget", "--help"])
+    assert f"--accountant {{{names},toy}}" in capsys.readouterr().out
+    # argparse lets the new name through; the accounting layer answers for it
+    argv = ["budget", "--accountant", "toy", "--sampling-prob", "0.01", "--steps", "10"]
+    assert cli.main([*argv, "--noise-multiplier", "1", "--params", "10"]) == 2
+    assert_one_line_error(capsys, "budget", "accountant", "'toy'")
 
 
 def test_train_report_and_audit_end_to_end(tmp_path, capsys):
@@ -447,10 +520,10 @@ def test_resume_on_other_data_is_refused(capsys, tmp_path):
 
 def test_summary_says_whether_a_run_is_private():
     base = {"policy": "bf16", "steps": 3, "test_accuracy": 0.5, "epsilon": 1.0, "delta": 1e-5}
-    text = cli._summary({**base, "private": True, "privacy_warnings": []})
+    text = summary({**base, "private": True, "privacy_warnings": []})
     assert "yes (differentially private; zero-out neighbours)" in text
     warning = "privacy.reproducible_noise = true: ... NOT differentially private."
-    text = cli._summary({**base, "private": False, "privacy_warnings": [warning]})
+    text = summary({**base, "private": False, "privacy_warnings": [warning]})
     assert "NO: this run is NOT differentially private" in text and warning in text
     assert "wall time" not in text and "overflowed examples" not in text  # private numbers
 
@@ -623,7 +696,7 @@ def test_a_closed_pipe_stops_quietly():
         [
             sys.executable,
             "-m",
-            "dpmp.cli",
+            "dpmp",
             "budget",
             "--target-epsilon",
             "2",
@@ -672,7 +745,7 @@ def test_train_own_model_from_its_file_on_a_npy_folder(tmp_path):
     for name in ("x_train", "y_train", "x_test", "y_test"):
         np.save(folder / f"{name}.npy", getattr(data, name))
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "dpmp.cli", "train", "--out", str(out), "--data", str(folder)]
+    argv = [sys.executable, "-m", "dpmp", "train", "--out", str(out), "--data", str(folder)]
     argv += ["--set", "model.kind=their_module:factory", "--set", "training.steps=20"]
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
@@ -744,7 +817,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, delay_s):
     import time
 
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "dpmp.cli", "train", "--out", str(out)]
+    argv = [sys.executable, "-m", "dpmp", "train", "--out", str(out)]
     argv += ["--set", "training.steps=4", "--set", "training.eval_every=4"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(delay_s)
@@ -763,7 +836,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, delay_s):
 
 _GC_INTERRUPT = """
 import gc, os, signal, sys
-from dpmp import cli
+from dpmp.app import cli
 from dpmp.app.trainer import loop
 
 build = loop._build_step
