@@ -1,12 +1,15 @@
 """dpmp compare: its numbers are the compiled steps' own, measured independently."""
 
+import collections
+
 import jax
 import numpy as np
 import pytest
 
-from dpmp import cli
+import dpmp
+from dpmp.app import cli
 from dpmp.app.config import Config, load_config
-from dpmp.app.trainer.compare import KINDS, compare, format_table
+from dpmp.app.trainer.compare import KINDS, _steps, compare, format_table
 from dpmp.app.trainer.step import build_private_step
 from dpmp.data._dataset import load_data
 
@@ -31,27 +34,45 @@ def test_rows_are_the_steps_own_sizes(rows, digits):
         step = build_private_step(load_config(None, [*SMALL, f"policy={policy}"]), digits)
         params = step.example_args[0]
         # by hand: the default MLP 64-256-10 in float32 master weights
-        assert sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)) == 4 * 19210
+        mlp = 64 * 256 + 256 + 256 * 10 + 10
+        assert sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)) == 4 * mlp
         private = next(r for r in rows if r["preset"] == policy and r["step"] == "private")
-        assert private["param_bytes"] == 4 * 19210 and private["param_dtype"] == "float32"
+        assert private["param_bytes"] == 4 * mlp and private["param_dtype"] == "float32"
         temp = step.step_fn.lower(*step.example_args).compile().memory_analysis()
         assert private["temp_bytes"] == temp.temp_size_in_bytes
         assert private["clip_method"] == "ghost"  # the default, auto, on a supported MLP
 
 
-def test_shares_add_up_to_the_private_step(rows):
-    for private in (r for r in rows if r["step"] == "private"):
-        nonprivate, clipped = (
-            r for r in rows if r["preset"] == private["preset"] and r["step"] != "private"
-        )
-        rest = nonprivate["step_s"] / private["step_s"]
-        assert private["clip_share"] + private["noise_share"] + rest == pytest.approx(1.0)
-        assert (
-            nonprivate["temp_bytes"] + private["clip_temp_bytes"] + private["noise_temp_bytes"]
-            == private["temp_bytes"]
-        )
-    text = format_table(rows)
-    assert "bf16: " in text and "of the private step's time" in text
+def _sites(fn, args, policy) -> collections.Counter:
+    """How many sites of each kind the precision audit finds in ``fn(*args)``."""
+    report = dpmp.audit_precision(fn, *args, policy=policy, batch_argnums=1)
+    return collections.Counter(f.kind for f in report.findings)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_each_share_measures_one_stage(rows, digits, policy):
+    """The clipping share is the clipped step less the non-private one, which
+    differ by the per-example norms and their clipped sum only; the noise share is
+    the private step less the clipped one, which differ by a noise draw and
+    addition per parameter leaf only (the audit's sites of each step)."""
+    step = build_private_step(load_config(None, [*SMALL, f"policy={policy}"]), digits)
+    sites = {kind: _sites(f, args, step.policy) for kind, (f, args) in _steps(step).items()}
+    leaves = len(jax.tree.leaves(step.example_args[0]))
+    assert not {"norm", "noise_sample", "noise_add"} & set(sites["non-private"])
+    clipping = sites["clipped"] - sites["non-private"]
+    assert set(clipping) == {"norm", "batch_reduction"} and clipping["norm"] >= leaves
+    assert not sites["non-private"] - sites["clipped"]
+    assert sites["private"] - sites["clipped"] == {"noise_sample": leaves, "noise_add": leaves}
+    assert not sites["clipped"] - sites["private"]
+
+    nonprivate, clipped, private = (r for r in rows if r["preset"] == policy)
+    assert (nonprivate["step"], clipped["step"], private["step"]) == KINDS
+    t = private["step_s"]
+    assert private["clip_share"] * t == pytest.approx(clipped["step_s"] - nonprivate["step_s"])
+    assert private["noise_share"] * t == pytest.approx(t - clipped["step_s"])
+    assert private["clip_temp_bytes"] == clipped["temp_bytes"] - nonprivate["temp_bytes"]
+    assert private["noise_temp_bytes"] == private["temp_bytes"] - clipped["temp_bytes"]
+    assert f"{policy}: {private['policy']}, clipping by ghost: clipping " in format_table(rows)
 
 
 def test_the_command_prints_the_table_and_refuses_a_bad_policy(capsys):
