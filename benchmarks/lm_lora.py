@@ -87,13 +87,12 @@ def pretrained_only(shared: Path) -> dict:
     import jax
     import numpy as np
 
+    from dpmp.app.inputs import load_data, model_from_config
     from dpmp.app.trainer.evaluate import evaluator
-    from dpmp.data._dataset import load_data
-    from dpmp.models._builtin import build_model
 
     config = load_config(ROOT / "configs/lm_lora.toml")
     data = load_data(config.data, config.training.seed)
-    model = build_model(config.model, data, config.precision)
+    model = model_from_config(config.model, data, config.precision)
     params = dpmp.load_params(shared, jax.eval_shape(model.init, jax.random.key(0)))
     accuracy, loss = evaluator(model, input_dtype=np.int32)(params, data.x_test, data.y_test)
     return {

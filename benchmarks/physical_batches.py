@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from dpmp.app.config import load_config
+from dpmp.app.inputs import load_data
 from dpmp.app.trainer import build_private_step, run_keys
 from dpmp.app.trainer.batches import physical_chunks
-from dpmp.data._dataset import load_data
 
 
 def temp_bytes(compiled) -> int:

@@ -11,7 +11,8 @@ import json
 import numpy as np
 
 from dpmp.app.config import load_config
-from dpmp.data._dataset import PAD, load_data
+from dpmp.app.inputs import load_data
+from dpmp.data._text import PAD
 
 
 def targets(tokens: np.ndarray) -> np.ndarray:

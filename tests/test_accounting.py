@@ -686,9 +686,8 @@ def test_residual_stays_small_at_the_sizes_models_are_trained(coordinates, steps
 
 def test_residual_of_the_default_run_is_below_1e_5():
     """The default config (digits MLP, epsilon 2): its calibrated plan's residual."""
+    from dpmp.app.inputs import load_data, model_from_config
     from dpmp.app.trainer.plan import noise_plan
-    from dpmp.data._dataset import load_data
-    from dpmp.models._adapters import model_from_config
 
     config = dpmp.Config()
     data = load_data(config.data, config.training.seed)

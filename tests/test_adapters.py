@@ -17,7 +17,8 @@ import pytest
 from flax import nnx
 
 from dpmp.app.config import ConfigError, ModelConfig
-from dpmp.models._adapters import as_model, load_factory, model_from_config, model_signature
+from dpmp.app.inputs import load_factory, model_from_config
+from dpmp.models._adapters import as_model, model_signature
 from dpmp.precision._policy import Policy
 
 IN, K = 6, 3

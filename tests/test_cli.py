@@ -727,7 +727,7 @@ def test_train_own_model_from_its_file_on_a_npy_folder(tmp_path):
 
     import numpy as np
 
-    from dpmp.data._dataset import load_data
+    from dpmp.app.inputs import load_data
 
     (tmp_path / "their_module.py").write_text(
         "import flax.linen as nn\n\n"

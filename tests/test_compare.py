@@ -9,9 +9,9 @@ import pytest
 import dpmp
 from dpmp.app import cli
 from dpmp.app.config import Config, load_config
+from dpmp.app.inputs import load_data
 from dpmp.app.trainer.compare import KINDS, _steps, compare, format_table
 from dpmp.app.trainer.step import build_private_step
-from dpmp.data._dataset import load_data
 
 SMALL = ["training.expected_batch_size=64", "privacy.noise_multiplier=1.0"]
 

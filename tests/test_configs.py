@@ -9,8 +9,8 @@ import pytest
 
 import dpmp
 from dpmp.app.config import Config, load_config
+from dpmp.app.inputs import load_data
 from dpmp.app.trainer import audit_step, build_private_step, train
-from dpmp.data._dataset import load_data
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 NAMES = sorted(p.name for p in CONFIGS.glob("*.toml"))

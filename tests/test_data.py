@@ -10,7 +10,8 @@ import pytest
 
 import dpmp
 from dpmp.app.config import DataConfig
-from dpmp.data._dataset import DataError, fingerprint, load_data
+from dpmp.app.inputs import load_data
+from dpmp.data._dataset import DataError, fingerprint
 
 
 def test_digits_split_and_shapes():
@@ -284,7 +285,9 @@ def test_the_default_text_ships_with_python_and_splits_distinct_records():
 def test_the_public_text_is_the_standard_librarys_docstrings():
     import ast
 
-    from dpmp.data._dataset import MIN_LINE, python_docs_records, python_stdlib_records
+    from dpmp.data._text import MIN_LINE
+    from dpmp.data.sources._python_docs import python_docs_records
+    from dpmp.data.sources._python_stdlib import python_stdlib_records
 
     records, source = python_stdlib_records()
     assert records == sorted(set(records)) and min(map(len, records)) >= MIN_LINE
@@ -299,7 +302,7 @@ def test_the_public_text_is_the_standard_librarys_docstrings():
 
 
 def test_text_files_one_record_per_line_or_json_object(tmp_path):
-    from dpmp.data._dataset import PAD, encode_records
+    from dpmp.data._text import PAD, encode_records
 
     lines = [f"record number {i} é" for i in range(30)]
     (tmp_path / "a.txt").write_text("\n".join(lines[:15]) + "\n\n" + "\n".join(lines[15:]))

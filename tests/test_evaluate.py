@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dpmp.app.trainer.evaluate import evaluator
-from dpmp.models._builtin import Model
+from dpmp.models._model import Model
 
 
 def _model_reading_its_metrics_from_the_input():

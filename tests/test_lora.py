@@ -11,10 +11,10 @@ import pytest
 import dpmp
 from dpmp.app.checkpoint import CheckpointError, latest_meta
 from dpmp.app.config import ConfigError, load_config
+from dpmp.app.inputs import load_data, model_from_config
 from dpmp.app.trainer import build_private_step, train
-from dpmp.data._dataset import load_data
-from dpmp.models._builtin import build_model, count_params
 from dpmp.models._lora import adapted, lora_model
+from dpmp.models._model import count_params
 
 
 def _base():
@@ -103,7 +103,7 @@ def _lm_config(tmp_path, *sets):
 def test_the_adapters_start_as_the_base_model_and_are_all_that_is_noised(tmp_path):
     config = _lm_config(tmp_path, "model.lora_rank=2")
     data = load_data(config.data, 0)
-    model = build_model(config.model, data, config.precision)
+    model = model_from_config(config.model, data, config.precision)
     base = jax.jit(model.init)(jax.random.key(3))
     adapted_model = lora_model(model, base, rank=2, alpha=8.0)
     adapters = adapted_model.init(jax.random.key(4))
@@ -130,7 +130,7 @@ def test_lora_after_public_pretraining_leaves_the_base_bit_identical(tmp_path):
     start = report["starting_point"]
     assert start["source"].startswith("pretrained on public text") and start["steps"] == 4
     assert report["model"]["name"].endswith("LoRA rank 2")
-    model = build_model(config.model, load_data(config.data, 0), config.precision)
+    model = model_from_config(config.model, load_data(config.data, 0), config.precision)
     like = jax.eval_shape(model.init, jax.random.key(0))
     pretrained = dpmp.load_params(out / "pretrained", like)
     adapters = dpmp.load_params(out, dpmp.init_lora(like, 2, jax.random.key(0)))
@@ -165,7 +165,7 @@ def test_lora_after_public_pretraining_leaves_the_base_bit_identical(tmp_path):
 def test_init_params_start_a_full_fine_tuning(tmp_path):
     config = _lm_config(tmp_path, "pretrain.dataset=none", "training.steps=1")
     data = load_data(config.data, 0)
-    model = build_model(config.model, data, config.precision)
+    model = model_from_config(config.model, data, config.precision)
     start = jax.jit(model.init)(jax.random.key(7))
     step = build_private_step(config, data, init_params=start)
     assert all(
@@ -180,7 +180,7 @@ def test_init_params_start_a_full_fine_tuning(tmp_path):
 @pytest.mark.slow  # a private run, ~20 s
 def test_a_run_says_it_started_from_given_parameters(tmp_path):
     config = _lm_config(tmp_path, "pretrain.dataset=none", "training.steps=1")
-    model = build_model(config.model, load_data(config.data, 0), config.precision)
+    model = model_from_config(config.model, load_data(config.data, 0), config.precision)
     start = jax.jit(model.init)(jax.random.key(7))
     report = train(config, out_dir=tmp_path / "ft", init_params=start, progress=False)
     assert report["starting_point"]["source"] == "init_params given to dpmp.train"

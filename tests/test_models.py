@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import dpmp
-from dpmp.app.config import ModelConfig
-from dpmp.models._builtin import build_model, count_params
+from dpmp.models import Architecture, build_model
+from dpmp.models._model import count_params
 
 DIGITS = types.SimpleNamespace(input_shape=(8, 8, 1), num_classes=10)
 SMALL_VIT = dict(patch=4, dim=16, depth=1, heads=2)
@@ -31,7 +31,7 @@ def _batch(n=4, shape=(8, 8, 1)):
     ],
 )
 def test_kind_with_private_grad(kind, extra, framework):
-    model = build_model(ModelConfig(kind=kind, **{"hidden": (16,), **extra}), DIGITS, "bf16")
+    model = build_model(kind, DIGITS, "bf16", Architecture(**{"hidden": (16,), **extra}))
     assert model.framework == framework and model.kind == kind
     params = jax.jit(model.init)(jax.random.key(0))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
@@ -50,7 +50,7 @@ def test_kind_with_private_grad(kind, extra, framework):
 
 
 def test_loss_runs_in_the_compute_dtype():
-    model = build_model(ModelConfig(kind="mlp", hidden=(8,)), DIGITS, "bf16")
+    model = build_model("mlp", DIGITS, "bf16", Architecture(hidden=(8,)))
     params = model.init(jax.random.key(0))
     jaxpr = jax.make_jaxpr(model.loss_fn)(params, _batch())
     dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
@@ -61,14 +61,14 @@ def test_loss_runs_in_the_compute_dtype():
 def test_nnx_params_are_an_nnx_state():
     from flax import nnx
 
-    model = build_model(ModelConfig(kind="nnx_mlp", hidden=(8,)), DIGITS, "fp32")
+    model = build_model("nnx_mlp", DIGITS, "fp32", Architecture(hidden=(8,)))
     params = model.init(jax.random.key(0))
     assert isinstance(params, nnx.State)
     assert count_params(params) == 64 * 8 + 8 + 8 * 10 + 10
 
 
 def test_linear_matches_a_numpy_reference():
-    model = build_model(ModelConfig(kind="linear", hidden=()), DIGITS, "fp32")
+    model = build_model("linear", DIGITS, "fp32", Architecture(hidden=()))
     params = model.init(jax.random.key(0))
     batch = _batch()
     w, b = np.asarray(params["layer_0"]["w"]), np.asarray(params["layer_0"]["b"])
@@ -78,27 +78,27 @@ def test_linear_matches_a_numpy_reference():
     want = -logp[np.arange(4), np.asarray(batch["y"])].mean()
     np.testing.assert_allclose(float(model.loss_fn(params, batch)), want, rtol=1e-5)
     assert model.name.startswith("linear")
-    mlp = build_model(ModelConfig(kind="linear", hidden=(8,)), DIGITS, "fp32")
+    mlp = build_model("linear", DIGITS, "fp32", Architecture(hidden=(8,)))
     assert mlp.name.startswith("plain-JAX MLP")
 
 
 def test_vit_shapes_and_validation():
-    model = build_model(ModelConfig(kind="vit", **SMALL_VIT), DIGITS, "bf16")
+    model = build_model("vit", DIGITS, "bf16", Architecture(**SMALL_VIT))
     params = jax.eval_shape(model.init, jax.random.key(0))
     assert params["pos_embedding"].shape == (1, 4, 16)  # (8 / 4)^2 tokens
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
     logits = jax.eval_shape(model.predict, params, _batch(2)["x"])
     assert logits.shape == (2, 10) and logits.dtype == jnp.float32
     with pytest.raises(ValueError, match="model.patch: 3 must divide"):
-        build_model(ModelConfig(kind="vit", patch=3, dim=16, heads=2), DIGITS, "fp32")
+        build_model("vit", DIGITS, "fp32", Architecture(patch=3, dim=16, heads=2))
     flat = types.SimpleNamespace(input_shape=(64,), num_classes=10)
     with pytest.raises(ValueError, match="needs image inputs"):
-        build_model(ModelConfig(kind="vit"), flat, "fp32")
+        build_model("vit", flat, "fp32")
 
 
 @pytest.mark.slow
 def test_vit_example_does_not_see_the_batch():
-    model = build_model(ModelConfig(kind="vit", **SMALL_VIT), DIGITS, "fp32")
+    model = build_model("vit", DIGITS, "fp32", Architecture(**SMALL_VIT))
     params = jax.jit(model.init)(jax.random.key(0))
     predict = jax.jit(model.predict)
     # one example's logits do not depend on the rest of the batch (no batch statistics)
@@ -114,22 +114,21 @@ def test_vit_example_does_not_see_the_batch():
 
 
 def _lm_model(policy="fp32", seq_len=12):
-    from dpmp.app.config import ModelConfig
-    from dpmp.data._dataset import VOCAB
+    from dpmp.data._text import VOCAB
 
     info = type("Text", (), {"input_shape": (seq_len + 1,), "num_classes": VOCAB})()
     info.task = "next_token"
-    return build_model(ModelConfig(kind="lm", dim=16, depth=1, heads=2), info, policy)
+    return build_model("lm", info, policy, Architecture(dim=16, depth=1, heads=2))
 
 
 def _records(seq_len=12):
-    from dpmp.data._dataset import encode_records
+    from dpmp.data._text import encode_records
 
     return encode_records(["hello world, hello", "abc", "private record"], seq_len)
 
 
 def test_lm_loss_is_the_masked_next_token_cross_entropy_float64():
-    from dpmp.data._dataset import PAD
+    from dpmp.data._text import PAD
 
     model = _lm_model()
     params = jax.jit(model.init)(jax.random.key(0))
@@ -152,7 +151,7 @@ def test_lm_loss_is_the_masked_next_token_cross_entropy_float64():
 
 
 def test_lm_padding_contributes_nothing_and_attention_is_causal():
-    from dpmp.data._dataset import PAD, encode_records
+    from dpmp.data._text import PAD, encode_records
 
     model = _lm_model(seq_len=12)
     params = jax.jit(model.init)(jax.random.key(1))
@@ -176,11 +175,10 @@ def test_lm_padding_contributes_nothing_and_attention_is_causal():
 
 
 def test_lm_needs_text_and_text_needs_the_lm():
-    from dpmp.app.config import ModelConfig
 
     digits = type("Digits", (), {"input_shape": (8, 8, 1), "num_classes": 10})()
     with pytest.raises(ValueError, match="needs a text dataset"):
-        build_model(ModelConfig(kind="lm"), digits, "fp32")
+        build_model("lm", digits, "fp32")
     text = type("Text", (), {"input_shape": (13,), "num_classes": 258, "task": "next_token"})()
     with pytest.raises(ValueError, match="text data needs model.kind = 'lm'"):
-        build_model(ModelConfig(kind="mlp"), text, "fp32")
+        build_model("mlp", text, "fp32")

@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 from dpmp.app.config import DataConfig
-from dpmp.data._dataset import load_data
+from dpmp.app.inputs import load_data
 from dpmp.data._preprocess import (
     FeatureStats,
     exact_feature_stats,

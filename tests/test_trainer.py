@@ -25,10 +25,10 @@ from dpmp.app.checkpoint import (
     restore_latest,
 )
 from dpmp.app.config import Config, ConfigError, load_config
+from dpmp.app.inputs import load_data
 from dpmp.app.release import privacy_warnings as release_warnings
 from dpmp.app.run_dir import read_metrics
 from dpmp.app.trainer import audit_step, build_private_step, train
-from dpmp.data._dataset import load_data
 
 from . import _entropy
 

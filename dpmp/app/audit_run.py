@@ -76,13 +76,14 @@ import numpy as np
 
 from dpmp.accounting import _accounting as accounting
 from dpmp.app.config import Config, ConfigError
+from dpmp.app.inputs import load_data
 from dpmp.app.run_dir import ProgressBar
 from dpmp.app.trainer.batches import feature_stats, input_dtype
 from dpmp.app.trainer.evaluate import evaluator
 from dpmp.app.trainer.mesh import local
 from dpmp.app.trainer.step import PrivateStep, build_private_step
 from dpmp.audit._one_run import auc, epsilon_lower_bound, exact_gaussian_game, guess
-from dpmp.data._dataset import Dataset, load_data
+from dpmp.data._dataset import Dataset
 from dpmp.data._sampling import SampledBatch
 from dpmp.noise._entropy import fresh_seed
 

@@ -34,6 +34,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from dpmp.data.sources import PUBLIC_TEXT, SOURCES
+from dpmp.models.families import FAMILIES
 from dpmp.precision._policy import Policy
 
 __all__ = [
@@ -53,9 +55,10 @@ class ConfigError(ValueError):
     """A bad config field or value; the message names the field and what is allowed."""
 
 
-# The choices of each enumerated key: validation and the README's key table use them.
-DATASETS = ("digits", "npz", "npy", "python_docs", "text")
-MODEL_KINDS = ("mlp", "nnx_mlp", "linear", "vit", "lm")
+# The choices of each enumerated key: validation and the README's key table use
+# them. Data sources (data.dataset), public text (pretrain.dataset) and model
+# families (model.kind) are registries of the library: their names are read
+# when a config is validated, so a registered variant is a valid choice.
 ACCOUNTANTS = ("pld", "rdp")
 SAMPLINGS = ("poisson", "shuffle")
 CLIP_METHODS = ("vmap", "ghost", "auto")
@@ -63,7 +66,6 @@ NOISE_SAMPLERS = ("snapped", "plain")
 OPTIMIZERS = ("adam", "sgd", "momentum")
 LOSS_SCALE_KINDS = ("none", "static", "private_dynamic", "nonprivate_dynamic")
 STANDARDIZE_MODES = ("none", "private", "nonprivate")
-PRETRAIN_DATASETS = ("none", "python_stdlib", "text")
 
 # What the other keys accept, in words (for the key table; validation is in
 # each section's ``__post_init__``). A key missing here is described by its type.
@@ -72,7 +74,6 @@ _ALLOWED = {
     "data.path": (
         "path to a .npz file (npz), a folder of .npy files (npy), or a .txt or .jsonl file (text)"
     ),
-    "model.kind": '"mlp", "nnx_mlp", "linear", "vit", "lm", or "package.module:factory"',
     "training.physical_batch_size": "integer > 0, or unset",
     "training.devices": 'integer in [1, 65536], or "all"',
     "data.test_fraction": "number in (0, 1)",
@@ -198,13 +199,13 @@ class DataConfig:
     standardize_noise_multiplier: float = 50.0
 
     def __post_init__(self):
-        _choice("data.dataset", self.dataset, DATASETS)
+        _choice("data.dataset", self.dataset, SOURCES.names())
         if self.path is not None and not isinstance(self.path, str):
             raise ConfigError(f"data.path: must be a string (a .npz file), got {self.path!r}")
         _positive("data.seq_len", self.seq_len, integer=True)
         if self.seq_len > 4096:
             raise ConfigError(f"data.seq_len: at most 4096, got {self.seq_len}")
-        if self.dataset in ("npz", "npy", "text") and not self.path:
+        if SOURCES.get(self.dataset).needs_path and not self.path:
             raise ConfigError(f'data.path: required when data.dataset = "{self.dataset}"')
         if isinstance(self.standardize, bool):
             raise ConfigError(
@@ -258,10 +259,10 @@ class ModelConfig:
 
     def __post_init__(self):
         if not (isinstance(self.kind, str) and _is_factory(self.kind)):
-            if self.kind not in MODEL_KINDS:
+            if self.kind not in FAMILIES:
                 raise ConfigError(
                     f"model.kind: {self.kind!r} is not allowed; allowed: "
-                    f"{', '.join(MODEL_KINDS)}, or your own as 'package.module:factory'"
+                    f"{', '.join(FAMILIES.names())}, or your own as 'package.module:factory'"
                 )
         hidden = self.hidden
         if isinstance(hidden, int):
@@ -495,11 +496,11 @@ class PretrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        _choice("pretrain.dataset", self.dataset, PRETRAIN_DATASETS)
+        _choice("pretrain.dataset", self.dataset, _pretrain_datasets())
         if self.path is not None and not isinstance(self.path, str):
             raise ConfigError(f"pretrain.path: must be a string (a text file), got {self.path!r}")
-        if self.dataset == "text" and not self.path:
-            raise ConfigError('pretrain.path: required when pretrain.dataset = "text"')
+        if self.enabled and PUBLIC_TEXT.get(self.dataset).needs_path and not self.path:
+            raise ConfigError(f'pretrain.path: required when pretrain.dataset = "{self.dataset}"')
         _positive("pretrain.steps", self.steps, integer=True, at_most=10**6)
         _positive("pretrain.batch_size", self.batch_size, integer=True, at_most=65536)
         _positive("pretrain.learning_rate", self.learning_rate)
@@ -508,6 +509,15 @@ class PretrainConfig:
     @property
     def enabled(self) -> bool:
         return self.dataset != "none"
+
+
+def _pretrain_datasets() -> tuple[str, ...]:
+    return ("none", *PUBLIC_TEXT.names())
+
+
+def _model_kinds() -> str:
+    kinds = ", ".join(f'"{k}"' for k in FAMILIES.names())
+    return f'{kinds}, or "package.module:factory"'
 
 
 _SECTIONS = {
@@ -585,8 +595,9 @@ class Config:
         return cls(**kwargs)
 
 
+# A tuple, or a function giving the registered names when the table is made.
 _CHOICES = {
-    "data.dataset": DATASETS,
+    "data.dataset": SOURCES.names,
     "privacy.accountant": ACCOUNTANTS,
     "privacy.sampling": SAMPLINGS,
     "privacy.clip_method": CLIP_METHODS,
@@ -594,7 +605,7 @@ _CHOICES = {
     "training.optimizer": OPTIMIZERS,
     "loss_scale.kind": LOSS_SCALE_KINDS,
     "data.standardize": STANDARDIZE_MODES,
-    "pretrain.dataset": PRETRAIN_DATASETS,
+    "pretrain.dataset": _pretrain_datasets,
 }
 
 
@@ -664,8 +675,12 @@ def config_reference() -> list[dict[str, str]]:
         defaults = cls()
         for f in dataclasses.fields(cls):
             key = f"{section}.{f.name}"
-            if key in _CHOICES:
-                allowed = ", ".join(f'"{c}"' for c in _CHOICES[key])
+            choices = _CHOICES.get(key)
+            if key == "model.kind":
+                allowed = _model_kinds()
+            elif choices is not None:
+                choices = choices() if callable(choices) else choices
+                allowed = ", ".join(f'"{c}"' for c in choices)
             else:
                 allowed = _ALLOWED.get(key) or _positive_words(key, hints[f.name])
             rows.append(

@@ -1,33 +1,24 @@
-"""Training data for the trainer: scikit-learn's digits, a user ``.npz`` file, a
-folder of memory-mapped ``.npy`` files, arrays, or random-access sources.
+"""Data sets: train and test arrays, validated, and what a model needs to know of them.
 
-``load_data(config.data, seed)`` returns a :class:`Dataset` of float32 features
-and int32 labels, split into train and test. It computes no statistic of the
-training data: the digits' pixels (0..16, a public range) are mapped to
-[-1, 1] as ``x / 8 - 1``, and a user's features are taken as they are.
-Standardisation by data statistics is a separate, opt-in stage
+A :class:`Dataset` holds float32 features (or anything indexed by rows: a
+memory-mapped ``.npy``, a random-access source) and int32 labels, split into
+train and test. ``Dataset.from_arrays`` and ``Dataset.from_sources`` make one
+of a user's arrays or random-access sources (grain's
+``RandomAccessDataSource`` protocol: ``__len__`` and ``__getitem__(i)``
+returning ``(x, y)`` or ``{"x": x, "y": y}``); the named sources of
+``dpmp.data.sources`` (the digits, ``.npz`` and ``.npy`` files, text) build
+theirs with the same checks. Nothing here computes a statistic of the
+training data: standardisation is a separate, opt-in stage
 (``dpmp.data._preprocess``). ``fingerprint(data)`` identifies the arrays (a
 resumed run refuses other data).
 
 Features keep the shape of one example (``input_shape``): the digits are
 8 x 8 x 1 images, so the vision transformer can cut them into patches and the
-MLPs flatten them. An ``.npz`` file's ``x`` of shape ``[n, h, w, c]`` keeps its
-image shape, ``[n, h, w]`` becomes ``[n, h, w, 1]``, and ``[n, d]`` stays flat.
+MLPs flatten them; ``[n, h, w]`` features become ``[n, h, w, 1]`` and
+``[n, d]`` stay flat. Data larger than memory is read by the rows of each
+batch; validation and the fingerprint stream over the rows.
 
-Data larger than memory: ``data.dataset = "npy"`` opens ``x_train.npy`` and
-``x_test.npy`` in ``data.path`` memory-mapped (labels are read whole), and
-``Dataset.from_sources(train, test)`` wraps any random-access source (grain's
-``RandomAccessDataSource`` protocol: ``__len__`` and ``__getitem__(i)``
-returning ``(x, y)`` or ``{"x": x, "y": y}``). The trainer then reads only the
-rows of each batch; validation and the fingerprint stream over the rows.
-
-Text for next-token prediction: ``python_docs_records`` (the default private
-text: lines of Python's documentation help topics) and
-``python_stdlib_records`` (the default PUBLIC text of ``[pretrain]``: lines of
-the standard library's docstrings) ship with Python; ``read_text_file`` reads
-a user's ``.txt`` or ``.jsonl``; ``text_dataset`` makes byte tokens of records.
-
-Every problem with a user file is a :class:`DataError` (a ``ValueError``)
+Every problem with a user's data is a :class:`DataError` (a ``ValueError``)
 whose message names the array and what is wrong with it.
 """
 
@@ -35,33 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import sys
-import zipfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from dpmp.app.config import DataConfig
 
 __all__ = [
     "DataError",
     "Dataset",
     "MIN_TRAIN_EXAMPLES",
-    "PAD",
-    "VOCAB",
     "RecordColumn",
     "as_dataset",
     "fingerprint",
-    "load_data",
 ]
-
-# Text: one token per UTF-8 byte, then a begin-of-record and a padding token.
-BOS, PAD = 256, 257
-VOCAB = 258
-# The default corpus keeps lines of at least this many characters.
-MIN_LINE = 16
 
 # Bytes read at a time when a split is streamed (validation, fingerprint).
 _BLOCK_BYTES = 1 << 22
@@ -166,53 +142,6 @@ class Dataset:
         }
 
 
-def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
-    """Loads, validates and splits the configured data (no standardisation).
-
-    Args:
-      config: a ``DataConfig`` (default: the digits data).
-      seed: seeds the stratified train/test split when the data has no test split.
-
-    Returns:
-      A :class:`Dataset`.
-
-    Raises:
-      DataError: the ``.npz`` file is missing, unreadable or malformed.
-    """
-    config = DataConfig() if config is None else config
-    if config.dataset == "digits":
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        # [n, 8, 8, 1]; pixels 0..16 by the data set's definition: x / 8 - 1 maps
-        # that public range to [-1, 1] without reading any statistic of the data.
-        x = digits.images.astype(np.float32)[..., None] / np.float32(8) - np.float32(1)
-        y = digits.target.astype(np.int32)
-        x_train, x_test, y_train, y_test = _split(x, y, config.test_fraction, seed)
-        description = (
-            f"scikit-learn digits: {x.shape[0]} 8x8 grey images, 10 classes, pixels 0..16 "
-            f"mapped to [-1, 1]; stratified split (test_fraction={config.test_fraction}, "
-            f"seed={seed})"
-        )
-    elif config.dataset == "npz":
-        x_train, y_train, x_test, y_test, description = _load_npz(
-            config.path, config.test_fraction, seed
-        )
-    elif config.dataset == "npy":
-        return _load_npy(config.path)
-    elif config.dataset in ("python_docs", "text"):
-        return _load_text(config, seed)
-    else:  # pragma: no cover - DataConfig validates the choice
-        raise DataError(f"data.dataset: unknown {config.dataset!r}")
-    return _assemble(
-        np.ascontiguousarray(x_train, np.float32),
-        y_train,
-        np.ascontiguousarray(x_test, np.float32),
-        y_test,
-        description,
-    )
-
-
 def as_dataset(data: Any) -> Dataset:
     """``data`` as a ``Dataset``: a ``Dataset`` as it is, a ``(train, test)`` pair of
     ``(x, y)`` array pairs or of random-access sources."""
@@ -281,69 +210,6 @@ def _split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int):
     return train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=stratify)
 
 
-def _load_npz(path: str | None, test_fraction: float, seed: int):
-    if not path:
-        raise DataError('data.path: required when data.dataset = "npz"')
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(f"data.path: no such file {str(file)!r}")
-    if not zipfile.is_zipfile(file):
-        raise DataError(f"{file}: not a readable .npz file (not a zip archive of .npy arrays)")
-    try:
-        with open(file, "rb") as f, np.load(f, allow_pickle=False) as npz:
-            arrays = {name: npz[name] for name in npz.files}
-    except ValueError as e:  # object arrays need pickle, which we refuse
-        raise DataError(
-            f"{file}: an array holds Python objects (not numbers); store numeric arrays: {e}"
-        ) from e
-    except (OSError, zipfile.BadZipFile, EOFError) as e:
-        raise DataError(f"{file}: not a readable .npz file: {e}") from e
-
-    for name in ("x", "y"):
-        if name not in arrays:
-            raise DataError(
-                f"{file}: missing array {name!r}; found {sorted(arrays) or 'none'} "
-                "(expected x, y and optionally x_test, y_test)"
-            )
-    has_test = ("x_test" in arrays, "y_test" in arrays)
-    if has_test[0] != has_test[1]:
-        present, absent = ("x_test", "y_test") if has_test[0] else ("y_test", "x_test")
-        raise DataError(f"{file}: array {present!r} is given without {absent!r}")
-
-    x = _features("x", arrays["x"])
-    y = _labels("y", arrays["y"])
-    _same_length("x", x, "y", y)
-    if all(has_test):
-        x_train, y_train = x, y
-        x_test = _features("x_test", arrays["x_test"])
-        y_test = _labels("y_test", arrays["y_test"])
-        _same_length("x_test", x_test, "y_test", y_test)
-        if x_test.shape[1:] != x_train.shape[1:]:
-            raise DataError(
-                f"x_test: examples have shape {x_test.shape[1:]}, but x has {x_train.shape[1:]}"
-            )
-        split = "test split from the file"
-    else:
-        if len(x) < MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES:
-            raise DataError(
-                f"x: too few examples ({len(x)}); need at least "
-                f"{MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES} to hold out a test split"
-            )
-        x_train, x_test, y_train, y_test = _split(x, y, test_fraction, seed)
-        split = f"split test_fraction={test_fraction}, seed={seed}"
-    if len(x_train) < MIN_TRAIN_EXAMPLES:
-        raise DataError(
-            f"x: too few training examples ({len(x_train)}); need at least {MIN_TRAIN_EXAMPLES}"
-        )
-    if len(x_test) < MIN_TEST_EXAMPLES:
-        raise DataError("x_test: no test examples")
-    description = (
-        f"{file.name}: {len(x_train)} train / {len(x_test)} test examples of shape "
-        f"{tuple(x_train.shape[1:])}; {split}"
-    )
-    return x_train, y_train, x_test, y_test, description
-
-
 def _features(name: str, x: Any, *, copy: bool = True) -> Any:
     """Validated features; float32 in memory, or (``copy=False``) the array as it is
     (a memory-mapped file stays mapped). Finiteness is checked row block by block."""
@@ -386,169 +252,6 @@ def _check_finite(name: str, x: Any) -> None:
             f"{name}: {bad_values} non-finite values ({kind}) in {bad_rows} example(s), "
             f"first at index {first}"
         )
-
-
-def _load_npy(path: str | None) -> Dataset:
-    """``x_train.npy``, ``y_train.npy``, ``x_test.npy`` and ``y_test.npy`` in the folder
-    ``path``; the features are memory-mapped, never read whole."""
-    if not path:
-        raise DataError('data.path: required when data.dataset = "npy"')
-    folder = Path(path)
-    if not folder.is_dir():
-        what = "is a file, not a folder" if folder.exists() else "no such folder"
-        raise DataError(f"data.path: {what} {str(folder)!r} (npy data is a folder of .npy files)")
-    arrays = {}
-    for name in ("x_train", "y_train", "x_test", "y_test"):
-        file = folder / f"{name}.npy"
-        if not file.is_file():
-            raise DataError(
-                f"{folder}: missing {file.name} (expected x_train, y_train, x_test, y_test .npy)"
-            )
-        try:
-            mode = "r" if name.startswith("x") else None
-            arrays[name] = np.load(file, mmap_mode=mode, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise DataError(f"{file}: not a readable .npy array of numbers: {e}") from e
-    x_train = _features("x_train", arrays["x_train"], copy=False)
-    x_test = _features("x_test", arrays["x_test"], copy=False)
-    description = (
-        f"{folder.name}/*.npy (memory-mapped): {len(x_train)} train / {len(x_test)} test "
-        f"examples of shape {tuple(x_train.shape[1:])}, {x_train.dtype}"
-    )
-    return _assemble(x_train, arrays["y_train"], x_test, arrays["y_test"], description)
-
-
-def _load_text(config: DataConfig, seed: int) -> Dataset:
-    """Records of text as byte tokens, split at random into train and test."""
-    if config.dataset == "python_docs":
-        records, source = python_docs_records()
-    else:
-        records, source = read_text_file(config.path)
-    return text_dataset(records, source, config.seq_len, config.test_fraction, seed)
-
-
-def text_dataset(
-    records: list[str], source: str, seq_len: int, test_fraction: float, seed: int
-) -> Dataset:
-    """A next-token ``Dataset`` of ``records`` (byte tokens), split at random."""
-    if len(records) < MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES:
-        raise DataError(
-            f"data: {len(records)} records of text; need at least "
-            f"{MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES}"
-        )
-    tokens, counts = encode_records(records, seq_len)
-    order = np.random.default_rng(seed).permutation(len(records))
-    n_test = max(MIN_TEST_EXAMPLES, int(np.ceil(test_fraction * len(records))))
-    test, train = order[:n_test], order[n_test:]
-    return Dataset(
-        x_train=tokens[train],
-        y_train=counts[train],
-        x_test=tokens[test],
-        y_test=counts[test],
-        num_classes=VOCAB,
-        input_shape=(seq_len + 1,),
-        description=(
-            f"{source}: {len(train)} train / {len(test)} test records, UTF-8 bytes, "
-            f"{seq_len} per record (longer ones cut; split test_fraction="
-            f"{test_fraction}, seed={seed})"
-        ),
-        task="next_token",
-    )
-
-
-def _distinct_lines(texts) -> list[str]:
-    """The distinct stripped lines of at least ``MIN_LINE`` characters, sorted (so that
-    no test record is also a training record)."""
-    lines = (line.strip() for text in texts for line in text.splitlines())
-    return sorted({line for line in lines if len(line) >= MIN_LINE})
-
-
-def python_docs_records() -> tuple[list[str], str]:
-    """The default private text: lines of the help topics of Python's documentation."""
-    from pydoc_data.topics import topics
-
-    source = (
-        f"Python {sys.version.split()[0]} documentation help topics (pydoc_data.topics): "
-        f"distinct lines of at least {MIN_LINE} characters"
-    )
-    return _distinct_lines(topics[k] for k in sorted(topics)), source
-
-
-# Folders of the standard library left out of the public corpus: tests, and
-# programs rather than library modules.
-_STDLIB_SKIP = frozenset({"test", "tests", "idlelib", "lib2to3", "__phello__", "site-packages"})
-
-
-def python_stdlib_records() -> tuple[list[str], str]:
-    """The default PUBLIC text: lines of the docstrings of Python's standard library
-    (modules, classes and functions), parsed from its source files (not imported).
-    It shares 25 of its 27,423 lines with ``python_docs_records`` (Python 3.11)."""
-    import ast
-    import sysconfig
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py") if not _STDLIB_SKIP & set(p.relative_to(root).parts)
-    )
-    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-
-    def docstrings(file: Path):
-        try:
-            tree = ast.parse(file.read_bytes())
-        except (SyntaxError, ValueError, OSError):  # a broken or unreadable file: skip it
-            return
-        for node in ast.walk(tree):
-            if isinstance(node, kinds) and (doc := ast.get_docstring(node)):
-                yield doc
-
-    records = _distinct_lines(doc for file in files for doc in docstrings(file))
-    source = (
-        f"Python {sys.version.split()[0]} standard library docstrings ({len(files)} source "
-        f"files): distinct lines of at least {MIN_LINE} characters"
-    )
-    return records, source
-
-
-def encode_records(records: list[str], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(tokens [n, seq_len + 1] int32, counts [n] int32)``: BOS, then each record's
-    first ``seq_len`` UTF-8 bytes, then PAD; ``counts`` are the predicted tokens."""
-    tokens = np.full((len(records), seq_len + 1), PAD, np.int32)
-    tokens[:, 0] = BOS
-    counts = np.zeros(len(records), np.int32)
-    for i, record in enumerate(records):
-        data = np.frombuffer(record.encode("utf-8")[:seq_len], np.uint8)
-        tokens[i, 1 : 1 + len(data)] = data
-        counts[i] = len(data)
-    return tokens, counts
-
-
-def read_text_file(path: str | None, field: str = "data.path") -> tuple[list[str], str]:
-    """Records of a ``.txt`` (one per non-empty line) or ``.jsonl`` (``{"text": ...}``);
-    errors name the config ``field`` that gave the path."""
-    file = Path(str(path))
-    if not file.is_file():
-        what = "is not a regular file" if file.exists() else "no such file"
-        raise DataError(f"{field}: {what} {str(file)!r}")
-    if file.suffix not in (".txt", ".jsonl"):
-        raise DataError(f"{field}: {file.name}: expected a .txt or .jsonl file")
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise DataError(f"{file}: not UTF-8 text: {e}") from None
-    if file.suffix == ".txt":
-        return [line for line in lines if line.strip()], f"{file.name} (one record per line)"
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{file}:{number}: not a JSON object: {e.msg}") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise DataError(f'{file}:{number}: expected an object with a string "text"')
-        records.append(obj["text"])
-    return records, f"{file.name} (one record per JSON line)"
 
 
 class RecordColumn:

@@ -1,7 +1,7 @@
 """Your own model, as the trainer sees it: flax linen, flax nnx, Equinox or functions.
 
 ``as_model(obj, input_shape, num_classes, policy)`` turns a user model into a
-``dpmp.models._builtin.Model`` (``init``, ``loss_fn``, ``predict``, ``metrics``):
+``dpmp.models._model.Model`` (``init``, ``loss_fn``, ``predict``, ``metrics``):
 
 =====================  ==============================================================
 form                   how it is used
@@ -25,29 +25,22 @@ on integer labels) gives one loss per example, in float32.
 Per-example clipping needs each example's gradient to depend on that example
 alone: a model with batch statistics (BatchNorm's ``batch_stats``, nnx
 ``BatchStat``) is refused with a message saying so.
-
-``model_from_config(config.model, data, policy)`` builds the configured model;
-``model.kind = "package.module:factory"`` imports ``factory`` and calls
-``factory(input_shape, num_classes)`` for one of the forms above.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from dpmp.app.config import ConfigError, ModelConfig
-from dpmp.models._builtin import Model, build_model, count_params, wrap_forward
+from dpmp.models._model import Model, count_params, wrap_forward
 from dpmp.precision._casting import cast_tree
 from dpmp.precision._policy import Policy
 
-__all__ = ["as_model", "load_factory", "model_from_config", "model_signature"]
+__all__ = ["as_model", "model_signature"]
 
 _BATCH_STATS = (
     "per-example clipping needs each example's gradient to depend on that example "
@@ -172,40 +165,6 @@ def _eqx(module):
 
 def _is_norm(x) -> bool:
     return type(x).__name__ == "BatchNorm"
-
-
-def load_factory(kind: str) -> Callable:
-    """The ``factory`` of ``"package.module:factory"``; a ``ConfigError`` names what failed."""
-    module_name, _, attr = kind.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(
-            f"model.kind: cannot import {module_name!r} ({e}); put the folder that holds it "
-            "on PYTHONPATH"
-        ) from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"model.kind: {module_name!r} has no function {attr!r}")
-    return factory
-
-
-def model_from_config(config: ModelConfig, data_info: Any, policy: Policy | str) -> Model:
-    """The configured model for data with ``input_shape`` and ``num_classes``: a
-    built-in kind, or ``factory(input_shape, num_classes)`` of ``"module:factory"``."""
-    if ":" not in config.kind:
-        return build_model(config, data_info, policy)
-    shape = tuple(int(d) for d in data_info.input_shape)
-    made = load_factory(config.kind)(shape, int(data_info.num_classes))
-    try:
-        model = as_model(made, shape, data_info.num_classes, policy)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"model.kind: {config.kind} returned an unusable model: {e}") from None
-    return _named(model, config.kind)
-
-
-def _named(model: Model, kind: str) -> Model:
-    return dataclasses.replace(model, kind=kind, description=f"{model.description}, from {kind}")
 
 
 def model_signature(params: Any) -> str:

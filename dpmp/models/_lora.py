@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dpmp.models._builtin import Model, count_params
+from dpmp.models._model import Model, count_params
 
 __all__ = ["adapted", "init_adapters", "lora_model", "merge"]
 

@@ -79,7 +79,7 @@ def _check_noise(args: argparse.Namespace) -> None:
 def _plan(args: argparse.Namespace, common: dict) -> dict:
     """The epsilon of ``--noise-multiplier``, or the calibrated noise multiplier of
     ``--target-epsilon``, over ``--steps``."""
-    from dpmp import accounting
+    import dpmp.accounting as accounting
 
     if (args.noise_multiplier is None) == (args.target_epsilon is None):
         raise UsageError("give exactly one of --noise-multiplier or --target-epsilon")

@@ -36,9 +36,10 @@ import jax
 import optax
 
 from dpmp.app.config import Config
+from dpmp.app.inputs import load_data
 from dpmp.app.trainer.step import _make_optimizer, build_private_step
-from dpmp.data._dataset import Dataset, load_data
-from dpmp.models._builtin import count_bytes
+from dpmp.data._dataset import Dataset
+from dpmp.models._model import count_bytes
 
 __all__ = ["KINDS", "POLICIES", "compare", "format_table"]
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpmp.models._builtin import Model
+from dpmp.models._model import Model
 
 __all__ = ["evaluator"]
 

@@ -47,6 +47,7 @@ from dpmp.app.checkpoint import (
     save_checkpoint,
 )
 from dpmp.app.config import Config, ConfigError
+from dpmp.app.inputs import load_data
 from dpmp.app.run_dir import ProgressBar, RunDir, SilentRunDir, locked
 from dpmp.app.trainer.batches import input_dtype
 from dpmp.app.trainer.evaluate import evaluator
@@ -67,10 +68,10 @@ from dpmp.app.trainer.step import (
     check_step_memory,
 )
 from dpmp.clipping._private_loss_scale import PrivateDynamicLossScale
-from dpmp.data._dataset import Dataset, as_dataset, fingerprint, load_data
+from dpmp.data._dataset import Dataset, as_dataset, fingerprint
 from dpmp.data._preprocess import FeatureStats
 from dpmp.models._adapters import as_model, model_signature
-from dpmp.models._builtin import count_params
+from dpmp.models._model import count_params
 
 __all__ = ["RunInterrupted", "train"]
 

@@ -34,16 +34,12 @@ import optax
 
 from dpmp.app.checkpoint import CheckpointError, latest_meta, load_checkpoint, save_checkpoint
 from dpmp.app.config import Config
+from dpmp.app.inputs import model_from_config
 from dpmp.app.run_dir import ProgressBar
 from dpmp.app.trainer.evaluate import evaluator
-from dpmp.data._dataset import (
-    Dataset,
-    fingerprint,
-    python_stdlib_records,
-    read_text_file,
-    text_dataset,
-)
-from dpmp.models._adapters import model_from_config
+from dpmp.data._dataset import Dataset, fingerprint
+from dpmp.data._text import text_dataset
+from dpmp.data.sources import PUBLIC_TEXT
 
 __all__ = ["Pretrained", "params_digest", "pretrain", "public_text"]
 
@@ -63,10 +59,7 @@ class Pretrained:
 def public_text(config: Config) -> Dataset:
     """The public text of ``config.pretrain`` as a next-token ``Dataset``."""
     p = config.pretrain
-    if p.dataset == "python_stdlib":
-        records, source = python_stdlib_records()
-    else:
-        records, source = read_text_file(p.path, "pretrain.path")
+    records, source = PUBLIC_TEXT.get(p.dataset).records(p.path, "pretrain.path")
     return text_dataset(records, source, config.data.seq_len, _TEST_FRACTION, p.seed)
 
 

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import optax
 
 from dpmp.app.config import Config, ConfigError
+from dpmp.app.inputs import load_data, model_from_config
 from dpmp.app.trainer.batches import feature_stats as compute_feature_stats
 from dpmp.app.trainer.batches import gather, make_sampler, physical_chunks
 from dpmp.app.trainer.mesh import AXIS, RunMesh, make_mesh, shared_keys
@@ -62,11 +63,10 @@ from dpmp.audit._precision import audit_precision
 from dpmp.audit._privacy import privacy_audit
 from dpmp.clipping._private_grad import adjust_loss_scale, combine_stats, private_grad
 from dpmp.clipping._private_loss_scale import PrivateDynamicLossScale
-from dpmp.data._dataset import Dataset, load_data
+from dpmp.data._dataset import Dataset
 from dpmp.data._preprocess import FeatureStats, standardize
-from dpmp.models._adapters import model_from_config
-from dpmp.models._builtin import Model, count_bytes, count_params
 from dpmp.models._lora import lora_model
+from dpmp.models._model import Model, count_bytes, count_params
 from dpmp.noise._noise import NoiseSharding, private_optimizer
 from dpmp.precision._loss_scale import (
     DynamicLossScale,
@@ -331,7 +331,7 @@ def build_private_step(
       data: a ``Dataset`` (not standardised); default
         ``load_data(config.data, seed)``.
       model: a ``Model`` (``dpmp.models._adapters.as_model`` makes one of a flax,
-        Equinox or plain-JAX model); default ``build_model(config.model, ...)``.
+        Equinox or plain-JAX model); default ``model_from_config(config.model, ...)``.
       keys: the run's noise keys and seeds; default ``run_keys(config)``
         (fresh OS entropy unless ``privacy.reproducible_noise``).
       feature_stats: standardisation statistics to reuse (a resumed run's);

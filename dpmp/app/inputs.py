@@ -1,0 +1,89 @@
+"""What a run's config builds: its data set and its model.
+
+The library below the application knows no config: data sources and model
+families are registries (``dpmp.data.sources``, ``dpmp.models.families``)
+called with explicit arguments. These functions translate the config's
+``[data]`` and ``[model]`` sections into those calls, and load a user's model
+named as ``model.kind = "package.module:factory"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from dpmp.app.config import ConfigError, DataConfig, ModelConfig
+from dpmp.data._dataset import Dataset
+from dpmp.data.sources import load_dataset
+from dpmp.models._adapters import as_model
+from dpmp.models._model import Model
+from dpmp.models.families import Architecture, build_model
+from dpmp.precision._policy import Policy
+
+__all__ = ["architecture", "load_data", "load_factory", "model_from_config"]
+
+
+def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
+    """Loads, validates and splits the configured data (no standardisation).
+
+    Args:
+      config: a ``DataConfig`` (default: the digits data).
+      seed: seeds the train/test split when the data has no test split.
+
+    Raises:
+      DataError: the source's data cannot be used (the message names the
+        array or file and what is wrong).
+    """
+    config = DataConfig() if config is None else config
+    return load_dataset(
+        config.dataset,
+        path=config.path,
+        test_fraction=config.test_fraction,
+        seq_len=config.seq_len,
+        seed=seed,
+    )
+
+
+def architecture(config: ModelConfig) -> Architecture:
+    """The sizes of a built-in model, from the ``[model]`` section."""
+    return Architecture(
+        hidden=config.hidden,
+        patch=config.patch,
+        dim=config.dim,
+        depth=config.depth,
+        heads=config.heads,
+    )
+
+
+def model_from_config(config: ModelConfig, data_info: Any, policy: Policy | str) -> Model:
+    """The configured model for data with ``input_shape`` and ``num_classes``: a
+    built-in family, or ``factory(input_shape, num_classes)`` of ``"module:factory"``."""
+    if ":" not in config.kind:
+        return build_model(config.kind, data_info, policy, architecture(config))
+    shape = tuple(int(d) for d in data_info.input_shape)
+    made = load_factory(config.kind)(shape, int(data_info.num_classes))
+    try:
+        model = as_model(made, shape, data_info.num_classes, policy)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model.kind: {config.kind} returned an unusable model: {e}") from None
+    return dataclasses.replace(
+        model, kind=config.kind, description=f"{model.description}, from {config.kind}"
+    )
+
+
+def load_factory(kind: str) -> Callable:
+    """The ``factory`` of ``"package.module:factory"``; a ``ConfigError`` names what failed."""
+    module_name, _, attr = kind.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"model.kind: cannot import {module_name!r} ({e}); put the folder that holds it "
+            "on PYTHONPATH"
+        ) from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"model.kind: {module_name!r} has no function {attr!r}")
+    return factory

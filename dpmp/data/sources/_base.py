@@ -1,0 +1,169 @@
+"""Data sources: what a source is, the registries of sources, and ``load_dataset``.
+
+A data source is a small object with a ``name`` (the value of the config's
+``data.dataset``), whether it reads a ``path``, the ``task`` of the data it
+gives, and ``load(options) -> Dataset``. A new source is one file that
+defines it and registers it::
+
+    class MySource:
+        name = "my_source"
+        needs_path = False
+        task = "classify"
+
+        def load(self, options: SourceOptions) -> Dataset:
+            x, y = ...
+            return Dataset.from_arrays((x[:900], y[:900]), (x[900:], y[900:]))
+
+    register_source(MySource())
+
+Public text for non-private pre-training is a :class:`TextCorpus` registered
+with ``register_public_text``; a corpus that also serves as private data is
+registered as a source through :class:`TextSource`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, runtime_checkable
+
+from dpmp.data._dataset import Dataset
+from dpmp.data._registry import Registry
+from dpmp.data._text import text_dataset
+
+__all__ = [
+    "PUBLIC_TEXT",
+    "SOURCES",
+    "DataSource",
+    "SourceOptions",
+    "TextCorpus",
+    "TextSource",
+    "load_dataset",
+    "register_public_text",
+    "register_source",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SourceOptions:
+    """What a source is told when it loads.
+
+    Attributes:
+      path: the file or folder to read (sources with ``needs_path``), else None.
+      test_fraction: share held out for testing when the data has no test split.
+      seq_len: text: bytes per record (longer records are cut, shorter padded).
+      seed: seeds the train/test split.
+    """
+
+    path: str | None = None
+    test_fraction: float = 0.2
+    seq_len: int = 64
+    seed: int = 0
+
+
+@runtime_checkable
+class DataSource(Protocol):
+    """A named way to load a :class:`Dataset`.
+
+    Attributes:
+      name: the name it is registered and configured by (``data.dataset``).
+      needs_path: whether ``options.path`` is required.
+      task: ``"classify"`` or ``"next_token"``: the ``Dataset.task`` it gives
+        (a model family is checked against it before anything is built).
+    """
+
+    name: str
+    needs_path: bool
+    task: str
+
+    def load(self, options: SourceOptions) -> Dataset:
+        """The data set, validated and split into train and test (no standardisation).
+
+        Raises:
+          DataError: the data is missing, unreadable or malformed; the message
+            names the array or file and what is wrong.
+        """
+        ...
+
+
+@runtime_checkable
+class TextCorpus(Protocol):
+    """A named collection of text records.
+
+    Attributes:
+      name: the name it is registered and configured by.
+      needs_path: whether ``records`` needs a path.
+    """
+
+    name: str
+    needs_path: bool
+
+    def records(self, path: str | None, field: str) -> tuple[list[str], str]:
+        """``(records, description)``; errors about ``path`` name ``field``."""
+        ...
+
+
+class TextSource:
+    """A text corpus as a next-token data source (byte tokens, split at random)."""
+
+    task = "next_token"
+
+    def __init__(self, corpus: TextCorpus):
+        self.corpus = corpus
+        self.name = corpus.name
+        self.needs_path = corpus.needs_path
+
+    def load(self, options: SourceOptions) -> Dataset:
+        records, source = self.corpus.records(options.path, "data.path")
+        return text_dataset(records, source, options.seq_len, options.test_fraction, options.seed)
+
+
+# ``data.dataset``: the private training data.
+SOURCES: Registry[DataSource] = Registry("data source")
+# ``pretrain.dataset``: PUBLIC text for non-private pre-training (not protected).
+PUBLIC_TEXT: Registry[TextCorpus] = Registry("public text")
+
+
+def register_source(source: DataSource, *, replace: bool = False) -> DataSource:
+    """Makes ``source.name`` a valid ``data.dataset``; returns ``source``."""
+    if not isinstance(source, DataSource):
+        raise TypeError(
+            f"data source: expected an object with name, needs_path, task and "
+            f"load(options), got {type(source).__name__}"
+        )
+    return SOURCES.register(source, replace=replace)
+
+
+def register_public_text(corpus: TextCorpus, *, replace: bool = False) -> TextCorpus:
+    """Makes ``corpus.name`` a valid ``pretrain.dataset``; returns ``corpus``."""
+    if not isinstance(corpus, TextCorpus):
+        raise TypeError(
+            f"public text: expected an object with name, needs_path and records(path, "
+            f"field), got {type(corpus).__name__}"
+        )
+    return PUBLIC_TEXT.register(corpus, replace=replace)
+
+
+def load_dataset(
+    name: str = "digits",
+    *,
+    path: str | None = None,
+    test_fraction: float = 0.2,
+    seq_len: int = 64,
+    seed: int = 0,
+) -> Dataset:
+    """Loads the data set of the source registered as ``name`` (no standardisation).
+
+    Args:
+      name: a registered source: ``"digits"`` (scikit-learn's, shipped with
+        it), ``"npz"``, ``"npy"``, ``"python_docs"``, ``"text"``, or your own.
+      path: the file or folder the source reads.
+      test_fraction: share held out for testing when the data has no test split.
+      seq_len: text: bytes per record.
+      seed: seeds the train/test split.
+
+    Raises:
+      ValueError: no source is registered as ``name``.
+      DataError: the source's data cannot be used.
+    """
+    options = SourceOptions(path=path, test_fraction=test_fraction, seq_len=seq_len, seed=seed)
+    return SOURCES.get(name).load(options)

@@ -1,0 +1,111 @@
+"""``npz``: a user's ``.npz`` file of arrays ``x``, ``y`` and optionally ``x_test``, ``y_test``.
+
+Features of shape ``[n, h, w, c]`` keep their image shape, ``[n, h, w]``
+becomes ``[n, h, w, 1]`` and ``[n, d]`` stays flat; they are read whole into
+float32. Without a test split, one is held out (stratified where every class
+can appear on both sides). Pickled (object) arrays are refused.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from dpmp.data._dataset import (
+    MIN_TEST_EXAMPLES,
+    MIN_TRAIN_EXAMPLES,
+    DataError,
+    Dataset,
+    _assemble,
+    _features,
+    _labels,
+    _same_length,
+    _split,
+)
+from dpmp.data.sources._base import SourceOptions, register_source
+
+
+class Npz:
+    """The arrays of the ``.npz`` file ``options.path``."""
+
+    name = "npz"
+    needs_path = True
+    task = "classify"
+
+    def load(self, options: SourceOptions) -> Dataset:
+        if not options.path:
+            raise DataError(f'data.path: required when data.dataset = "{self.name}"')
+        file = Path(options.path)
+        arrays = _read(file)
+        x = _features("x", arrays["x"])
+        y = _labels("y", arrays["y"])
+        _same_length("x", x, "y", y)
+        if "x_test" in arrays:
+            x_train, y_train = x, y
+            x_test = _features("x_test", arrays["x_test"])
+            y_test = _labels("y_test", arrays["y_test"])
+            _same_length("x_test", x_test, "y_test", y_test)
+            if x_test.shape[1:] != x_train.shape[1:]:
+                raise DataError(
+                    f"x_test: examples have shape {x_test.shape[1:]}, but x has {x_train.shape[1:]}"
+                )
+            split = "test split from the file"
+        else:
+            if len(x) < MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES:
+                raise DataError(
+                    f"x: too few examples ({len(x)}); need at least "
+                    f"{MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES} to hold out a test split"
+                )
+            fraction, seed = options.test_fraction, options.seed
+            x_train, x_test, y_train, y_test = _split(x, y, fraction, seed)
+            split = f"split test_fraction={fraction}, seed={seed}"
+        if len(x_train) < MIN_TRAIN_EXAMPLES:
+            raise DataError(
+                f"x: too few training examples ({len(x_train)}); need at least {MIN_TRAIN_EXAMPLES}"
+            )
+        if len(x_test) < MIN_TEST_EXAMPLES:
+            raise DataError("x_test: no test examples")
+        description = (
+            f"{file.name}: {len(x_train)} train / {len(x_test)} test examples of shape "
+            f"{tuple(x_train.shape[1:])}; {split}"
+        )
+        return _assemble(
+            np.ascontiguousarray(x_train, np.float32),
+            y_train,
+            np.ascontiguousarray(x_test, np.float32),
+            y_test,
+            description,
+        )
+
+
+def _read(file: Path) -> dict[str, np.ndarray]:
+    """The arrays of ``file``: ``x`` and ``y``, with ``x_test`` and ``y_test`` both or neither."""
+    if not file.is_file():
+        raise DataError(f"data.path: no such file {str(file)!r}")
+    if not zipfile.is_zipfile(file):
+        raise DataError(f"{file}: not a readable .npz file (not a zip archive of .npy arrays)")
+    try:
+        with open(file, "rb") as f, np.load(f, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except ValueError as e:  # object arrays need pickle, which we refuse
+        raise DataError(
+            f"{file}: an array holds Python objects (not numbers); store numeric arrays: {e}"
+        ) from e
+    except (OSError, zipfile.BadZipFile, EOFError) as e:
+        raise DataError(f"{file}: not a readable .npz file: {e}") from e
+    for name in ("x", "y"):
+        if name not in arrays:
+            raise DataError(
+                f"{file}: missing array {name!r}; found {sorted(arrays) or 'none'} "
+                "(expected x, y and optionally x_test, y_test)"
+            )
+    has_test = ("x_test" in arrays, "y_test" in arrays)
+    if has_test[0] != has_test[1]:
+        present, absent = ("x_test", "y_test") if has_test[0] else ("y_test", "x_test")
+        raise DataError(f"{file}: array {present!r} is given without {absent!r}")
+    return arrays
+
+
+register_source(Npz())

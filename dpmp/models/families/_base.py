@@ -1,0 +1,133 @@
+"""Built-in model families: what a family is, their registry, and ``build_model``.
+
+A family is a small object with a ``name`` (the value of the config's
+``model.kind``), the ``task`` of the data it fits (``"classify"`` or
+``"next_token"``, as ``Dataset.task``) and ``build(architecture,
+input_shape, num_classes, policy) -> Model``. A new family is one file that
+defines it and registers it::
+
+    class Wide:
+        name = "wide"
+        task = "classify"
+
+        def build(self, architecture, input_shape, num_classes, policy) -> Model:
+            ...
+
+    register_family(Wide())
+
+Your own model does not need a family: ``dpmp.models.as_model`` adapts a
+flax, Equinox or plain-JAX model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Protocol, runtime_checkable
+
+from dpmp.data._registry import Registry
+from dpmp.data.sources import SOURCES
+from dpmp.models._model import Model
+from dpmp.precision._policy import Policy
+
+__all__ = ["FAMILIES", "Architecture", "ModelFamily", "build_model", "register_family"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Architecture:
+    """The sizes of a built-in model; each family reads the ones it has.
+
+    Attributes:
+      hidden: hidden layer widths of the MLPs (``linear`` with none: softmax regression).
+      patch: ViT patch size in pixels; must divide the image side.
+      dim: ViT and LM width.
+      depth: number of ViT or LM blocks.
+      heads: ViT and LM attention heads (dividing ``dim``).
+    """
+
+    hidden: tuple[int, ...] = (256,)
+    patch: int = 2
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+
+    def widths(self, input_shape: tuple[int, ...], num_classes: int) -> list[int]:
+        """The MLP's layer widths: flattened input, ``hidden``, classes."""
+        return [math.prod(input_shape), *self.hidden, num_classes]
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """A named built-in model.
+
+    Attributes:
+      name: the name it is registered and configured by (``model.kind``).
+      task: the ``Dataset.task`` it fits: ``"classify"`` or ``"next_token"``.
+    """
+
+    name: str
+    task: str
+
+    def build(
+        self,
+        architecture: Architecture,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        policy: Policy,
+    ) -> Model:
+        """The model for examples of ``input_shape`` and ``num_classes`` classes (or
+        the vocabulary); the forward pass in ``policy.compute``.
+
+        Raises:
+          ValueError: the family does not fit the input.
+        """
+        ...
+
+
+# ``model.kind``: the built-in families.
+FAMILIES: Registry[ModelFamily] = Registry("model family")
+
+
+def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
+    """Makes ``family.name`` a valid ``model.kind``; returns ``family``."""
+    if not isinstance(family, ModelFamily):
+        raise TypeError(
+            f"model family: expected an object with name, task and build(architecture, "
+            f"input_shape, num_classes, policy), got {type(family).__name__}"
+        )
+    return FAMILIES.register(family, replace=replace)
+
+
+def build_model(
+    kind: str,
+    data_info: Any,
+    policy: Policy | str,
+    architecture: Architecture | None = None,
+) -> Model:
+    """Builds the family registered as ``kind`` for data with ``data_info.input_shape``,
+    ``data_info.num_classes`` and ``data_info.task`` (a :class:`dpmp.Dataset` works).
+
+    Raises:
+      ValueError: no such family, or it does not fit the data (a language model
+        on class labels, a classifier on text, a ViT on flat features).
+    """
+    family = FAMILIES.get(kind)
+    architecture = Architecture() if architecture is None else architecture
+    policy = Policy.parse(policy)
+    input_shape = tuple(int(d) for d in data_info.input_shape)
+    task = getattr(data_info, "task", "classify")
+    if family.task != task:
+        raise ValueError(_mismatch(kind, family.task, task))
+    return family.build(architecture, input_shape, int(data_info.num_classes), policy)
+
+
+def _mismatch(kind: str, wanted: str, task: str) -> str:
+    def fitting(registry: Registry) -> str:
+        return " or ".join(repr(v.name) for v in registry if v.task == wanted)
+
+    if wanted == "next_token":
+        return f"model.kind = {kind!r} needs a text dataset (data.dataset = {fitting(SOURCES)})"
+    if task == "next_token":
+        texts = " or ".join(repr(f.name) for f in FAMILIES if f.task == task)
+        return f"model.kind = {kind!r} classifies; text data needs model.kind = {texts}"
+    return f"model.kind = {kind!r} fits {wanted} data, not {task} data"
