@@ -1,4 +1,4 @@
-"""The docs' benchmark tables (docs/performance.md) are the committed JSON's numbers, row for row."""
+"""The benchmark tables of docs/performance.md are the committed JSON's numbers, row by row."""
 
 import json
 from pathlib import Path
