@@ -134,8 +134,8 @@ def _bash_cases() -> list:
     params = []
     for p in _cases("bash"):
         page, code = p.values
-        marks = [pytest.mark.slow] if SLOW_BASH.search(code) else []
-        params.append(pytest.param(page, code, id=p.id, marks=marks))
+        slow = any(SLOW_BASH.search(command) for command in _commands(code))
+        params.append(pytest.param(page, code, id=p.id, marks=[pytest.mark.slow] if slow else []))
     return params
 
 
