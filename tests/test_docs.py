@@ -39,9 +39,9 @@ BIN = Path(sys.executable).parent
 
 # Pages whose python blocks take more than ~10 s (they train): the slow suite.
 SLOW_PYTHON = {
-    "README.md",  # one step's noise calibrated, ghost clipping compiled (~12 s)
-    "docs/quickstart.md",  # the same step (~12 s)
-    "docs/own-model.md",  # trains the default config through dpmp.train (~60 s)
+    "README.md",  # one step: noise calibrated, ghost clipping compiled (15-40 s)
+    "docs/quickstart.md",  # the same step (15-40 s)
+    "docs/own-model.md",  # trains the default config through dpmp.train (~30 s)
 }
 # What `dpmp train` in a bash block runs instead of its config's full length.
 SHORT_RUN = "dpmp train --set training.steps=2 --set training.eval_every=0 --set pretrain.steps=2"
