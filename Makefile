@@ -3,8 +3,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dpmp-installed
+DOCS_STAMP := $(VENV)/.dpmp-docs-installed
 
-.PHONY: setup run test test-all lint clean
+.PHONY: setup run test test-all docs lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +27,14 @@ test: $(STAMP)
 # Everything, slow end-to-end runs included (what CI runs).
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q -e '.[test,docs]'
+	touch $(DOCS_STAMP)
+
+# The documentation site, from docs/ and the docstrings, into build/site (warnings are errors).
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: $(STAMP)
 	$(BIN)/ruff check dpmp tests examples benchmarks

@@ -1,6 +1,6 @@
 """The unigram baseline of a text config: held-out perplexity of the training
 records' byte frequencies (add-one smoothing). NOT private: it reads the exact
-counts of the training data; it is a reference point for the README only.
+counts of the training data; it is a reference point for the docs only.
 
 Run: ``python benchmarks/unigram.py [--config configs/lm.toml]``; prints JSON.
 """

@@ -1,4 +1,4 @@
-"""Run configuration: validation in one place, and a README key table that cannot rot."""
+"""Run configuration: validation in one place, and a documented key table that cannot rot."""
 
 import dataclasses
 import re
@@ -10,7 +10,7 @@ from dpmp.app import config as config_lib
 from dpmp.app.config import Config, ConfigError, load_config
 from dpmp.models.families import FAMILIES
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+KEYS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 ALL_KEYS = {"policy"} | {
     f"{section}.{f.name}"
     for section, cls in config_lib._SECTIONS.items()
@@ -19,9 +19,9 @@ ALL_KEYS = {"policy"} | {
 
 
 def _readme_block() -> str:
-    text = README.read_text()
+    text = KEYS_PAGE.read_text()
     begin, end = "<!-- config-keys:begin -->\n", "<!-- config-keys:end -->"
-    assert begin in text and end in text, "README.md has lost its config-keys markers"
+    assert begin in text and end in text, "docs/cli.md has lost its config-keys markers"
     return text.split(begin, 1)[1].split(end, 1)[0]
 
 
@@ -37,7 +37,7 @@ def test_readme_key_table_is_the_generated_one():
     listed = set(re.findall(r"^\| `([\w.]+)` \|", block, re.M))
     assert listed == ALL_KEYS, f"missing {ALL_KEYS - listed}, stale {listed - ALL_KEYS}"
     assert block == config_lib.markdown_table(), (
-        "README.md's config key table is out of date: paste the output of "
+        "docs/cli.md's config key table is out of date: paste the output of "
         "`python -m dpmp.app.config` between its config-keys markers"
     )
 

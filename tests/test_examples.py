@@ -235,7 +235,7 @@ def test_private_training_example_as_shipped(name):
 @pytest.mark.slow  # trains the README snippet (~12 s)
 def test_readme_quick_start_runs():
     """The README's quick start is code that works, not prose."""
-    readme = (EXAMPLES.parent / "README.md").read_text()
+    readme = (EXAMPLES.parent / "docs" / "quickstart.md").read_text()
     code = re.findall(r"```python\n(.*?)```", readme, re.S)[0]
     code += (
         "\nassert out.grads['w'].dtype == jnp.float32\nassert float(abs(params['w']).max()) > 0\n"
@@ -246,7 +246,7 @@ def test_readme_quick_start_runs():
 
 @pytest.mark.slow  # trains the README's own-model snippet (~60 s)
 def test_readme_own_model_snippet_runs(tmp_path):
-    readme = (EXAMPLES.parent / "README.md").read_text()
+    readme = (EXAMPLES.parent / "docs" / "own-model.md").read_text()
     code = next(c for c in re.findall(r"```python\n(.*?)```", readme, re.S) if "dpmp.train(" in c)
     code += "\nassert report['epsilon'] <= 2.0005 and report['test_accuracy'] > 0.85\n"
     code += "assert params['Dense_1']['kernel'].shape == (64, 128)\n"  # Dense(10) is made first

@@ -1,4 +1,4 @@
-"""The README's benchmark tables are the committed JSON's numbers, row for row."""
+"""The benchmark tables of docs/performance.md are the committed JSON's numbers, row by row."""
 
 import json
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "performance.md"
 RESULTS = ROOT / "benchmarks" / "results"
 NAMES = {"guide_vit": "guide ViT", "lm": "LM"}
 
@@ -36,11 +36,11 @@ def _rows(name: str) -> list[str]:
 
 
 @pytest.mark.parametrize("name", sorted(TABLES))
-def test_readme_benchmark_rows_are_the_committed_results(name):
-    text = README.read_text()
+def test_benchmark_rows_are_the_committed_results(name):
+    text = PAGE.read_text()
     missing = [row for row in _rows(name) if row not in text]
     assert not missing, (
-        f"README.md's table for benchmarks/results/{name} does not match the file; "
+        f"docs/performance.md's table for benchmarks/results/{name} does not match the file; "
         "expected rows:\n" + "\n".join(missing)
     )
 
@@ -49,7 +49,7 @@ NOISE = RESULTS / "cpu_2core_noise.json"
 
 
 def noise_rows(data: dict) -> list[str]:
-    """The README's rows for benchmarks/noise.py's results."""
+    """The docs' rows for benchmarks/noise.py's results."""
     rows = [
         "| coordinates | plain (float32 `jax.random.normal`) | snapped (default) | time ratio |",
         "|---|---|---|---|",
@@ -92,9 +92,9 @@ def noise_rows(data: dict) -> list[str]:
     return rows
 
 
-def test_readme_noise_figures_are_the_committed_results():
-    text = README.read_text()
+def test_noise_figures_are_the_committed_results():
+    text = PAGE.read_text()
     missing = [row for row in noise_rows(json.loads(NOISE.read_text())) if row not in text]
     assert not missing, (
-        "README.md's noise tables do not match " + str(NOISE) + ":\n" + "\n".join(missing)
+        "docs/performance.md's noise tables do not match " + str(NOISE) + ":\n" + "\n".join(missing)
     )
