@@ -119,14 +119,14 @@ def test_the_count_by_hand_is_the_built_models(name):
     import jax
 
     from dpmp.app.config import load_config
-    from dpmp.data._dataset import VOCAB
-    from dpmp.models._builtin import build_model
+    from dpmp.app.inputs import model_from_config
+    from dpmp.data._text import VOCAB
     from dpmp.models._lora import init_adapters
 
     lm = _lm_config(name)
     config = load_config(EXAMPLES.parent / "configs" / _LM_CONFIGS[name])
     data = types.SimpleNamespace(input_shape=(lm["length"],), num_classes=VOCAB, task="next_token")
-    model = build_model(config.model, data, config.policy)
+    model = model_from_config(config.model, data, config.policy)
     key = jax.random.key(0)
     base = jax.eval_shape(model.init, key)
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(base)) == lm_parameters(**lm)
