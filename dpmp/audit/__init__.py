@@ -1,5 +1,8 @@
 """Audits: precision from the compiled step's jaxpr, numeric sensitivity of sums,
 and empirical privacy from the step's outputs.
+
+The precision audit (``_precision``) is one walker over the jaxpr (``_jaxpr``)
+and a table of rules, one module per primitive family (``rules/``).
 """
 
 from dpmp.audit._numeric import NumericReport as NumericReport

@@ -284,65 +284,13 @@ def audit_precision(
     ``jax.random.normal`` (``erf_inv`` of random bits) and from
     ``dpmp.snapped_gaussian`` (its named float64 ``ndtri`` draw).
     """
-    policy = Policy.parse(policy) if isinstance(policy, str) else policy
-    if not isinstance(policy, Policy):
-        raise ValueError(f"policy: expected a dpmp.Policy or a string, got {policy!r}")
-    # The audit judges privacy, not obedience to the policy: a policy that opted in to
-    # unsafe (sub-float32) clip, accumulate or noise dtypes is still held to float32.
-    floor = {
-        role: np.dtype(np.float32)
-        for role in ("clip", "accumulate", "noise")
-        if jnp.finfo(getattr(policy, role)).bits < 32
-    }
-    if floor:
-        policy = policy.replace(**floor)
+    policy = _audit_policy(policy)
     for k in expect:
         if k not in KINDS:
             raise ValueError(f"expect: unknown kind {k!r}; allowed: {', '.join(KINDS)}")
-    n = len(args)
-    p_nums = _argnums(params_argnums, n) if n else ()
-    if batch_argnums is None:
-        if batch_size is not None:
-            b_nums = tuple(i for i in range(n) if i not in p_nums)
-            by_size = True
-        else:
-            b_nums = (1,) if n > 1 and 1 not in p_nums else ()
-            by_size = False
-    else:
-        b_nums = _argnums(batch_argnums, n)
-        by_size = False
-        overlap = set(b_nums) & set(p_nums)
-        if overlap:
-            raise ValueError(f"batch_argnums and params_argnums overlap: {sorted(overlap)}")
-
-    roles: list[str] = []
-    leaves: list[Any] = []
-    for i, arg in enumerate(args):
-        arg_leaves = jax.tree.leaves(arg)
-        leaves += arg_leaves
-        for leaf in arg_leaves:
-            if i in p_nums:
-                roles.append("param")
-            elif i in b_nums:
-                shape = tuple(getattr(leaf, "shape", ()))
-                if by_size and not audit_jaxpr.example_axes(shape, batch_size):
-                    roles.append("other")
-                else:
-                    roles.append("batch")
-            else:
-                roles.append("other")
+    leaves, roles = _leaf_roles(args, params_argnums, batch_argnums, batch_size)
     if batch_size is None:
-        # without a batch size, the example axis is the leading one
-        sizes = {
-            tuple(getattr(leaf, "shape", ()))[0]
-            for leaf, role in zip(leaves, roles, strict=True)
-            if role == "batch" and tuple(getattr(leaf, "shape", ()))
-        }
-        if len(sizes) > 1:
-            raise ValueError(
-                f"batch leaves disagree on the batch size: {sorted(sizes)}; pass batch_size="
-            )
-        batch_size = sizes.pop() if sizes else None
+        batch_size = _leading_batch_size(leaves, roles)
 
     t0 = time.perf_counter()
     closed = jax.make_jaxpr(fn)(*args)
@@ -379,3 +327,74 @@ def audit_precision(
         trace_seconds=t1 - t0,
         analysis_seconds=t2 - t1,
     )
+
+
+def _audit_policy(policy: Policy | str) -> Policy:
+    """``policy`` with clip, accumulate and noise raised to float32 where narrower.
+
+    The audit judges privacy, not obedience to the policy: a policy that opted in
+    to unsafe (sub-float32) clip, accumulate or noise dtypes is still held to
+    float32.
+    """
+    policy = Policy.parse(policy) if isinstance(policy, str) else policy
+    if not isinstance(policy, Policy):
+        raise ValueError(f"policy: expected a dpmp.Policy or a string, got {policy!r}")
+    floor = {
+        role: np.dtype(np.float32)
+        for role in ("clip", "accumulate", "noise")
+        if jnp.finfo(getattr(policy, role)).bits < 32
+    }
+    return policy.replace(**floor) if floor else policy
+
+
+def _leaf_roles(args, params_argnums, batch_argnums, batch_size) -> tuple[list, list[str]]:
+    """The flattened leaves of ``args`` and, per leaf, "param", "batch" or "other"
+    (see :func:`audit_precision` for how the arguments are chosen)."""
+    n = len(args)
+    p_nums = _argnums(params_argnums, n) if n else ()
+    if batch_argnums is None:
+        if batch_size is not None:
+            b_nums = tuple(i for i in range(n) if i not in p_nums)
+            by_size = True
+        else:
+            b_nums = (1,) if n > 1 and 1 not in p_nums else ()
+            by_size = False
+    else:
+        b_nums = _argnums(batch_argnums, n)
+        by_size = False
+        overlap = set(b_nums) & set(p_nums)
+        if overlap:
+            raise ValueError(f"batch_argnums and params_argnums overlap: {sorted(overlap)}")
+
+    roles: list[str] = []
+    leaves: list[Any] = []
+    for i, arg in enumerate(args):
+        arg_leaves = jax.tree.leaves(arg)
+        leaves += arg_leaves
+        for leaf in arg_leaves:
+            if i in p_nums:
+                roles.append("param")
+            elif i in b_nums:
+                shape = tuple(getattr(leaf, "shape", ()))
+                if by_size and not audit_jaxpr.example_axes(shape, batch_size):
+                    roles.append("other")
+                else:
+                    roles.append("batch")
+            else:
+                roles.append("other")
+    return leaves, roles
+
+
+def _leading_batch_size(leaves, roles) -> int | None:
+    """Without a batch size, the example axis is the leading one: its size, which
+    the batch leaves must agree on."""
+    sizes = {
+        tuple(getattr(leaf, "shape", ()))[0]
+        for leaf, role in zip(leaves, roles, strict=True)
+        if role == "batch" and tuple(getattr(leaf, "shape", ()))
+    }
+    if len(sizes) > 1:
+        raise ValueError(
+            f"batch leaves disagree on the batch size: {sorted(sizes)}; pass batch_size="
+        )
+    return sizes.pop() if sizes else None

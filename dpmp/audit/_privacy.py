@@ -404,19 +404,9 @@ def privacy_audit(
     entropy); the audit releases nothing private, so any seed is fine here.
     """
     policy = Policy.parse(policy)
-    noise_multiplier = float(noise_multiplier)
-    if not noise_multiplier > 0:
-        raise ValueError(f"noise_multiplier: must be > 0, got {noise_multiplier!r}")
-    clip_norm = float(clip_norm)
-    if not (clip_norm > 0 and math.isfinite(clip_norm)):
-        raise ValueError(f"clip_norm: must be a finite number > 0, got {clip_norm!r}")
-    if not 0 < delta < 1:
-        raise ValueError(f"delta: must be in (0, 1), got {delta!r}")
-    if int(num_releases) != num_releases or num_releases < 100:
-        raise ValueError(f"num_releases: must be an integer >= 100, got {num_releases!r}")
-    if not 0 < significance < 0.5:
-        raise ValueError(f"significance: must be in (0, 0.5), got {significance!r}")
-    num_releases = int(num_releases)
+    noise_multiplier, clip_norm, num_releases = _checked(
+        noise_multiplier, clip_norm, delta, num_releases, significance
+    )
     name, priv, sum_dtype = _stage(mechanism, noise_multiplier, clip_norm, policy)
 
     without = jnp.full((1,), base, sum_dtype)
@@ -441,34 +431,9 @@ def privacy_audit(
         seed=seed,
     )
 
-    lookup = share = share_rev = mass = distinct = None
-    note = ""
     stddev = noise_multiplier * clip_norm
     found = _possible_sets(priv, mechanism, policy, stddev, with_canary, without, y_d, y_d_prime)
-    if found is not None:
-        own_d, own_d_prime, in_d, in_d_prime, mass, distinct = found
-        if own_d.any() or own_d_prime.any():
-            raise AssertionError(  # the support must cover what the stage produced
-                "the enumeration missed values the noise stage produced; its sampler reads "
-                "its random bits in a way this audit does not model"
-            )
-        share, share_rev = float(in_d.mean()), float(in_d_prime.mean())
-        both = [
-            _epsilon_lower_bound(
-                a.astype(np.float64),
-                b.astype(np.float64),
-                significance=significance / 2,
-                delta=delta,
-                threshold=0.5,
-            )
-            for a, b in ((in_d, own_d_prime), (in_d_prime, own_d))
-        ]
-        lookup = max(both)
-    else:
-        note = (
-            "the noise stage reads more than 23 random bits per entry: its outputs cannot "
-            "be enumerated here, so the exact-value lookup attack did not run"
-        )
+    lookup, share, share_rev, mass, distinct, note = _lookup_attack(found, significance, delta)
     return PrivacyAuditReport(
         mechanism=name,
         noise_multiplier=noise_multiplier,
@@ -487,3 +452,52 @@ def privacy_audit(
         significance=significance,
         note=note,
     )
+
+
+def _checked(noise_multiplier, clip_norm, delta, num_releases, significance):
+    """The arguments of :func:`privacy_audit` validated: ``(noise_multiplier,
+    clip_norm, num_releases)`` as float, float, int."""
+    noise_multiplier = float(noise_multiplier)
+    if not noise_multiplier > 0:
+        raise ValueError(f"noise_multiplier: must be > 0, got {noise_multiplier!r}")
+    clip_norm = float(clip_norm)
+    if not (clip_norm > 0 and math.isfinite(clip_norm)):
+        raise ValueError(f"clip_norm: must be a finite number > 0, got {clip_norm!r}")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta: must be in (0, 1), got {delta!r}")
+    if int(num_releases) != num_releases or num_releases < 100:
+        raise ValueError(f"num_releases: must be an integer >= 100, got {num_releases!r}")
+    if not 0 < significance < 0.5:
+        raise ValueError(f"significance: must be in (0, 0.5), got {significance!r}")
+    return noise_multiplier, clip_norm, int(num_releases)
+
+
+def _lookup_attack(found, significance: float, delta: float):
+    """The exact-value lookup attack on the sets :func:`_possible_sets` found:
+    ``(epsilon, impossible share, reverse share, impossible mass, distinct noise
+    values, note)``; all ``None`` with a note when the outputs could not be
+    enumerated."""
+    if found is None:
+        note = (
+            "the noise stage reads more than 23 random bits per entry: its outputs cannot "
+            "be enumerated here, so the exact-value lookup attack did not run"
+        )
+        return None, None, None, None, None, note
+    own_d, own_d_prime, in_d, in_d_prime, mass, distinct = found
+    if own_d.any() or own_d_prime.any():
+        raise AssertionError(  # the support must cover what the stage produced
+            "the enumeration missed values the noise stage produced; its sampler reads "
+            "its random bits in a way this audit does not model"
+        )
+    both = [
+        _epsilon_lower_bound(
+            a.astype(np.float64),
+            b.astype(np.float64),
+            significance=significance / 2,
+            delta=delta,
+            threshold=0.5,
+        )
+        for a, b in ((in_d, own_d_prime), (in_d_prime, own_d))
+    ]
+    share, share_rev = float(in_d.mean()), float(in_d_prime.mean())
+    return max(both), share, share_rev, mass, distinct, ""
