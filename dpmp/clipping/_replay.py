@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import source_info_util
 from jax.extend import core as jax_core
+from jax.extend import source_info_util
 
 __all__ = [
     "aval",
@@ -52,7 +52,9 @@ def _read(env, v):
 
 
 def bind(eqn, invals, **overrides):
-    """Re-emit one equation (as ``jax.core.eval_jaxpr`` does), keeping its source info."""
+    """Re-emit one equation (as ``jax.core.eval_jaxpr`` does), keeping its source info:
+    its traceback and name stack (``jax.extend.source_info_util``), which the
+    precision audit reads to tell a backward pass's equations from the forward's."""
     params = dict(eqn.params, **overrides) if overrides else eqn.params
     bind_params = eqn.primitive.get_bind_params(params)
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
