@@ -86,9 +86,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpmp.clipping import _ghost as ghost_lib
 from dpmp.clipping import _replay as replay
+from dpmp.clipping import ghost as ghost_lib
 from dpmp.clipping._private_loss_scale import PrivateDynamicLossScale
+from dpmp.clipping._rounding import certified_sum_of_squares, higham_gamma, unit_roundoff, wide
+from dpmp.clipping._weighted import weighted_example_sum
 from dpmp.precision._casting import cast_tree
 from dpmp.precision._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from dpmp.precision._policy import Policy
@@ -117,7 +119,7 @@ class PrivateGradStats(NamedTuple):
       norm_mean, norm_max, norm_median: over real, finite examples, of the
         unscaled per-example gradient norm (clip dtype) that the clip factor
         used; under ghost clipping a certified upper bound of it (its rounding
-        error added, see ``dpmp.clipping._ghost``).
+        error added, see ``dpmp.clipping.ghost``).
       loss_mean: mean per-example loss over real examples (float32).
       loss_scale: the loss scale used in this step (float32).
       noised_overflow_count: the privatized overflow count released by a
@@ -280,7 +282,7 @@ class PrivateGradFn:
         adds to one contraction and ``K`` how much those rows' magnitudes may
         exceed the norm used to clip them (both 1 with per-example gradients;
         ghost layers with several rows: ``K`` is 64, the floor of
-        :func:`dpmp.clipping._ghost._certified`, over the float32 rounding of the
+        :func:`dpmp.clipping.ghost._gram.cancellation_floor`, over the float32 rounding of the
         magnitude it reads, between 64.0 and about 71). Both are read from the shapes ``g``
         has been traced or explained for: with ``method`` "auto" or "ghost",
         call ``g.explain(params, *batch)`` (or ``g`` itself) first.
@@ -363,16 +365,16 @@ def _sum_sensitivity(
     roundings: int = 1,
 ) -> dict[str, Any]:
     """The bound of :meth:`PrivateGradFn.sensitivity`, term by term (all in L2)."""
-    u_c = ghost_lib.unit_roundoff(clip_dtype)
-    u_a = ghost_lib.unit_roundoff(acc_dtype)
+    u_c = unit_roundoff(clip_dtype)
+    u_a = unit_roundoff(acc_dtype)
     same = jnp.dtype(acc_dtype) == jnp.dtype(out_dtype)
-    u_o = 0.0 if same else ghost_lib.unit_roundoff(out_dtype)
+    u_o = 0.0 if same else unit_roundoff(out_dtype)
     n, m, t, k = batch_size, parts, rows, cancellation
     per_example = clip_norm * (1 + 16 * u_c + (0.0 if exact_products else k * u_a))
-    acc_error = ghost_lib.higham_gamma(n * (t + 1), acc_dtype) * k * n * per_example
+    acc_error = higham_gamma(n * (t + 1), acc_dtype) * k * n * per_example
     total = n * per_example + acc_error
     rounding = roundings * u_o * total * (1 + u_o)
-    parts_error = ghost_lib.higham_gamma(m - 1, out_dtype) * (total + rounding)
+    parts_error = higham_gamma(m - 1, out_dtype) * (total + rounding)
     return {
         "sensitivity": per_example + 2 * (acc_error + rounding + parts_error),
         "clip_norm": clip_norm,
@@ -463,7 +465,7 @@ def private_grad(
         contraction, or the layer's own per-example gradient formed inside the
         backward pass; no full per-example gradient is formed, and each
         ghost norm carries a bound on its rounding error so that it is never
-        below the exact norm, see ``dpmp.clipping._ghost``), or ``"auto"``: ghost
+        below the exact norm, see ``dpmp.clipping.ghost``), or ``"auto"``: ghost
         where every parameter sits in a supported layer (dense/einsum,
         convolution, embedding, bias, norm scale), else vmap. ``g.explain(params,
         *args)`` says which was chosen and why; ``g.resolved_method`` is the
@@ -585,9 +587,9 @@ def private_grad(
         s_clip = s.astype(clip_dtype)
         leaves = [(g.astype(clip_dtype) / s_clip) for g in jax.tree.leaves(grads)]
         entries = sum(x.size for x in leaves)
-        with ghost_lib.wide(norm_dtype):
+        with wide(norm_dtype):
             sq = _global_sq_norm([x.astype(norm_dtype) for x in leaves])
-            return ghost_lib.certified_sum_of_squares(sq, entries, norm_dtype).astype(clip_dtype)
+            return certified_sum_of_squares(sq, entries, norm_dtype).astype(clip_dtype)
 
     def microbatch_sum(params, s, others, is_padding, *batch):
         """Clipped sum over one (micro)batch: the casts are fused into the reductions."""
@@ -598,7 +600,7 @@ def private_grad(
         # the products it reduces (squares, weighted gradients) at that size; reduced
         # in float64 its products would be twice as large, so there the gradients are
         # read a chunk of examples at a time (:func:`_by_example_chunks`).
-        wide = jnp.dtype(acc_dtype) != jnp.dtype(sum_dtype)
+        widened = jnp.dtype(acc_dtype) != jnp.dtype(sum_dtype)
         sq_norms = jax.vmap(example_sq_norm, in_axes=(0, None))
         if jnp.dtype(norm_dtype) != jnp.dtype(clip_dtype):
             sq = _by_example_chunks(lambda g: (None, sq_norms(g, s)), grads)[1]
@@ -613,11 +615,11 @@ def private_grad(
 
         def weighted_sums(chunk):
             g, f, k = chunk
-            with ghost_lib.wide(acc_dtype):
-                sums = jax.tree.map(lambda x: ghost_lib.weighted_example_sum(x, f, k, acc_dtype), g)
+            with wide(acc_dtype):
+                sums = jax.tree.map(lambda x: weighted_example_sum(x, f, k, acc_dtype), g)
             return sums, None
 
-        if wide:
+        if widened:
             sums = _by_example_chunks(weighted_sums, (grads, factor, keep), acc_dtype)[0]
         else:
             sums = weighted_sums((grads, factor, keep))[0]
@@ -701,7 +703,7 @@ def private_grad(
         wide_sums, (norms, finite, losses) = summed_fn(plan)(
             diff_params, s, others, is_padding_example, *batch_args
         )
-        with ghost_lib.wide(acc_dtype):  # the one rounding of the float64 sum
+        with wide(acc_dtype):  # the one rounding of the float64 sum
             sums = jax.tree.map(lambda x: x.astype(sum_dtype), wide_sums)
         real = ~is_padding_example
         ok = real & finite
@@ -771,13 +773,13 @@ def _by_example_chunks(fn: Callable, xs, acc_dtype=None):
     def add(acc, sums):
         if acc is None or sums is None:
             return sums if acc is None else acc
-        with ghost_lib.wide(acc_dtype):
+        with wide(acc_dtype):
             return jax.tree.map(lambda c, x: c + x.astype(acc_dtype), acc, sums)
 
     def widen(sums):
         if sums is None or acc_dtype is None:
             return sums
-        with ghost_lib.wide(acc_dtype):
+        with wide(acc_dtype):
             return jax.tree.map(lambda x: x.astype(acc_dtype), sums)
 
     head = jax.tree.map(lambda x: x[: count * size], xs)
@@ -794,7 +796,7 @@ def _by_example_chunks(fn: Callable, xs, acc_dtype=None):
         init = None
         if acc_dtype is not None:
             shapes = jax.eval_shape(lambda c: fn(c)[0], jax.tree.map(lambda x: x[0], parts))
-            with ghost_lib.wide(acc_dtype):
+            with wide(acc_dtype):
                 init = jax.tree.map(lambda a: jnp.zeros(a.shape, acc_dtype), shapes)
             init = replay.vary_like(init, xs)
         acc, per = jax.lax.scan(body, init, parts)
@@ -821,14 +823,14 @@ def _microbatched(base: Callable, size: int, acc_dtype) -> Callable:
             return jnp.reshape(x, (count, size) + jnp.shape(x)[1:])
 
         xs = (split(is_padding), tuple(jax.tree.map(split, b) for b in batch))
-        with ghost_lib.wide(acc_dtype):
+        with wide(acc_dtype):
             init = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), acc_dtype), params)
         init = replay.vary_like(init, batch)
 
         def body(acc, x):
             pad, part = x
             sums, aux = base(params, s, others, pad, *part)
-            with ghost_lib.wide(acc_dtype):
+            with wide(acc_dtype):
                 acc = jax.tree.map(lambda c, x: c + x.astype(acc_dtype), acc, sums)
             return acc, aux
 

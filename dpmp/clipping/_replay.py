@@ -3,7 +3,7 @@
 The private paths trace the loss of ONE example (with a batch axis of 1, as the
 model expects a batch) and evaluate it for every example under ``vmap``: the
 per-example gradients of ``method="vmap"`` through :func:`replayed`, and ghost
-clipping (:mod:`dpmp.clipping._ghost`) through its own replay, which also swaps the
+clipping (:mod:`dpmp.clipping.ghost`) through its own replay, which also swaps the
 layers it taps. Both re-emit each equation with :func:`replay_bind`.
 
 Per example, every value keeps that batch axis of 1, so under ``vmap`` XLA:CPU
