@@ -500,7 +500,7 @@ def test_float64_sums_read_the_examples_in_chunks_with_a_remainder(monkeypatch, 
     """Per-example gradients are reduced in float64 a chunk of examples at a time (2
     here: 74 examples are 37 chunks, a microbatch of 37 is 18 and a remainder of one):
     the same clipped sum and the same statistics as the float64 reference."""
-    from dpmp.clipping import _private_grad as clipping_lib
+    from dpmp.clipping import _chunks as clipping_lib
 
     monkeypatch.setattr(clipping_lib, "_CHUNK_BYTES", 1)
     batch = classification_batch(74)
