@@ -32,7 +32,7 @@ speed-up of each method, and checks in float32 (on GPUs at
 ``dpmp_vmap`` agree: the unclipped sums (``l2_clip_norm=inf``) within 1e-4
 relative, and ghost's per-example norms at least vmap's and at most 0.1% above
 them. Ghost clips by certified norms (the computed norm plus a bound on its
-rounding error, see ``dpmp.clipping._ghost``), so its clipped sum is smaller than
+rounding error, see ``dpmp.clipping.ghost``), so its clipped sum is smaller than
 vmap's by that margin: at the full sizes on CPU 0.026% (guide_vit) and 0.035%
 (lm), with the unclipped sums within 3e-7. A failed check exits with status 1.
 The JSON

@@ -52,3 +52,21 @@ def test_replay_keeps_weak_types():
     assert got.dtype == want.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert replay.aval(2.5).weak_type and not replay.aval(x).weak_type
+
+
+def test_replay_keeps_the_source_info():
+    """Replayed equations keep their name stack and traceback (through the public
+    ``jax.extend.source_info_util``): the precision audit tells a backward pass's
+    equations by the ``transpose(...)`` JAX adds to it, and reports user locations."""
+
+    def f(x):
+        with jax.named_scope("layer"):
+            return jnp.sum(jnp.tanh(x) * x)
+
+    x = jnp.ones((3,), jnp.float32)
+    eqns = jax.make_jaxpr(jax.grad(replay.replayed(f)))(x).jaxpr.eqns
+    stacks = [str(e.source_info.name_stack) for e in eqns]
+    assert any("layer" in s and "transpose(" not in s for s in stacks), stacks
+    assert any("layer" in s and "transpose(" in s for s in stacks), stacks
+    where = [jax.extend.source_info_util.summarize(e.source_info) for e in eqns]
+    assert any("test_replay.py" in w for w in where), where

@@ -3,7 +3,7 @@
 The private paths trace the loss of ONE example (with a batch axis of 1, as the
 model expects a batch) and evaluate it for every example under ``vmap``: the
 per-example gradients of ``method="vmap"`` through :func:`replayed`, and ghost
-clipping (:mod:`dpmp.clipping._ghost`) through its own replay, which also swaps the
+clipping (:mod:`dpmp.clipping.ghost`) through its own replay, which also swaps the
 layers it taps. Both re-emit each equation with :func:`replay_bind`.
 
 Per example, every value keeps that batch axis of 1, so under ``vmap`` XLA:CPU
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import source_info_util
 from jax.extend import core as jax_core
+from jax.extend import source_info_util
 
 __all__ = [
     "aval",
@@ -52,7 +52,9 @@ def _read(env, v):
 
 
 def bind(eqn, invals, **overrides):
-    """Re-emit one equation (as ``jax.core.eval_jaxpr`` does), keeping its source info."""
+    """Re-emit one equation (as ``jax.core.eval_jaxpr`` does), keeping its source info:
+    its traceback and name stack (``jax.extend.source_info_util``), which the
+    precision audit reads to tell a backward pass's equations from the forward's."""
     params = dict(eqn.params, **overrides) if overrides else eqn.params
     bind_params = eqn.primitive.get_bind_params(params)
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack

@@ -1,0 +1,68 @@
+"""Clip-weighted sums over the examples of a batch: ``sum_i factor_i x_i``.
+
+An example that is not kept (padding, or a non-finite gradient) adds exactly
+zero: its rows are set to 0 with ``where``, never multiplied by 0, since an
+overflowed example's ``inf * 0`` would be NaN.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from dpmp.clipping._rounding import HIGHEST
+
+__all__ = [
+    "after",
+    "kept_rows",
+    "weighted_example_dot",
+    "weighted_example_sum",
+    "weighted_examples",
+]
+
+
+def weighted_example_sum(x, factor, keep, dtype):
+    """``sum_i factor_i x_i`` over the leading (example) axis, in ``dtype``.
+
+    Examples not kept add exactly zero: ``where``, not a multiply by 0, since an
+    overflowed example's ``inf * 0`` would be NaN.
+    """
+    return jnp.sum(kept_rows(weighted_examples(x, factor, dtype), keep), axis=0)
+
+
+def kept_rows(x, keep):
+    """``x`` with the rows (leading axis) of examples not kept set to exactly 0."""
+    rows = keep.reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(rows, x, jnp.zeros_like(x))
+
+
+def after(keep, before):
+    """``keep``, made to read ``before`` (the sum done just before) without changing:
+    a scheduling dependency (see the ordering note in
+    :mod:`dpmp.clipping.ghost._clipped_sum`)."""
+    if before is None or not before.size:
+        return keep
+    b = before.ravel()[0]
+    return keep & (jnp.isnan(b) | ~jnp.isnan(b))
+
+
+def weighted_examples(x, factor, dtype):
+    """``factor_i x_i`` per example in ``dtype`` (a non-finite ``x_i`` stays non-finite)."""
+    shape = (-1,) + (1,) * (x.ndim - 1)
+    return x.astype(dtype) * factor.astype(dtype).reshape(shape)
+
+
+def weighted_example_dot(x, factor, dtype):
+    """``sum_i factor_i x_i`` as one contraction over the example axis, in ``dtype``
+    (every ``x_i`` finite): no weighted copy of ``x`` is formed. Wider than ``x``
+    (float64), a reduction instead: XLA:CPU fuses the widening, the product and the
+    sum into it, where a float64 contraction would first copy ``x`` to float64."""
+    if jnp.dtype(dtype) != x.dtype:
+        return jnp.sum(weighted_examples(x, factor, dtype), axis=0)
+    return lax.dot_general(
+        factor.astype(dtype),
+        x.astype(dtype),
+        (((0,), (0,)), ((), ())),
+        precision=HIGHEST,
+        preferred_element_type=dtype,
+    )

@@ -1,0 +1,300 @@
+"""The driver of ghost clipping: one backward pass, the norms, the clipped sum.
+
+The whole clipped sum follows from what the norms were taken from:
+``sum_i c_i x_i^T g_i`` is one contraction over the batch (and the tokens) per
+ghost layer, and ``sum_i c_i G_i`` over the per-example gradients of the
+others, with ``c_i = min(1, C / ||grad_i||)``. This is the "book-keeping" form
+of Bu et al. 2023 ("Differentially private optimization on large model at
+small cost", ICML): no second backward pass, and the norms and the sum come
+from the very same stored values — so the bound on each clipped contribution
+holds for exactly what is summed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dpmp.clipping._replay import vary_like
+from dpmp.clipping._rounding import certified_sum_of_squares, sum_of_squares, wide
+from dpmp.clipping._weighted import weighted_example_dot, weighted_examples
+from dpmp.clipping.ghost._gram import cancellation_floor
+from dpmp.clipping.ghost._layers import example_layer, forward, layer_grad, replay_chain, site
+from dpmp.clipping.ghost._plan import GhostPlan, Tap
+from dpmp.clipping.ghost._rule import is_float
+
+__all__ = ["ghost_clipped_sum"]
+
+
+def ghost_clipped_sum(
+    plan: GhostPlan,
+    *,
+    params_leaves,
+    others_leaves,
+    batch_leaves,
+    scale,
+    is_padding,
+    clip_norm: float,
+    clip_dtype,
+    sum_dtype,
+    norm_dtype=None,
+    out_dtype=None,
+):
+    """Clipped sum over one batch from activations and output gradients.
+
+    Returns ``(sum_leaves, norms, finite, losses)``: the clipped sum as a list
+    matching ``params_leaves`` (the contractions over examples accumulate in
+    ``sum_dtype``; dense ghost layers' sums come back rounded to ``out_dtype``,
+    by default ``sum_dtype``, the others in ``sum_dtype``), per-example norms of
+    the unscaled gradient (``clip_dtype``; their squares added up in ``norm_dtype``, by default the
+    clip dtype), finiteness and float32 losses. A 64-bit ``sum_dtype`` or
+    ``norm_dtype`` is formed inside :func:`wide` only.
+    """
+    norm_dtype = clip_dtype if norm_dtype is None else norm_dtype
+    out_dtype = sum_dtype if out_dtype is None else out_dtype
+    losses, acts, grads_out = _tapped_backward(
+        plan, params_leaves, others_leaves, batch_leaves, scale, clip_dtype
+    )
+    acts32 = [None if a is None else _cast_act(a, clip_dtype) for a in acts]
+    p32 = [params_leaves[t.leaf].astype(clip_dtype) for t in plan.taps]
+    inv = (1 / scale.astype(clip_dtype)).astype(clip_dtype)
+    unscale = functools.partial(_unscale, inv=inv, dtype=clip_dtype)
+    sq, formed = _squared_norms(plan, acts32, grads_out, p32, unscale, clip_dtype, norm_dtype)
+    finite = jnp.isfinite(sq)
+    norms = jnp.sqrt(sq)
+
+    keep = finite & ~is_padding
+    safe = jnp.where(keep, norms, jnp.ones_like(norms))
+    factor = jnp.minimum(jnp.ones_like(safe), jnp.asarray(clip_norm, clip_dtype) / safe)
+    factor = jnp.where(keep, factor, jnp.zeros_like(factor))
+
+    reads = _Reads(plan, acts32, grads_out, p32, formed, unscale, factor, keep)
+    sums = _clipped_sums(reads, len(params_leaves), finite, sum_dtype, out_dtype)
+    for leaf in plan.unused:
+        with wide(sum_dtype):
+            sums[leaf] = jnp.zeros(jnp.shape(params_leaves[leaf]), sum_dtype)
+    return sums, norms, finite, losses
+
+
+def _unscale(g, *, inv, dtype):
+    """``g`` in the clip dtype with the loss scale divided out (unscaled first)."""
+    return g.astype(dtype) * inv
+
+
+def _cast_act(a, dtype):
+    return a.astype(dtype) if is_float(a.dtype) else a
+
+
+def _tapped_backward(plan, params_leaves, others_leaves, batch_leaves, scale, clip_dtype):
+    """``(losses, acts, grads)``: per example, the float32 loss; per tap, the stored
+    operand (ghost and ``after`` taps) and the cotangent of its perturbation (the
+    layer's output gradient, or for ``example`` taps its per-example parameter
+    gradient in the clip dtype), loss scale still inside."""
+    eqns = plan.jaxpr.jaxpr.eqns
+    batch = jax.tree.leaves(batch_leaves)[0].shape[0]
+
+    def zeros(t):
+        if t.mode == "example":  # the cotangent is the parameter leaf's gradient
+            return jnp.zeros((batch,) + jnp.shape(params_leaves[t.leaf]), clip_dtype)
+        out = eqns[t.eqn].outvars[0].aval  # the cotangent is the layer's output gradient
+        return jnp.zeros((batch,) + out.shape, out.dtype)
+
+    # Inside shard_map the perturbations vary over the mesh axes the batch varies
+    # over: their cotangents are this device's examples' own, never all-reduced.
+    perturb = vary_like(tuple(zeros(t) for t in plan.taps), batch_leaves)
+    layers = {
+        k: example_layer(plan, t, clip_dtype)
+        for k, t in enumerate(plan.taps)
+        if t.mode == "example"
+    }
+
+    def one(pert, example):
+        loss, acts = forward(plan, pert, (*params_leaves, *others_leaves, *example), layers)
+        loss32 = jnp.asarray(loss).astype(jnp.float32)
+        return loss32 * scale, (loss32, acts)
+
+    def batched(pert):
+        scaled, aux = jax.vmap(one)(pert, tuple(batch_leaves))
+        return scaled, aux
+
+    scaled, vjp_fn, (losses, acts) = jax.vjp(batched, perturb, has_aux=True)
+    (grads_out,) = vjp_fn(jnp.ones_like(scaled))
+    # The norms and the sum must read the same x_i and g_i: XLA may keep a
+    # half-precision value unrounded inside one fusion (``xla_allow_excess_precision``)
+    # and rounded in another, and the bound on each clipped contribution would then
+    # hold for a slightly different vector than is summed. The barrier stops CSE from
+    # merging these values with other copies, but it does not materialise them:
+    # XLA:CPU removes barriers right after CSE (its ``cse_barrier_expander`` pass,
+    # jaxlib 0.10.2), before fusion, which may recompute a value inside each consumer.
+    # There every consumer runs the same elementwise code without fast-math, and
+    # tests/test_ghost.py checks the half-precision bound on CPU. On GPUs it is
+    # unverified.
+    acts, grads_out = lax.optimization_barrier((acts, grads_out))
+    return losses, acts, grads_out
+
+
+def _squared_norms(plan, acts32, grads_out, p32, unscale, clip_dtype, norm_dtype):
+    """``(sq, formed)``: per example, the certified squared norm of the whole unscaled
+    gradient (clip dtype), and per ``after`` tap the per-example gradients formed here.
+
+    Layer by layer, from (x_i, g_i) alone. A non-finite entry of x_i or g_i makes
+    the squared norm inf or NaN under every rule (inf * 0 is NaN), so
+    ``isfinite(sq)`` is the overflow test.
+
+    Per-example gradients (``example`` taps, and ``after`` taps, whose gradient is
+    formed here and kept) are normed and summed from one tensor. Ghost norms carry
+    their rounding error (:func:`dpmp.clipping.ghost._gram.gram`) and a floor against
+    cancellation (:func:`cancellation_floor`): never below the exact norm of what is
+    summed. The layers' squared norms are added up in ``norm_dtype`` (float64 by
+    default) and the total made an upper bound of its exact value
+    (:func:`certified_sum_of_squares`) before it is rounded to the clip dtype.
+    """
+    formed = {}  # tap index -> that layer's per-example gradients, unscaled
+    parts, terms = [], 0
+    for k, (tap, g, a, p) in enumerate(zip(plan.taps, grads_out, acts32, p32)):
+        g = unscale(g)  # unscale first, in the clip dtype
+        if tap.mode == "after":
+            layer = site(plan, tap, clip_dtype)
+            g = formed[k] = jax.vmap(lambda a_, g_, s=layer, q=p: layer_grad(s, q, a_, g_))(a, g)
+        with wide(norm_dtype):
+            if tap.mode != "ghost":  # this layer's per-example gradient
+                size = math.prod(g.shape[1:])
+                axes = tuple(range(1, g.ndim))
+                parts.append(sum_of_squares(g, size, clip_dtype, norm_dtype, axes))
+                terms += 1
+            else:
+                sq_m = tap.rule.sq_norms(plan.eqn(tap), tap.pos, a, g, clip_dtype, norm_dtype)
+                parts.append(cancellation_floor(*sq_m).astype(norm_dtype))
+                terms += 1
+    with wide(norm_dtype):
+        sq = parts[0]
+        for part in parts[1:]:
+            sq = sq + part
+        sq = certified_sum_of_squares(sq, terms, norm_dtype).astype(clip_dtype)
+    return sq, formed
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reads:
+    """What the clipped sums read: the values the norms were taken from, and the factors.
+
+    ``acts``, ``grads``, ``params``: per tap, the stored operand (clip dtype), the
+    cotangent (scaled) and the parameter leaf (clip dtype); ``formed``: per
+    ``after`` tap, its per-example gradients; ``factor``, ``keep``: per example.
+    """
+
+    plan: GhostPlan
+    acts: list[Any]
+    grads: Any
+    params: list[Any]
+    formed: dict[int, Any]
+    unscale: Callable
+    factor: Any
+    keep: Any
+
+
+def _clipped_sums(reads: _Reads, n_leaves: int, finite, sum_dtype, out_dtype) -> list[Any]:
+    """The clip-weighted sum of every used leaf, from the SAME activations and output
+    gradients the norms were taken from: one contraction over examples (and tokens)
+    per layer.
+
+    (A second backward pass could recompute g_i instead of keeping it. Under
+    emulated or fused half precision the recomputed g_i can round differently
+    from the measured one, so each layer's recomputed gradient would have to be
+    measured again and weighted by c_i min(1, n_ik / n'_ik) for the bound to
+    hold. Built and measured that way it kept more on XLA:CPU: the second pass
+    keeps the pre-activations its ReLU masks need as well as the activations the
+    sums need: 6,305,056 B of compiled temp memory for the float32 MLP of
+    benchmarks/clipping.py, where this path needs 4,212,496 B.)
+
+    Every kept example's x_i and g_i are finite (its squared norm is); a dropped
+    example's may not be, and inf * 0 is NaN, so its rows are set to exactly 0
+    with ``where`` before they are weighted or contracted.
+
+    Dense ghost layers (the bulk of the values kept): ``where(kept, x)`` and
+    ``where(kept, c * g)``, then one contraction (``GhostRule.clipped_sum``). Each
+    is the last reader of x_i and g_i, so XLA writes both in place and the step
+    keeps no copy of either (float32 MLP of benchmarks/clipping.py: 4,212,496 B of
+    compiled temp memory against the non-private step's 4,194,304 B; 5,265,112 B
+    when a ``cond`` chose between the weights alone and zero-filled copies: a
+    conditional's branches cannot overwrite its operands, so each branch added its
+    copies). Other per-example gradients and bias-like layers are weighted inside
+    a ``cond`` (:func:`weighted_example_dot` takes the weights as a vector, no
+    copy), which zero-fills only when some squared norm is not finite.
+
+    Order. Layers are summed from the output back to the input (in the plan's
+    equation order: a bias after its kernel's product comes first, so the
+    kernel's contraction is the last reader of g_i), and each layer's sum reads
+    the one summed just before it (:func:`dpmp.clipping._weighted.after`, a
+    dependency that changes no value). That makes XLA free each layer's x_i and
+    g_i as soon as its own sum is done; left to itself, XLA:CPU schedules the sums
+    input-first and keeps every layer's values until the last one (float32 MLP:
+    8,177,360 B without the dependency).
+    """
+    taps = reads.plan.taps
+    all_finite = finite.all()
+    with wide(sum_dtype):  # a 64-bit sum is formed here only
+        sums = [None] * n_leaves
+        before = None  # the sum done just before this one
+        for k in sorted(range(len(taps)), key=lambda k: taps[k].eqn, reverse=True):
+            sums[taps[k].leaf] = _layer_sum(reads, k, before, all_finite, sum_dtype, out_dtype)
+            before = sums[taps[k].leaf]
+    return sums
+
+
+def _layer_sum(reads: _Reads, k: int, before, all_finite, sum_dtype, out_dtype):
+    """The clip-weighted sum of tap ``k``'s parameter leaf (see :func:`_clipped_sums`)."""
+    plan, tap = reads.plan, reads.plan.taps[k]
+    g, a, p = reads.grads[k], reads.acts[k], reads.params[k]
+    if tap.mode == "ghost" and tap.rule.clipped_sum is not None:
+        eqn, factor, keep = plan.eqn(tap), reads.factor, reads.keep
+        summed = tap.rule.clipped_sum(
+            eqn, tap.pos, a, reads.unscale(g), factor, keep, before, sum_dtype, out_dtype
+        )
+        _, pull = jax.vjp(lambda q: replay_chain(plan, tap, q), p.astype(summed.dtype))
+        (out,) = pull(summed.astype(out_dtype))
+        return out
+    clipped_sum = functools.partial(_weighted_layer_sum, reads, tap, p, sum_dtype)
+    if tap.mode == "after":
+        operands = (None, reads.formed[k])
+    else:
+        operands = (None, g) if tap.mode == "example" else (a, g)
+    if tap.mode != "ghost":
+        fast = all_finite
+        if before is not None and before.size:
+            fast = fast & jnp.isfinite(before.ravel()[0])
+        return lax.cond(
+            fast, clipped_sum, lambda *xs: clipped_sum(*map(_zero_filled, xs)), *operands
+        )
+    # Convolutions, embeddings and the like always take the zero-filled route:
+    # XLA:CPU runs convolutions inside a conditional ~10x slower.
+    return clipped_sum(*map(_zero_filled, operands))
+
+
+def _weighted_layer_sum(reads: _Reads, tap: Tap, p, sum_dtype, a, g):
+    """``sum_i factor_i`` (this layer's gradient from x_i, g_i); every entry finite."""
+    if tap.mode == "after":  # the per-example gradients the norm was taken from
+        return weighted_example_dot(g, reads.factor, sum_dtype)
+    g = reads.unscale(g)
+    if tap.mode == "example":  # g is the layer's per-example gradient
+        return weighted_example_dot(g, reads.factor, sum_dtype)
+    p = p.astype(sum_dtype)
+    if is_float(a.dtype):
+        a = a.astype(sum_dtype)
+    wg = weighted_examples(g, reads.factor, sum_dtype)
+    layer = site(reads.plan, tap, sum_dtype)
+    _, pull = jax.vjp(lambda q: jax.vmap(layer, (None, 0))(q, a), p)
+    return pull(wg)[0]
+
+
+def _zero_filled(x):
+    if x is None or not is_float(x.dtype):
+        return x
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))

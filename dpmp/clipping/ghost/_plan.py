@@ -1,0 +1,234 @@
+"""The plan of ghost clipping: the flat per-example jaxpr and, per parameter leaf, its layer.
+
+``loss_fn`` stays an ordinary function (flax linen, flax nnx or plain JAX). Its
+jaxpr for ONE example is traced and flattened (``jit`` calls inlined); each
+parameter leaf is followed through layout-only operations
+(``convert_element_type``, ``reshape``, ``broadcast_in_dim``, ``transpose``,
+``squeeze``, ``expand_dims``, ``copy``) to the single equation that uses it,
+whose primitive names the rule of its layer family
+(:func:`dpmp.clipping.ghost._rule.rule_for`). A parameter used anywhere else —
+in two places (tied weights), inside a ``scan``, a ``custom_jvp`` function,
+``remat``, or by a primitive no rule takes — makes the model unsupported, and
+``method="auto"`` falls back to per-example gradients: the norm is never
+computed by a rule that does not hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend import core as jax_core
+
+from dpmp.clipping._replay import aval, inline
+from dpmp.clipping.ghost._gram import CANCELLATION
+from dpmp.clipping.ghost._rule import GhostRule, Unsupported, is_float, rule_for, supported
+
+__all__ = ["GhostPlan", "Tap", "plan_ghost"]
+
+# Operations that only move, cast or broadcast a parameter on its way to a layer.
+_LAYOUT = frozenset(
+    (
+        "convert_element_type",
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "copy",
+        "copy_p",
+    )
+)
+# Layout operations that keep every entry once (the norm of W' is the norm of W).
+_BIJECTIVE = frozenset(
+    ("convert_element_type", "reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p")
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tap:
+    """One parameter leaf and the equation that consumes it.
+
+    ``mode``: ``"ghost"`` (the norm from the stored ``x_i``, ``g_i`` by ``rule``),
+    ``"example"`` (the layer's own per-example gradient, formed inside the backward
+    pass) or ``"after"`` (no ghost norm holds and the layer's other operand is an
+    integer array, cheap to keep: its per-example gradient is formed after the
+    backward pass from the stored operand and ``g_i``).
+    """
+
+    leaf: int  # index of the parameter leaf
+    path: str  # its pytree path, for messages
+    chain: tuple[int, ...]  # equation indices of layout ops from the leaf to the layer
+    eqn: int  # the layer equation
+    pos: int  # operand position of the (transformed) parameter in it
+    rule: GhostRule | None  # the family's rule where its ghost norm holds, else None
+    kind: str  # a readable layer kind
+    mode: str  # "ghost" | "example" | "after"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GhostPlan:
+    """The flattened per-example jaxpr and, for each parameter leaf, its layer.
+
+    Attributes:
+      jaxpr: the flat per-example ``ClosedJaxpr`` (inputs: parameter leaves,
+        other-argument leaves, example leaves; output: the float32 loss).
+      taps: one :class:`Tap` per used floating parameter leaf.
+      unused: indices of parameter leaves the loss does not use (zero gradient).
+    """
+
+    jaxpr: Any
+    taps: tuple[Tap, ...]
+    unused: tuple[int, ...]
+
+    def eqn(self, tap: Tap):
+        """The layer equation of ``tap``."""
+        return self.jaxpr.jaxpr.eqns[tap.eqn]
+
+    def sum_rounding(self, clip_dtype, norm_dtype=None) -> tuple[int, float]:
+        """``(rows, cancellation)``: what bounds the rounding of the clipped sum.
+
+        ``rows``: the most rows one example adds to one contraction over the
+        batch (a ghost layer's tokens, patches or ids; 1 where the layer's
+        per-example gradient is formed). ``cancellation``: the most that
+        ``sum_rows |x_t| |g_t|`` (what the contraction's rounding is proportional
+        to) can exceed the norm the clip factor used for that layer: 1 where the
+        gradient is formed or the layer has one row, else ``64 / lambda`` with
+        ``lambda`` the float32 rounding of the magnitude ``m``
+        (:func:`dpmp.clipping.ghost._gram.cancellation_floor`,
+        ``GhostRule.magnitude_ratio``); ``inf`` when no bound exists.
+        """
+        rows, cancellation = 1, 1.0
+        for tap in self.taps:
+            if tap.mode != "ghost":
+                continue
+            eqn = self.eqn(tap)
+            t = tap.rule.rows(eqn, tap.pos)
+            rows = max(rows, t)
+            if t > 1:
+                ratio = tap.rule.magnitude_ratio(eqn, tap.pos, clip_dtype, norm_dtype or clip_dtype)
+                cancellation = max(cancellation, CANCELLATION / ratio if ratio > 0 else math.inf)
+        return rows, cancellation
+
+    def layers(self) -> list[dict[str, str]]:
+        """One row per parameter leaf: its path, layer kind and norm rule."""
+        return [{"param": t.path, "layer": t.kind, "rule": _norm_name(t)} for t in self.taps]
+
+
+def _norm_name(tap: Tap) -> str:
+    """How the tap's norm is taken, as ``explain()`` reports it."""
+    return tap.rule.norm if tap.mode == "ghost" else "per-example"
+
+
+def plan_ghost(example_loss: Callable, params, others, example) -> GhostPlan:
+    """Trace ``example_loss(params, others, *example)`` for one example and find the layers.
+
+    ``params``, ``others`` and ``example`` may be arrays or ``ShapeDtypeStruct``s
+    (``example`` without the batch axis). Raises :class:`Unsupported` naming
+    the first parameter leaf without a rule.
+    """
+    p_leaves = jax.tree.leaves(params)
+    o_leaves = jax.tree.leaves(others)
+    e_leaves = jax.tree.leaves(example)
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+    p_def = jax.tree.structure(params)
+    o_def = jax.tree.structure(others)
+    e_def = jax.tree.structure(example)
+
+    def flat_loss(*leaves):
+        p = jax.tree.unflatten(p_def, leaves[: len(p_leaves)])
+        o = jax.tree.unflatten(o_def, leaves[len(p_leaves) : len(p_leaves) + len(o_leaves)])
+        e = jax.tree.unflatten(e_def, leaves[len(p_leaves) + len(o_leaves) :])
+        return example_loss(p, o, *e)
+
+    avals = [aval(x) for x in (*p_leaves, *o_leaves, *e_leaves)]
+    traced = jax.make_jaxpr(flat_loss)(*avals)
+    flat = jax.make_jaxpr(lambda *a: inline(traced.jaxpr, traced.consts, *a))(*avals)
+    taps, unused = _find_taps(flat.jaxpr, len(p_leaves), paths)
+    return GhostPlan(flat, tuple(taps), tuple(unused))
+
+
+def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[Tap], list[int]]:
+    """Each parameter leaf followed to its layer (or found unused)."""
+    uses: dict[Any, list[tuple[int, int]]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for pos, v in enumerate(eqn.invars):
+            if not isinstance(v, jax_core.Literal):
+                uses.setdefault(v, []).append((i, pos))
+    outs = {v for v in jaxpr.outvars if not isinstance(v, jax_core.Literal)}
+    param_vars = set(jaxpr.invars[:n_params])
+    taps, unused, claimed = [], [], {}
+    for leaf, v in enumerate(jaxpr.invars[:n_params]):
+        path = paths[leaf]
+        if not is_float(v.aval.dtype):
+            raise Unsupported(f"parameter {path}: dtype {v.aval.dtype} is not floating")
+        found = _follow(jaxpr, uses, outs, v, path)
+        if found is None:
+            unused.append(leaf)
+            continue
+        chain, i, pos = found
+        eqn = jaxpr.eqns[i]
+        name = eqn.primitive.name
+        rule, kind, ghost = _classify(eqn, pos, chain, jaxpr, path)
+        for k, u in enumerate(eqn.invars):
+            if k != pos and u in param_vars:
+                raise Unsupported(f"parameter {path}: {name} of two parameters")
+        if i in claimed:
+            raise Unsupported(f"parameter {path}: {name} also takes parameter {claimed[i]}")
+        claimed[i] = path
+        mode = _mode(rule, ghost, eqn, pos)
+        taps.append(Tap(leaf, path, tuple(chain), i, pos, rule if ghost else None, kind, mode))
+    return taps, unused
+
+
+def _follow(jaxpr, uses, outs, v, path):
+    """``(chain, eqn index, operand position)`` of the layer a parameter variable reaches
+    through layout ops, or None when it is unused."""
+    chain = []
+    while True:
+        if v in outs:
+            raise Unsupported(f"parameter {path}: returned by the loss function")
+        here = uses.get(v, [])
+        if not here:
+            if chain:
+                raise Unsupported(f"parameter {path}: transformed but unused")
+            return None
+        if len(here) > 1:
+            raise Unsupported(
+                f"parameter {path}: used {len(here)} times (shared or tied weights); "
+                "ghost clipping needs each parameter in exactly one layer"
+            )
+        i, pos = here[0]
+        eqn = jaxpr.eqns[i]
+        if eqn.primitive.name in _LAYOUT and pos == 0:
+            chain.append(i)
+            v = eqn.outvars[0]
+            continue
+        return chain, i, pos
+
+
+def _classify(eqn, pos, chain, jaxpr, path) -> tuple[GhostRule, str, bool]:
+    """``(rule, layer kind, ghost)`` from the rule registered for the layer's primitive."""
+    name = eqn.primitive.name
+    rule = rule_for(name)
+    if rule is None:
+        raise Unsupported(
+            f"parameter {path}: used by {name!r}, for which ghost clipping has no rule "
+            f"(supported: {supported()})"
+        )
+    bijective = all(jaxpr.eqns[i].primitive.name in _BIJECTIVE for i in chain)
+    kind, ghost = rule.classify(eqn, pos, bijective, path)
+    return rule, kind, ghost
+
+
+def _mode(rule: GhostRule, ghost: bool, eqn, pos) -> str:
+    """The rule's choice where its ghost norm holds; else the layer's per-example
+    gradient, formed inside the backward pass, or after it where the layer's other
+    operand is an integer array (as cheap to keep as ``g_i``)."""
+    if ghost:
+        return rule.mode(eqn, pos)
+    act = eqn.invars[1 - pos]  # a gather's parameter is its operand (pos 0): act = indices
+    return "example" if is_float(act.aval.dtype) else "after"

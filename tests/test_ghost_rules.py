@@ -1,0 +1,133 @@
+"""Ghost rules are registered per layer family: a new family is one rule and one
+registration, and ``private_grad(method="ghost")`` uses it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dpmp
+from dpmp.clipping import ghost
+from dpmp.clipping._rounding import sum_of_squares, wide
+from dpmp.clipping.ghost import _rule
+from dpmp.clipping.ghost._dense import DenseRule, dot_operands
+from tests._reference import (
+    classification_batch,
+    clipped_sum_f64,
+    flat,
+    mlp_init,
+    mlp_loss,
+    per_example_grads_f64,
+)
+
+N, CLIP = 24, 0.5
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The rule registry, restored after the test."""
+    monkeypatch.setattr(_rule, "_RULES", dict(_rule._RULES))
+    return _rule
+
+
+def _tempered_init():
+    params = mlp_init()
+    rng = np.random.default_rng(3)
+    params["t"] = (1.0 + rng.uniform(size=params["b1"].shape)).astype(np.float32)
+    return params
+
+
+def _tempered_loss(params, batch):
+    """The MLP with a learned temperature per hidden unit: a parameter DIVIDES a layer's
+    values, which no built-in rule takes."""
+    h = jnp.tanh((batch["x"] @ params["w1"] + params["b1"]) / params["t"])
+    logits = (h @ params["w2"] + params["b2"]).astype(jnp.promote_types(h.dtype, jnp.float32))
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], axis=1))
+
+
+def _close_to_f64(out, loss, params, batch):
+    ref, norms = clipped_sum_f64(per_example_grads_f64(loss, params, batch), CLIP)
+    assert int(out.stats.num_clipped) == int((norms > CLIP).sum()) > N // 2
+    assert np.linalg.norm(flat(out.grads) - ref) <= 1e-5 * np.linalg.norm(ref)
+    np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=1e-5)
+
+
+def test_a_new_family_is_one_rule_and_one_registration(registry):
+    """A divisor has no rule: ghost clipping refuses the model. Registered as a family
+    whose per-example gradient is formed, the same model runs under ghost clipping
+    and its clipped sum equals the float64 per-example reference (and the vmap path)."""
+    params, batch = _tempered_init(), classification_batch(N)
+    with pytest.raises(ValueError, match="'div', for which ghost clipping has no rule"):
+        dpmp.private_grad(_tempered_loss, l2_clip_norm=CLIP, policy="f32", method="ghost")(
+            params, batch
+        )
+
+    registry.register_rule(ghost.PerExampleRule(("div",), kind="divisor", described="divisor"))
+    g = dpmp.private_grad(_tempered_loss, l2_clip_norm=CLIP, policy="f32", method="ghost")
+    out = jax.jit(g)(params, batch)
+    assert {"param": "['t']", "layer": "divisor", "rule": "per-example"} in (
+        g.explain(params, batch)["layers"]
+    )
+    _close_to_f64(out, _tempered_loss, params, batch)
+    v = dpmp.private_grad(_tempered_loss, l2_clip_norm=CLIP, policy="f32", method="vmap")
+    ref = flat(jax.jit(v)(params, batch).grads)
+    assert np.linalg.norm(flat(out.grads) - ref) <= 1e-5 * np.linalg.norm(ref)
+
+
+class _FormedOuterRule(DenseRule):
+    """A toy ghost norm for dense layers: per example, ``x_i^T g_i`` formed from the
+    stored values and its sum of squares certified; the magnitude ``sum_t |x_t| |g_t|``
+    as the floor against cancellation needs. The clipped sum takes the driver's
+    default route (the vjp of the layer, weighted)."""
+
+    norm = "toy-outer"
+    clipped_sum = None
+
+    def __init__(self):
+        self.calls = 0
+
+    def mode(self, eqn, pos):
+        return "ghost"  # every dense layer, whatever its shape
+
+    def sq_norms(self, eqn, pos, a, g, dtype, wide_dtype):
+        self.calls += 1
+
+        def one(a_, g_):
+            am, gm = dot_operands(eqn, pos, a_, g_)
+            kn = am.T @ gm
+            with wide(wide_dtype):
+                sq = sum_of_squares(kn, kn.size, dtype, wide_dtype).astype(dtype)
+            m = jnp.sum(jnp.linalg.norm(am, axis=1) * jnp.linalg.norm(gm, axis=1))
+            return sq, m
+
+        return jax.vmap(one)(a, g)
+
+
+def test_a_registered_rule_replaces_a_built_in_one(registry):
+    """A toy dense rule, registered over the built-in one, takes the norm of every
+    dense layer of the MLP (``explain`` names it, the driver calls it) and gives the
+    float64 per-example reference's clipped sum."""
+    toy = _FormedOuterRule()
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_rule(toy)
+    registry.register_rule(toy, replace=True)
+    params, batch = mlp_init(), classification_batch(N)
+    g = dpmp.private_grad(mlp_loss, l2_clip_norm=CLIP, policy="f32", method="ghost")
+    rules = {row["param"]: row["rule"] for row in g.explain(params, batch)["layers"]}
+    assert rules == {
+        "['w1']": "toy-outer",
+        "['w2']": "toy-outer",
+        "['b1']": "per-example",
+        "['b2']": "per-example",
+    }
+    out = jax.jit(g)(params, batch)
+    assert toy.calls == 2  # one per dense layer, traced once
+    _close_to_f64(out, mlp_loss, params, batch)
+
+
+def test_the_built_in_families_are_registered():
+    rules = ghost.registered_rules()
+    assert set(rules) == {"dot_general", "conv_general_dilated", "gather", "add", "sub", "mul"}
+    assert rules["add"] is rules["sub"]
+    assert _rule.supported() == "dense/einsum, convolution, embedding, bias, norm scale"
