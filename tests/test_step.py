@@ -14,11 +14,12 @@ import pytest
 
 from dpmp.app.config import Config, load_config
 from dpmp.app.trainer import audit_step, build_private_step, run_keys
-from dpmp.app.trainer.batches import physical_chunks
-from dpmp.app.trainer.step import _make_optimizer, _summed, _whole_step
+from dpmp.app.trainer.step import _make_optimizer
 from dpmp.clipping._private_grad import PrivateGradStats, combine_stats
 from dpmp.data._dataset import load_data
 from dpmp.noise._noise import private_optimizer
+from dpmp.step import physical_chunks
+from dpmp.step._step import _summed, _whole_step
 
 LOGICAL = [
     "policy=fp32",
