@@ -14,7 +14,6 @@ alone writes the run directory.
 
 from __future__ import annotations
 
-
 import jax
 import numpy as np
 
