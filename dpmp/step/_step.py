@@ -104,7 +104,7 @@ class PrivateStepFn:
 
         step  = dpmp.private_step(grad_fn, optax.adam(1e-3), params=params,
                                   batch=example_batch, noise_multiplier=sigma,
-                                  noise_key=secret_key, expected_batch_size=256,
+                                  expected_batch_size=256,
                                   padded_batch_size=sampler.padded_batch_size)
         state = step.init(params)                       # StepState
         for t in range(steps):
@@ -113,6 +113,8 @@ class PrivateStepFn:
             batch = {"x": x_train[rows], "y": y_train[rows]}
             state, stats = step(state, *step.put_batch(batch, sampled.is_padding_example))
             epsilon = tracker.step()                    # dpmp.accounting
+
+    ``examples/own_loop.py`` is this loop, runnable.
 
     Attributes:
       step_fn: ``step_fn(params, batch, is_padding_example, opt_state,
@@ -191,7 +193,7 @@ def private_step(
     params: Any,
     batch: Any,
     noise_multiplier: float,
-    noise_key: jax.Array,
+    noise_key: jax.Array | None = None,
     expected_batch_size: int,
     padded_batch_size: int,
     noise_sampler: str = "snapped",
@@ -209,8 +211,8 @@ def private_step(
       batch: a batch ``grad_fn`` can take (arrays or ``jax.ShapeDtypeStruct``s,
         any number of rows it accepts): the shapes of one example.
       noise_multiplier: sigma, from ``dpmp.accounting.calibrate_noise_multiplier``.
-      noise_key: the secret PRNG key of the noise (from OS entropy; a key known
-        to anyone else voids the guarantee).
+      noise_key: the secret PRNG key of the noise; None draws a fresh one from
+        the OS entropy (a key anyone else knows voids the guarantee).
       expected_batch_size: the Poisson sampler's expected batch size (the
         noised sum is divided by it).
       padded_batch_size: the fixed size every batch is padded to.
