@@ -59,6 +59,10 @@ _PUBLIC = {
     "ScaledGrad": ("dpmp.precision", "ScaledGrad"),
     "update_if_finite": ("dpmp.precision", "update_if_finite"),
     "value_and_grad": ("dpmp.precision", "value_and_grad"),
+    "DataParallelMesh": ("dpmp.step", "DataParallelMesh"),
+    "PrivateStepFn": ("dpmp.step", "PrivateStepFn"),
+    "StepState": ("dpmp.step", "StepState"),
+    "private_step": ("dpmp.step", "private_step"),
     "train": ("dpmp.app.trainer", "train"),
 }
 
@@ -111,6 +115,10 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from dpmp.precision import select_tree as select_tree
     from dpmp.precision import update_if_finite as update_if_finite
     from dpmp.precision import value_and_grad as value_and_grad
+    from dpmp.step import DataParallelMesh as DataParallelMesh
+    from dpmp.step import PrivateStepFn as PrivateStepFn
+    from dpmp.step import StepState as StepState
+    from dpmp.step import private_step as private_step
 
 
 def __getattr__(name: str) -> Any:
@@ -149,6 +157,7 @@ __all__ = [
     "PrivacyAuditReport",
     "audit_run",
     "RunAuditReport",
+    "DataParallelMesh",
     "DynamicLossScale",
     "NoOpLossScale",
     "NoiseSharding",
@@ -159,10 +168,12 @@ __all__ = [
     "PrivateGrad",
     "PrivateGradFn",
     "PrivateGradStats",
+    "PrivateStepFn",
     "SampledBatch",
     "ScaledGrad",
     "ShuffledSampler",
     "StaticLossScale",
+    "StepState",
     "all_finite",
     "cast_function",
     "cast_tree",
@@ -174,6 +185,7 @@ __all__ = [
     "merge_lora",
     "private_grad",
     "private_optimizer",
+    "private_step",
     "snap_grid",
     "snapped_gaussian",
     "train",

@@ -19,7 +19,7 @@ import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 NAMES = sorted(p.name for p in EXAMPLES.glob("*.py"))
-TRAINING = ("private_linen.py", "private_nnx.py", "private_plain_jax.py")
+TRAINING = ("own_loop.py", "private_linen.py", "private_nnx.py", "private_plain_jax.py")
 # Examples that run dpmp's trainer and write a run directory (--out).
 TRAINER = ("own_flax_model.py", "equinox_model.py")
 # Language-model examples (minutes as shipped): smoke-run with a few steps.
@@ -155,6 +155,15 @@ def test_private_training_example_spends_the_budget(name, capsys, monkeypatch):
     assert m, out
     assert 1.99 <= float(m[1]) <= 2.0005 and 0 <= float(m[2]) <= 1
     assert "noise multiplier" in out and "over 10 steps" in out
+
+
+def test_own_loop_runs_the_built_step_in_physical_chunks(capsys, monkeypatch):
+    out = run("own_loop.py", "--steps", "3", capsys=capsys, monkeypatch=monkeypatch)
+    assert "padded batch 768 in 6 physical chunks of 128 on 1 device(s)" in out, out
+    m = re.fullmatch(
+        r"epsilon ([\d.]+) \(delta 1e-05\), test accuracy ([\d.]+)", out.strip().splitlines()[-1]
+    )
+    assert m and 1.99 <= float(m[1]) <= 2.0005 and 0 <= float(m[2]) <= 1, out
 
 
 @pytest.mark.slow  # ~7 s; test_mixed_precision_step_agrees_with_hand_written stays

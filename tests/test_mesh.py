@@ -100,7 +100,7 @@ if "ghost" not in CASES:
     raise SystemExit
 
 # the same step with the clipped sums all-reduced in bfloat16: the audit flags it
-from dpmp.app.trainer.step import _whole_step
+from dpmp.step._step import _whole_step
 from dpmp.audit._precision import audit_precision
 step = run(4, steps=0)[0]
 def half_sums(*args, **kwargs):

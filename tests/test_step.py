@@ -1,6 +1,9 @@
-"""The trainer's step over physical chunks of a logical batch.
+"""The private step: built from objects (``dpmp.private_step``), and the
+trainer's, over physical chunks of a logical batch.
 
-A Poisson batch of expected size 1024 processed in chunks of 128 gives the
+A step built from a model's loss, a policy, a clip norm, the noise and an optax
+optimizer, with no config, is the trainer's step bit for bit (one device, and
+4 forced CPU devices). A Poisson batch of expected size 1024 processed in chunks of 128 gives the
 clipped sum of the one-shot step on the same sample (fp32, 1e-5), draws the
 noise once (the chunked step's update equals the one-shot step's under the
 same key), adjusts a private loss scale once, and compiles to at most a
@@ -10,15 +13,19 @@ quarter of the one-shot step's temporary memory.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import dpmp
 from dpmp.app.config import Config, load_config
 from dpmp.app.inputs import load_data
 from dpmp.app.trainer import audit_step, build_private_step, run_keys
-from dpmp.app.trainer.batches import physical_chunks
-from dpmp.app.trainer.step import _make_optimizer, _summed, _whole_step
+from dpmp.app.trainer.step import _make_optimizer
 from dpmp.clipping._private_grad import PrivateGradStats, combine_stats
 from dpmp.noise._noise import private_optimizer
+from dpmp.step import physical_chunks
+from dpmp.step._step import _summed, _whole_step
+from tests._devices import run_on_host_devices
 
 LOGICAL = [
     "policy=fp32",
@@ -236,3 +243,139 @@ def test_a_truncated_poisson_sample_takes_a_thousandth_of_delta_at_most(digits, 
     assert p == pytest.approx(s.truncation_probability)
     assert 300 * p * (1 + np.exp(target)) <= step.plan.truncation_delta <= 1e-3 * delta
     assert step.budget.delta == pytest.approx(delta - step.plan.truncation_delta)
+
+
+# A small run whose mechanism the builder is given by hand below.
+_SMALL = [
+    "model.hidden=[32]",
+    "training.expected_batch_size=128",
+    "training.learning_rate=0.01",
+    "privacy.noise_multiplier=2.0",
+    "privacy.reproducible_noise=true",
+]
+
+
+def _by_hand(model, data, keys, padded, *, physical=None, mesh=None):
+    """The small run's step from objects alone: the model's loss, the policy, the
+    clip norm, the noise and the optimizer as numbers, no ``Config``."""
+    grad_fn = dpmp.private_grad(model.loss_fn, l2_clip_norm=1.0, policy=dpmp.Policy.parse("bf16"))
+    params = jax.jit(model.init)(jax.random.split(jax.random.key(0), 3)[0])
+    example = {"x": np.asarray(data.x_train[:8], np.float32), "y": np.asarray(data.y_train[:8])}
+    step = dpmp.private_step(
+        grad_fn,
+        optax.adam(0.01),
+        params=params,
+        batch=example,
+        noise_multiplier=2.0,
+        noise_key=keys.noise,
+        expected_batch_size=128,
+        padded_batch_size=padded,
+        physical_batch_size=physical,
+        mesh=mesh,
+    )
+    return step, step.init(params)
+
+
+def _rows(data, sampled):
+    rows = np.where(sampled.is_padding_example, 0, sampled.indices)
+    x, y = np.asarray(data.x_train[rows], np.float32), np.asarray(data.y_train[rows], np.int32)
+    return {"x": x, "y": y}, sampled.is_padding_example
+
+
+@pytest.mark.parametrize("physical", [None, 48])
+def test_a_step_built_from_objects_is_the_trainers_step(digits, physical):
+    chunks = [] if physical is None else [f"training.physical_batch_size={physical}"]
+    trainer = build_private_step(load_config(None, [*_SMALL, *chunks]), digits)
+    padded = trainer.sampler.padded_batch_size
+    step, state = _by_hand(trainer.model, digits, trainer.keys, padded, physical=physical)
+    assert step.sensitivity == trainer.sensitivity
+    assert (step.chunked is None) == (physical is None)
+    ref = dict(trainer.init_state)
+    for t in range(3):
+        sampled = trainer.sampler.batch(t)
+        state, stats = step(state, *step.put_batch(*_rows(digits, sampled)))
+        batch, pad = trainer.batch(sampled)
+        ref["params"], ref["opt_state"], ref["loss_scale"], ref_stats = trainer.step_fn(
+            ref["params"], batch, pad, ref["opt_state"], ref["loss_scale"]
+        )
+        assert int(stats.num_examples) == int(ref_stats.num_examples) > 0
+        assert int(stats.num_clipped) == int(ref_stats.num_clipped)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(  # it trained
+        np.asarray(jax.tree.leaves(state.params)[0]),
+        np.asarray(jax.tree.leaves(trainer.init_state["params"])[0]),
+    )
+
+
+def test_the_builder_refuses_what_it_cannot_build(digits):
+    trainer = build_private_step(load_config(None, _SMALL), digits)
+    padded = trainer.sampler.padded_batch_size
+    with pytest.raises(ValueError, match="physical_batch_size: 100 does not divide"):
+        _by_hand(trainer.model, digits, trainer.keys, padded, physical=100)
+    with pytest.raises(ValueError, match="shard_params: shards over a mesh"):
+        dpmp.private_step(
+            trainer.grad_fn,
+            optax.sgd(0.1),
+            params=trainer.init_state["params"],
+            batch=trainer.example_args[1],
+            noise_multiplier=1.0,
+            noise_key=trainer.keys.noise,
+            expected_batch_size=128,
+            padded_batch_size=padded,
+            shard_params=True,
+        )
+
+
+_MESH_MATCH = """
+import json, sys
+import jax, numpy as np
+import dpmp
+import dpmp.step
+
+# the step's layer knows no run and no config
+assert not any(name.startswith("dpmp.app") for name in sys.modules), sorted(sys.modules)
+from dpmp.app.inputs import load_data
+from tests.test_step import _SMALL, _by_hand, _rows
+
+assert jax.device_count() == 4
+data = None
+out = {}
+for physical in (None, 48):
+    from dpmp.app.config import Config, load_config
+    from dpmp.app.trainer import build_private_step
+    from dpmp.app.trainer.mesh import local
+
+    data = data or load_data(Config().data, seed=0)
+    chunks = [] if physical is None else [f"training.physical_batch_size={physical}"]
+    config = load_config(None, [*_SMALL, "training.devices=4", *chunks])
+    trainer = build_private_step(config, data)
+    mesh = dpmp.DataParallelMesh(jax.devices()[:4])
+    step, state = _by_hand(
+        trainer.model, data, trainer.keys, trainer.sampler.padded_batch_size,
+        physical=physical, mesh=mesh,
+    )
+    ref = dict(trainer.init_state)
+    for t in range(2):
+        sampled = trainer.sampler.batch(t)
+        state, stats = step(state, *step.put_batch(*_rows(data, sampled)))
+        batch, pad = trainer.batch(sampled)
+        ref["params"], ref["opt_state"], ref["loss_scale"], _ = trainer.step_fn(
+            ref["params"], batch, pad, ref["opt_state"], ref["loss_scale"])
+    mine, theirs = local(state.params), local(ref["params"])
+    out[str(physical)] = {
+        "equal": all(np.array_equal(a, b) for a, b in
+                     zip(jax.tree.leaves(mine), jax.tree.leaves(theirs))),
+        "parts": step.sensitivity["parts"],
+        "examples": int(local(stats).num_examples),
+    }
+print("JSON" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # a 4-device subprocess compiling four steps, ~40 s
+def test_a_step_built_from_objects_on_four_devices_is_the_trainers_step(tmp_path):
+    """On a forced 4-device CPU mesh, whole and in physical chunks."""
+    got = run_on_host_devices(tmp_path, "builder_mesh.py", _MESH_MATCH, timeout=300)
+    assert got["None"]["equal"] and got["48"]["equal"], got
+    assert got["None"]["parts"] == 4 and got["48"]["parts"] % 4 == 0 < got["48"]["examples"]

@@ -7,11 +7,15 @@ Its modules follow a run's stages:
 * ``plan``     -- the secret keys, the noise multiplier and the budget;
 * ``batches``  -- Poisson sampling and reading a batch (arrays in memory,
   memory-mapped ``.npy`` files, random-access sources), physical chunks;
-* ``step``     -- the jitted private step (one-shot or over physical chunks)
-  and its precision and privacy audits;
+* ``mesh``     -- the run's devices (``training.devices``) and the glue of
+  several processes;
+* ``step``     -- the private step of the config (``dpmp.step.private_step``
+  built from the config's objects) and its precision and privacy audits;
 * ``evaluate`` -- held-out (public) and training (private) loss and accuracy;
 * ``resume``   -- which checkpoint a run may continue;
-* ``loop``     -- ``train``: step, account, evaluate, log, checkpoint, report.
+* ``actions``  -- what runs between steps: the budget stop, evaluation, logs,
+  progress, checkpoints; ``writers`` -- where public and private numbers go;
+* ``loop``     -- ``train``: step, account, the actions, report.
 
 Secret randomness (``plan.run_keys``): the gradient-noise key, the
 overflow-count key, the Poisson sampler's seed and the standardisation

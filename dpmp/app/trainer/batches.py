@@ -15,8 +15,6 @@ device sees one at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 
 from dpmp.app.config import Config, ConfigError
@@ -24,6 +22,7 @@ from dpmp.app.trainer.plan import max_truncation_prob
 from dpmp.data._dataset import Dataset
 from dpmp.data._preprocess import FeatureStats, exact_feature_stats, private_feature_stats
 from dpmp.data._sampling import PoissonSampler, ShuffledSampler
+from dpmp.step._step import physical_chunks
 
 __all__ = [
     "chunk_size",
@@ -113,18 +112,3 @@ def gather(data: Dataset, batch) -> tuple[dict[str, np.ndarray], np.ndarray]:
 def input_dtype(data: Dataset) -> type:
     """What the model takes: int32 tokens for next-token data, else float32 features."""
     return np.int32 if data.task == "next_token" else np.float32
-
-
-def physical_chunks(
-    batch: dict[str, np.ndarray], pad: np.ndarray, size: int
-) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
-    """Consecutive chunks of ``size`` rows of a padded batch (its length is a multiple).
-
-    Every chunk is processed, padding-only ones included, so that a step's
-    time does not depend on how many examples were sampled.
-    """
-    n = len(pad)
-    if n % size:
-        raise ValueError(f"physical_batch_size: {size} does not divide the padded batch {n}")
-    for start in range(0, n, size):
-        yield {k: v[start : start + size] for k, v in batch.items()}, pad[start : start + size]

@@ -9,6 +9,11 @@ A ``BudgetTracker`` is advanced every step and a step that would exceed the
 target is refused: the run stops after the last step within budget and says
 so (``stopped_early`` in the report, a line in ``train.log``).
 
+Between two steps the loop runs small periodic actions
+(``dpmp.app.trainer.actions``): the budget stop, evaluation, the public and
+private logs (``dpmp.app.trainer.writers``), the progress bar, checkpoints and
+the ``callback``.
+
 Resuming (``resume=True``) restores the newest checkpoint in ``out_dir``
 (params, optimizer state with the secret noise key, loss scale and its key,
 the sampler with its secret seed, standardisation statistics, budget tracker,
@@ -49,6 +54,7 @@ from dpmp.app.checkpoint import (
 from dpmp.app.config import Config, ConfigError
 from dpmp.app.inputs import load_data
 from dpmp.app.run_dir import ProgressBar, RunDir, SilentRunDir, locked
+from dpmp.app.trainer.actions import StepEnd, run_actions
 from dpmp.app.trainer.batches import input_dtype
 from dpmp.app.trainer.evaluate import evaluator
 from dpmp.app.trainer.mesh import (
@@ -91,10 +97,6 @@ def _params_span(state: dict[str, Any]) -> list[int]:
     """[first, count] of the parameters among a checkpoint's flattened leaves."""
     first = sum(len(jax.tree.leaves(state[k])) for k in sorted(state) if k < "params")
     return [first, len(jax.tree.leaves(state["params"]))]
-
-
-def _due(step: int, every: int) -> bool:
-    return every > 0 and step % every == 0
 
 
 def _new_totals() -> dict[str, Any]:
@@ -517,14 +519,15 @@ class _Run:
     def _loop(self, callback, *, progress: bool, interrupts: _Interrupts) -> None:
         t = self.config.training
         bar = ProgressBar(t.steps, enabled=progress)
+        actions = run_actions(self.config, self.run_dir, bar, callback)
         session_start = time.perf_counter()
         self.elapsed_before = float(self.totals["elapsed_s"])
         same_everywhere(self.completed, "the completed steps (is out_dir shared by every process?)")
-        self.stopped = self._stop_reason()
+        self.stopped = self.stop_reason()
         while self.completed < t.steps and self.stopped is None:
             if interrupts.requested:  # between steps: the state is whole, save it
                 bar.close()
-                self._save(finished=False)
+                self.save(finished=False)
                 message = (
                     f"interrupted after step {self.completed} of {t.steps}; a checkpoint of "
                     f"that step is in {self.ckpt_dir}: run again in the same directory to resume"
@@ -534,30 +537,9 @@ class _Run:
             tic = time.perf_counter()
             stats, eps, new_scale = self._advance()
             self.totals["elapsed_s"] = self.elapsed_before + (time.perf_counter() - session_start)
-            self.stopped = self._stop_reason()
-            last = self.completed >= t.steps or self.stopped is not None
-            evaluation = None
-            if _due(self.completed, t.eval_every) or last:
-                evaluation = self.last_eval = self._evaluate()
-            record = self._public_record(stats, eps, new_scale, evaluation)
-            # an evaluation is always recorded, whatever log_every says
-            logged = _due(self.completed, t.log_every) or evaluation is not None
-            if logged:
-                self.run_dir.append_metrics(record)
-                self.run_dir.append_private_metrics(
-                    release.private_record(
-                        step=self.completed,
-                        stats=stats,
-                        totals=self.totals,
-                        step_time_s=time.perf_counter() - tic,
-                        evaluation=evaluation,
-                    )
-                )
-            bar.update(self.completed, release.progress_fields(record), force=logged)
-            if _due(self.completed, t.checkpoint_every) or last:
-                self._save(finished=last)
-            if callback is not None:
-                callback(self.completed, release.public_info(record))
+            end = StepEnd(self.completed, stats, eps, new_scale, started=tic)
+            for action in actions:  # budget stop, evaluation, logs, progress, checkpoint
+                action(self, end)
         bar.close()
 
     def _advance(self):
@@ -590,34 +572,39 @@ class _Run:
     def _private_dynamic(self) -> bool:
         return isinstance(self.state["loss_scale"], PrivateDynamicLossScale)
 
-    def _public_record(self, stats, eps: float, new_scale: float, evaluation) -> dict[str, Any]:
+    def public_record(self, end: StepEnd) -> dict[str, Any]:
+        """The public record of the step just done (``release.public_record``)."""
+        stats = end.stats
         noised = float(stats.noised_overflow_count) if self._private_dynamic else None
         return release.public_record(
-            step=self.completed,
-            epsilon=eps,
+            step=end.step,
+            epsilon=end.epsilon,
             delta=self.config.privacy.delta,
             loss_scale=float(stats.loss_scale),
-            next_loss_scale=new_scale,
+            next_loss_scale=end.next_scale,
             loss_scale_changes=self.totals["loss_scale_changes"],
             noised_overflow=noised,
             noised_overflow_total=self.totals["noised_overflow"] if noised is not None else None,
-            evaluation=evaluation,
+            evaluation=end.evaluation,
         )
 
-    def _evaluate(self) -> dict[str, Any]:
+    def evaluate(self) -> dict[str, Any]:
+        """Loss and accuracy now, on both splits; kept as the run's last evaluation."""
         # no host round trip in a one-process run (evaluation comes every eval_every steps)
         data, params = self.step.data, on_this_process(self.state["params"])
         train_acc, train_loss = self.evaluate_split(params, data.x_train, data.y_train)  # private
         test_acc, test_loss = self.evaluate_split(params, data.x_test, data.y_test)  # public
-        return {
+        evaluation = {
             "step": self.completed,
             "train_accuracy": train_acc,
             "train_loss": train_loss,
             "test_accuracy": test_acc,
             "test_loss": test_loss,
         }
+        self.last_eval = evaluation
+        return evaluation
 
-    def _stop_reason(self) -> dict[str, Any] | None:
+    def stop_reason(self) -> dict[str, Any] | None:
         steps, p = self.config.training.steps, self.config.privacy
         if self.completed >= steps or self.tracker.can_step():
             return None
@@ -635,7 +622,7 @@ class _Run:
             ),
         }
 
-    def _save(self, *, finished: bool) -> None:
+    def save(self, *, finished: bool) -> None:
         state = local(self.state)  # every process: sharded state is gathered collectively
         self.saved_step = self.completed
         if not is_primary():  # process 0 writes the checkpoints of a multi-process run
@@ -666,9 +653,9 @@ class _Run:
         if self.stopped is not None:
             self.run_dir.log("STOPPED EARLY: " + self.stopped["reason"], echo=True)
         if self.last_eval.get("step") != self.completed:  # zero steps, or a finished run
-            self.last_eval = self._evaluate()
+            self.evaluate()
         if self.saved_step != self.completed:  # not from the files: process 0 may still write
-            self._save(finished=True)
+            self.save(finished=True)
         params = local(self.state["params"])
         report = release.build_report(
             step=self.step,

@@ -1,52 +1,31 @@
-"""The jitted private step of a run, and its audits.
+"""The private step of a run, built from its config, and its audits.
 
-One step (``build_private_step``)::
+``build_private_step(config)`` reads the config's data, model, sampler and
+privacy plan, and builds the step from those objects with
+``dpmp.step.private_step`` (which knows no config: a loop of one's own uses it
+directly)::
 
-    batch    = Poisson sample of the training set, padded to a fixed size
-    out      = dpmp.private_grad(model.loss_fn, ...)(params, batch, loss_scale,
-                                                     is_padding_example)
-    updates  = dpmp.private_optimizer(optax opt, ...)   # snapped noise, / E[B]
-    params   = params + updates                          # fp32 master params
+    grad_fn  = dpmp.private_grad(model.loss_fn, l2_clip_norm=privacy.l2_clip_norm,
+                                 policy=config.precision, method=privacy.clip_method)
+    fn       = dpmp.private_step(grad_fn, optax optimizer of training.optimizer,
+                                 noise_multiplier=plan.noise_multiplier (calibrated),
+                                 noise_key=keys.noise (OS entropy),
+                                 padded_batch_size=sampler.padded_batch_size,
+                                 physical_batch_size=training.physical_batch_size,
+                                 mesh=make_mesh(config) (training.devices), ...)
+    state    = fn.init(params, loss scale of [loss_scale])
 
-With ``training.physical_batch_size`` the logical batch is processed in
-chunks of that many examples, one device call each::
-
-    acc      = 0                                     # accumulate dtype (>= fp32)
-    for chunk in physical_chunks(batch):             # every chunk, padding too
-        acc += private_grad(...)(params, chunk, static scale, its padding).grads
-    updates  = private_optimizer.update(acc, ...)    # ONE noise draw per step
-    scale    = adjust_loss_scale(scale, overflow count of the whole batch)
-
-so the compiled memory is set by the chunk, not by the logical batch.
-
-The noise is drawn for the sensitivity of the sum AS COMPUTED::
-
-    sensitivity = grad_fn.sensitivity(batch_size=padded batch size,
-                                      parts=physical chunks x devices)
-    stddev      = noise_multiplier * sensitivity    # l2_clip_norm= of private_optimizer
-
-which is the clip norm plus a bound on the floating-point rounding of the
-clipped sum (its float64 accumulation, its one rounding to float32, and the
-float32 additions of the chunks' and devices' partial sums, in any order):
-the accountant's Gaussian mechanism with that noise multiplier, exactly.
-
-With ``training.devices`` above 1 the batch (or each chunk) is split over a
-data-parallel mesh (``dpmp.app.trainer.mesh``): each device clips its rows,
-the clipped sums are all-reduced in the accumulate dtype, each device draws
-its part of the noise (``dpmp.NoiseSharding``: the same values as one device
-would draw), and the update and the loss-scale decision run replicated::
-
-    acc      = psum over devices of private_grad(...)(params, rows, static scale, ...)
-    updates  = private_optimizer.update(acc, ...)    # each device draws its part
-    scale    = adjust_loss_scale(scale, overflow count of all devices)
+``PrivateStep`` keeps that step with the parts the loop, the report and the
+audits read: the config, the data as the step sees it, the model, the sampler,
+the plan, the keys, the initial state and a first batch. What one step
+computes (physical chunks, the mesh, the sensitivity the noise is drawn for)
+is said in ``dpmp.step``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -56,23 +35,24 @@ import optax
 from dpmp.app.config import Config, ConfigError
 from dpmp.app.inputs import load_data, model_from_config
 from dpmp.app.trainer.batches import feature_stats as compute_feature_stats
-from dpmp.app.trainer.batches import gather, make_sampler, physical_chunks
-from dpmp.app.trainer.mesh import AXIS, RunMesh, make_mesh, shared_keys
+from dpmp.app.trainer.batches import gather, make_sampler
+from dpmp.app.trainer.mesh import make_mesh, shared_keys
 from dpmp.app.trainer.plan import NoisePlan, RunKeys, max_truncation_prob, noise_plan, run_keys
 from dpmp.audit._precision import audit_precision
 from dpmp.audit._privacy import privacy_audit
-from dpmp.clipping._private_grad import adjust_loss_scale, combine_stats, private_grad
+from dpmp.clipping._private_grad import private_grad
 from dpmp.clipping._private_loss_scale import PrivateDynamicLossScale
 from dpmp.data._dataset import Dataset
 from dpmp.data._preprocess import FeatureStats, standardize
 from dpmp.models._lora import lora_model
 from dpmp.models._model import Model, count_bytes, count_params
-from dpmp.noise._noise import NoiseSharding, private_optimizer
 from dpmp.precision._loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
 )
+from dpmp.step._mesh import DataParallelMesh
+from dpmp.step._step import PrivateStepFn, StepState, _static, private_step
 
 __all__ = [
     "AUDIT_EXPECT",
@@ -91,66 +71,40 @@ AUDIT_EXPECT = ("batch_reduction", "norm", "noise_sample", "noise_add", "update"
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PrivateStep:
-    """Everything one private step of a run is made of (see ``build_private_step``).
+    """The private step of a run and what it was built from (``build_private_step``).
 
     Attributes:
-      step_fn: ``step_fn(params, batch, is_padding_example, opt_state,
-        loss_scale) -> (params, opt_state, loss_scale, stats)``; ``batch`` is
-        ``{"x": [B, ...] float32, "y": [B] int32}``. Jitted as a whole, or,
-        with physical chunks, a Python loop over ``chunk_fn`` then ``apply_fn``
-        (it can be traced, so the audit reads it as one function).
+      fn: the ``dpmp.step.PrivateStepFn``; ``step_fn``, ``grad_fn``,
+        ``optimizer``, ``sensitivity``, ``mesh`` and the chunked pieces
+        (``chunk_fn``, ``apply_fn``, ``chunks``, ``zeros``: None without
+        physical chunks) are read from it.
       example_args: real arguments for ``step_fn`` (initial state, batch 0).
-      chunk_fn: jitted ``chunk_fn(params, chunk, is_padding, loss_scale, acc)
-        -> (acc, stats)`` adding one chunk's clipped sum to ``acc``; None
-        without physical chunks.
-      apply_fn: jitted ``apply_fn(params, acc, opt_state, loss_scale,
-        num_nonfinite) -> (params, opt_state, loss_scale, noised_count)``: the
-        noise and the update of a chunked step; None without physical chunks.
-      config, policy, data, model, sampler, optimizer: the parts.
+      config: the run's ``Config``; ``policy`` is its precision policy.
       data: the training data as the step sees it (standardised, if the
         config says so).
+      model: the ``Model`` (LoRA adapters over a frozen base, if the config says so).
+      sampler: the run's sampler (Poisson, padded; or shuffled).
       plan: the ``NoisePlan`` (sigma, calibrated or given, the budget, q).
-      init_state: the initial ``params``, ``opt_state`` and ``loss_scale``.
-      grad_fn: the ``dpmp.private_grad`` function inside ``step_fn``.
+      init_state: the initial ``params``, ``opt_state`` and ``loss_scale``
+        (on the mesh, if there is one).
       clipping: ``grad_fn.explain(...)`` for this run's batches: the clip
         method requested, the one used, why, and the rule for each parameter.
-      sensitivity: ``grad_fn.sensitivity_bound(...)`` for this run's padded batch
-        and its partial sums (physical chunks times devices): the L2 sensitivity
-        of the noised sum as computed, rounding included (``"sensitivity"``, the
-        ``l2_clip_norm`` the noise is drawn for), and the terms of its bound.
       feature_stats: the standardisation statistics, or None.
       keys: the run's ``RunKeys`` (secret unless reproducible; process 0's in
         a run of several processes).
-      mesh: the data-parallel ``RunMesh``, or None on one device.
-      state_shardings: on a mesh, the sharding of every leaf of ``init_state``
-        (replicated, or the parameters and their optimizer slots sharded).
-      chunks: with physical chunks, ``chunks(batch, is_padding_example)`` yields
-        ``chunk_fn``'s ``(chunk, is_padding)``; None without.
-      zeros: with physical chunks, ``zeros()`` is the empty sum ``chunk_fn``
-        starts from; None without.
     """
 
-    step_fn: Callable
+    fn: PrivateStepFn
     example_args: tuple
-    chunk_fn: Callable | None
-    apply_fn: Callable | None
     config: Config
-    policy: Any
     data: Dataset
     model: Model
     sampler: Any
-    optimizer: optax.GradientTransformation
     plan: NoisePlan
     init_state: dict[str, Any]
-    grad_fn: Any
     clipping: dict[str, Any]
     feature_stats: FeatureStats | None
     keys: RunKeys
-    sensitivity: dict[str, Any] = dataclasses.field(default_factory=dict)
-    mesh: RunMesh | None = None
-    state_shardings: Any = None
-    chunks: Callable | None = None
-    zeros: Callable | None = None
 
     def batch(self, sampled) -> tuple[Any, Any]:
         """The ``(batch, is_padding_example)`` arguments of ``step_fn`` for a sampled
@@ -161,6 +115,23 @@ class PrivateStep:
     def __iter__(self):  # ``step_fn, example_args = build_private_step(...)``
         return iter((self.step_fn, self.example_args))
 
+    @property
+    def state_shardings(self) -> dict[str, Any] | None:
+        """On a mesh, the sharding of every leaf of ``init_state``; else None."""
+        shardings = self.fn.state_shardings(StepState(**self.init_state))
+        return None if shardings is None else shardings._asdict()
+
+    # The step's parts, as the loop, the report and the audits read them.
+    step_fn = property(lambda self: self.fn.step_fn)
+    grad_fn = property(lambda self: self.fn.grad_fn)
+    optimizer = property(lambda self: self.fn.optimizer)
+    sensitivity = property(lambda self: self.fn.sensitivity)
+    mesh = property(lambda self: self.fn.mesh)
+    policy = property(lambda self: self.config.precision)
+    chunk_fn = property(lambda self: _chunked(self, "chunk_fn"))
+    apply_fn = property(lambda self: _chunked(self, "apply_fn"))
+    chunks = property(lambda self: _chunked(self, "chunks"))
+    zeros = property(lambda self: _chunked(self, "zeros"))
     # The plan's numbers, as the report and the log read them.
     noise_multiplier = property(lambda self: self.plan.noise_multiplier)
     noise_calibrated = property(lambda self: self.plan.calibrated)
@@ -169,11 +140,8 @@ class PrivateStep:
     count_noise_stddev = property(lambda self: self.plan.count_noise_stddev)
 
 
-def _partial_sums(sampler, size: int | None, mesh: RunMesh | None) -> int:
-    """How many float32 sums of ``private_grad`` make a step's noised sum: one per
-    physical chunk and device (added up across chunks, all-reduced across devices)."""
-    chunks = 1 if size is None else sampler.padded_batch_size // size
-    return chunks * (mesh.size if mesh else 1)
+def _chunked(step: PrivateStep, name: str) -> Any:
+    return None if step.fn.chunked is None else getattr(step.fn.chunked, name)
 
 
 def _make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -210,7 +178,7 @@ def _make_loss_scale(config: Config, key) -> Any:
     )
 
 
-def _step_batch(data: Dataset, sampled, mesh: RunMesh | None, chunk: int | None):
+def _step_batch(data: Dataset, sampled, mesh: DataParallelMesh | None, chunk: int | None):
     """``PrivateStep.batch``: numpy arrays on one device, global arrays on a mesh."""
     if mesh is None:
         return gather(data, sampled)
@@ -223,91 +191,31 @@ def _step_batch(data: Dataset, sampled, mesh: RunMesh | None, chunk: int | None)
     return mesh.put_batch(rows, len(sampled.is_padding_example), chunk)
 
 
-def _step_functions(grad_fn, optimizer, mesh, specs, size, acc_shapes) -> tuple[Callable, ...]:
-    """``(step_fn, chunk_fn, apply_fn, chunks, zeros)``: one device or a mesh (its
-    parameters replicated, or sharded as ``specs`` say), the batch whole or in
-    physical chunks of ``size`` (the last four are None without chunks)."""
-    sum_fn = _summed(grad_fn) if mesh is None else mesh.summed(grad_fn, specs)
-    if size is None:
-        return _whole_step(sum_fn, optimizer), None, None, None, None
-    if mesh is None:
-        chunks = functools.partial(physical_chunks, size=size)
-        shardings = None
-    else:
-        chunks = mesh.chunks
-        shardings = mesh.state_shardings({"params": acc_shapes, "opt_state": ()}, specs)["params"]
-    zeros = jax.jit(
-        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), acc_shapes),
-        out_shardings=shardings,
-    )
-    return (*_chunked_step(sum_fn, optimizer, chunks, zeros), chunks, zeros)
-
-
-def _summed(grad_fn) -> Callable:
-    """``sum_fn(params, batch, pad, scale) -> (clipped sum, stats)`` on one device."""
-
-    def sum_fn(params, batch, pad, scale):
-        out = grad_fn(params, batch, loss_scale=scale, is_padding_example=pad)
-        return out.grads, out.stats
-
-    return sum_fn
-
-
-def _static(loss_scale):
-    """The scale every part of a step uses; it is adjusted once, from the whole
-    batch's overflow count, after the parts."""
-    if isinstance(loss_scale, NoOpLossScale | StaticLossScale):
-        return loss_scale
-    return StaticLossScale(loss_scale.loss_scale)
-
-
-def _apply(optimizer, params, grads, opt_state, loss_scale, num_nonfinite):
-    """Noise, update and the next loss scale, from a step's clipped sum."""
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    next_scale, noised = adjust_loss_scale(loss_scale, num_nonfinite)
-    return params, opt_state, next_scale, noised
-
-
-def _whole_step(sum_fn, optimizer) -> Callable:
-    """A step over the whole batch in one call, with the scale adjusted after the sum
-    (so that a mesh's devices see one scale, and the adjustment reads their total)."""
-
-    def private_step(params, batch, is_padding_example, opt_state, loss_scale):
-        grads, stats = sum_fn(params, batch, is_padding_example, _static(loss_scale))
-        params, opt_state, next_scale, noised = _apply(
-            optimizer, params, grads, opt_state, loss_scale, stats.num_nonfinite
+def _standardized(config: Config, data: Dataset, feature_stats, seed: int):
+    """``(data, feature_stats)``: the data standardised as ``data.standardize`` says."""
+    if config.data.standardize == "none":
+        return data, feature_stats
+    if not data.in_memory:
+        raise ConfigError(
+            f"data.standardize: {config.data.standardize!r} needs the features in memory "
+            "as float32 arrays; memory-mapped or streamed data must come standardised"
         )
-        return params, opt_state, next_scale, stats._replace(noised_overflow_count=noised)
+    if feature_stats is None:
+        feature_stats = compute_feature_stats(config, data, seed)
+    return standardize(data, feature_stats), feature_stats
 
-    return jax.jit(private_step)
 
-
-def _chunked_step(sum_fn, optimizer, chunks: Callable, zeros: Callable) -> tuple[Callable, ...]:
-    """``(step_fn, chunk_fn, apply_fn)`` of a step over the physical chunks
-    ``chunks(batch, pad)`` yields; ``zeros()`` is the empty sum."""
-
-    @jax.jit
-    def chunk_fn(params, chunk, is_padding, loss_scale, acc):
-        grads, stats = sum_fn(params, chunk, is_padding, loss_scale)
-        return jax.tree.map(jnp.add, acc, grads), stats
-
-    apply_fn = jax.jit(functools.partial(_apply, optimizer))
-
-    def step_fn(params, batch, is_padding_example, opt_state, loss_scale):
-        chunk_scale = _static(loss_scale)
-        acc = zeros()
-        parts = []
-        for chunk, pad in chunks(batch, is_padding_example):
-            acc, stats = chunk_fn(params, chunk, pad, chunk_scale, acc)
-            parts.append(stats)
-        stats = combine_stats(parts)
-        params, opt_state, next_scale, noised = apply_fn(
-            params, acc, opt_state, loss_scale, stats.num_nonfinite
-        )
-        return params, opt_state, next_scale, stats._replace(noised_overflow_count=noised)
-
-    return step_fn, chunk_fn, apply_fn
+def _trained_model(config: Config, model: Model, init_params, init_key, shards: int):
+    """``(model, params_shape)``: the model starting from ``init_params`` (or adapting
+    them, with LoRA), and the shapes of what trains, checked to fit in memory."""
+    lora = bool(config.model.lora_rank)
+    params_shape = jax.eval_shape(model.init, init_key)
+    _check_fits(config, params_shape, trainable=not lora, shards=shards)
+    model = _starting_point(config, model, init_params, params_shape, init_key)
+    if lora:  # the adapters are what trains (init_params have the model's own shapes)
+        params_shape = jax.eval_shape(model.init, init_key)
+        _check_fits(config, params_shape, trainable=True, shards=shards)
+    return model, params_shape
 
 
 def build_private_step(
@@ -352,27 +260,14 @@ def build_private_step(
             "training.shard_params: shards over a mesh of several devices; set "
             'training.devices to more than 1 (or "all" with several devices)'
         )
-    shards = mesh.size if t.shard_params else 1
-    if config.data.standardize != "none":
-        if not data.in_memory:
-            raise ConfigError(
-                f"data.standardize: {config.data.standardize!r} needs the features in memory "
-                "as float32 arrays; memory-mapped or streamed data must come standardised"
-            )
-        if feature_stats is None:
-            feature_stats = compute_feature_stats(config, data, keys.standardize_seed)
-        data = standardize(data, feature_stats)
+    devices = mesh.size if mesh else 1
+    data, feature_stats = _standardized(config, data, feature_stats, keys.standardize_seed)
     if model is None:
         model = model_from_config(config.model, data, policy)
     init_key = jax.random.split(jax.random.key(t.seed), 3)[0]
-    lora = bool(config.model.lora_rank)
-    params_shape = jax.eval_shape(model.init, init_key)
-    _check_fits(config, params_shape, trainable=not lora, shards=shards)
-    model = _starting_point(config, model, init_params, params_shape, init_key)
-    if lora:  # the adapters are what trains (init_params have the model's own shapes)
-        params_shape = jax.eval_shape(model.init, init_key)
-        _check_fits(config, params_shape, trainable=True, shards=shards)
-    sampler = make_sampler(config, data.num_train, keys.sampler_seed, mesh.size if mesh else 1)
+    shards = devices if t.shard_params else 1
+    model, params_shape = _trained_model(config, model, init_params, init_key, shards)
+    sampler = make_sampler(config, data.num_train, keys.sampler_seed, devices)
     plan = noise_plan(
         config,
         num_train=data.num_train,
@@ -387,73 +282,47 @@ def build_private_step(
         allow_nonprivate_loss_scale=config.loss_scale.kind == "nonprivate_dynamic",
         method=config.privacy.clip_method,
     )
-    specs = mesh.param_specs(params_shape) if t.shard_params else None
     params = jax.jit(model.init)(init_key)
     size = t.physical_batch_size
     first = sampler.batch(0)
     # what one call of private_grad sees: a chunk, or a device's share of it
-    per_call = (size or len(first.indices)) // (mesh.size if mesh else 1)
+    per_call = (size or len(first.indices)) // devices
     explained_batch = jax.tree.map(lambda v: jnp.asarray(v[:per_call]), gather(data, first)[0])
     clipping = _explain_clipping(grad_fn, params, explained_batch)
-    # The noise is the noise multiplier times the sensitivity of the sum as computed
-    # (rounding included): the accountant's Gaussian mechanism, exactly.
-    sensitivity = grad_fn.sensitivity_bound(
-        batch_size=sampler.padded_batch_size, parts=_partial_sums(sampler, size, mesh)
-    )
-    optimizer = private_optimizer(
+    fn = private_step(
+        grad_fn,
         _make_optimizer(config),
+        params=params,
+        batch=explained_batch,
         noise_multiplier=plan.noise_multiplier,
-        l2_clip_norm=sensitivity["sensitivity"],
+        noise_key=keys.noise,
         expected_batch_size=t.expected_batch_size,
-        prng_key=keys.noise,
-        policy=policy,
-        sampler=config.privacy.noise_sampler,
-        # on a mesh each device draws only its part of the noise (the same values)
-        sharding=None if mesh is None else NoiseSharding(mesh.mesh, AXIS, specs),
+        padded_batch_size=sampler.padded_batch_size,
+        noise_sampler=config.privacy.noise_sampler,
+        physical_batch_size=size,
+        mesh=mesh,
+        shard_params=t.shard_params,
     )
-    init_state = {
-        "params": params,
-        "opt_state": optimizer.init(params),
-        "loss_scale": _make_loss_scale(config, keys.loss_scale),
-    }
-    state_shardings = None
-    if mesh is not None:
-        state_shardings = mesh.state_shardings(init_state, specs)
-        init_state = mesh.put(init_state, state_shardings)
-    acc_shapes = jax.eval_shape(lambda p, b: grad_fn(p, b).grads, params, explained_batch)
-    step_fn, chunk_fn, apply_fn, chunks, zeros = _step_functions(
-        grad_fn, optimizer, mesh, specs, size, acc_shapes
-    )
+    init_state = fn.init(params, _make_loss_scale(config, keys.loss_scale))._asdict()
     batch, pad = jax.tree.map(jnp.asarray, _step_batch(data, first, mesh, size))
-    example_args = (
-        init_state["params"],
-        batch,
-        pad,
-        init_state["opt_state"],
-        init_state["loss_scale"],
-    )
     return PrivateStep(
-        step_fn=step_fn,
-        example_args=example_args,
-        chunk_fn=chunk_fn,
-        apply_fn=apply_fn,
+        fn=fn,
+        example_args=(
+            init_state["params"],
+            batch,
+            pad,
+            init_state["opt_state"],
+            init_state["loss_scale"],
+        ),
         config=config,
-        policy=policy,
         data=data,
         model=model,
         sampler=sampler,
-        optimizer=optimizer,
         plan=plan,
         init_state=init_state,
-        grad_fn=grad_fn,
         clipping=clipping,
-        sensitivity=sensitivity,
         feature_stats=feature_stats,
         keys=keys,
-        mesh=mesh,
-        state_shardings=state_shardings,
-        chunks=chunks,
-        zeros=zeros,
     )
 
 
