@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from dpmp.accounting._registry import accountant_names
+
 __all__ = ["console", "main"]
 
 _EXAMPLE_CONFIGS = "configs/default.toml, configs/fp16.toml, configs/fp32.toml, ..."
@@ -558,7 +560,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, metavar="B", help="expected batch size")
     p.add_argument("--num-examples", type=int, metavar="N")
     p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
+    p.add_argument("--accountant", choices=sorted(accountant_names()), default="pld")
     p.add_argument(
         "--count-noise-stddev",
         type=float,
@@ -596,7 +598,7 @@ def _parser() -> argparse.ArgumentParser:
 _IMPORTS = {
     "train": ("jax", "dpmp.app.trainer", "dpmp.app.release", "dpmp.app.plots", "matplotlib"),
     "audit": ("jax", "dpmp.app.trainer", "dpmp.audit._precision", "dpmp.app.audit_run"),
-    "budget": ("dpmp.accounting._accounting",),
+    "budget": ("dpmp.accounting._functions",),
     "compare": ("jax", "dpmp.app.trainer.compare"),
     "report": ("dpmp.app.release", "dpmp.app.plots", "matplotlib"),
 }

@@ -74,7 +74,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dpmp.accounting import _accounting as accounting
+from dpmp import accounting
 from dpmp.app.config import Config, ConfigError
 from dpmp.app.run_dir import ProgressBar
 from dpmp.app.trainer.batches import feature_stats, input_dtype

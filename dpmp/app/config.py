@@ -34,6 +34,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from dpmp.accounting._registry import accountant_names
+from dpmp.noise._registry import sampler_names
 from dpmp.precision._policy import Policy
 
 __all__ = [
@@ -56,10 +58,10 @@ class ConfigError(ValueError):
 # The choices of each enumerated key: validation and the README's key table use them.
 DATASETS = ("digits", "npz", "npy", "python_docs", "text")
 MODEL_KINDS = ("mlp", "nnx_mlp", "linear", "vit", "lm")
-ACCOUNTANTS = ("pld", "rdp")
+ACCOUNTANTS = tuple(sorted(accountant_names()))
 SAMPLINGS = ("poisson", "shuffle")
 CLIP_METHODS = ("vmap", "ghost", "auto")
-NOISE_SAMPLERS = ("snapped", "plain")
+NOISE_SAMPLERS = sampler_names()
 OPTIMIZERS = ("adam", "sgd", "momentum")
 LOSS_SCALE_KINDS = ("none", "static", "private_dynamic", "nonprivate_dynamic")
 STANDARDIZE_MODES = ("none", "private", "nonprivate")

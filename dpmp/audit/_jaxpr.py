@@ -45,8 +45,10 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jax_core
 
-# The named jit of dpmp.snapped_gaussian's normal draw (dpmp/noise/_noise.py).
-SNAPPED_SAMPLE = "snapped_normal_sample"
+from dpmp.noise import sampler
+
+# The named jit of dpmp.snapped_gaussian's normal draw (the snapped sampler's).
+SNAPPED_SAMPLE = sampler("snapped").jit_name
 
 # ---- flags -------------------------------------------------------------------
 BATCH = 1

@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dpmp.accounting import _accounting as accounting
+from dpmp import accounting
 from dpmp.app import release
 from dpmp.app.checkpoint import (
     CheckpointError,
