@@ -15,7 +15,6 @@ import pytest
 import dpmp
 import dpmp.accounting as acc
 from dpmp import noise
-from dpmp.accounting._accountants import composing_curve
 from dpmp.accounting._registry import ACCOUNTANT_REGISTRY
 from dpmp.noise._registry import SAMPLER_REGISTRY
 
@@ -37,7 +36,7 @@ class CoarseRdp:
 
     def curve(self, releases, *, neighboring, interval, delta):
         del delta
-        return composing_curve(self, releases, neighboring, interval)
+        return acc.composing_curve(self, releases, neighboring, interval)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,3 +176,11 @@ def test_a_registered_sampler_draws_by_name(toy_sampler):
     np.testing.assert_array_equal(np.asarray(updates["w"]), np.full(3, -3.0, np.float32))
     with pytest.raises(ValueError, match="sampler: must be one of"):
         dpmp.gaussian_privatizer(stddev=1.0, policy=policy, sampler="nope")
+
+
+@pytest.mark.parametrize("module", [acc, noise])
+def test_every_public_name_of_the_layer_imports(module):
+    assert len(module.__all__) == len(set(module.__all__))
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
+    assert set(module.__all__) <= set(dir(module))

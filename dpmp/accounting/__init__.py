@@ -67,6 +67,7 @@ _PUBLIC = {
     "dpsgd_event": ("dpmp.accounting._events", "dpsgd_event"),
     "effective_noise_multiplier": ("dpmp.accounting._events", "effective_noise_multiplier"),
     "Accountant": ("dpmp.accounting._accountants", "Accountant"),
+    "composing_curve": ("dpmp.accounting._accountants", "composing_curve"),
     "get_accountant": ("dpmp.accounting._accountants", "get_accountant"),
     "register_accountant": ("dpmp.accounting._accountants", "register_accountant"),
     "DEFAULT_NOISE_SAMPLER": ("dpmp.accounting._contract", "DEFAULT_NOISE_SAMPLER"),
@@ -93,6 +94,7 @@ _PUBLIC = {
 
 if TYPE_CHECKING:
     from dpmp.accounting._accountants import Accountant as Accountant
+    from dpmp.accounting._accountants import composing_curve as composing_curve
     from dpmp.accounting._accountants import get_accountant as get_accountant
     from dpmp.accounting._accountants import register_accountant as register_accountant
     from dpmp.accounting._calibrate import calibrate_plan as calibrate_plan
@@ -183,6 +185,7 @@ __all__ = [
     "calibrate_noise_multiplier",
     "calibrate_plan",
     "calibrate_steps",
+    "composing_curve",
     "count_releases",
     "dpsgd_event",
     "effective_noise_multiplier",
