@@ -41,9 +41,9 @@ import jax.numpy as jnp
 import optax
 
 import dpmp
-from dpmp.accounting._accounting import SNAP_NDTRI_REL_ERROR, _cell_log_ratio
 from dpmp.app.config import load_config
 from dpmp.app.trainer import build_private_step
+from dpmp.noise._snapped import CONTRACT
 
 SAMPLERS = ("plain", "snapped")
 MIN_SAMPLE_S = 0.5
@@ -201,7 +201,7 @@ def private_step(config_path: str | None, repeats: int) -> dict:
 
 def residual_table() -> list[dict]:
     """The residual epsilon (total minus exact, RDP) for each size and length."""
-    eta = _cell_log_ratio(*SNAP_NDTRI_REL_ERROR[0])  # one core cell's bound
+    eta = CONTRACT.cell_log_ratio(*CONTRACT.ndtri_rel_error[0])  # one core cell's bound
     rows = []
     for params in RESIDUAL_PARAMS:
         for steps in RESIDUAL_STEPS:

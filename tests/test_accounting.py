@@ -604,11 +604,13 @@ def test_cell_log_ratio_bounds_the_exact_mass_change_mpmath():
     the per-cell bound noise_residual composes."""
     import mpmath
 
-    from dpmp.accounting._accounting import _U_REL, SNAP_NDTRI_REL_ERROR, _cell_log_ratio
+    from dpmp.noise._snapped import CONTRACT
+
+    _U_REL, _cell_log_ratio = CONTRACT.uniform_rel_error, CONTRACT.cell_log_ratio
 
     mpmath.mp.dps = 50
     rng = np.random.default_rng(1)
-    for reach, kappa in SNAP_NDTRI_REL_ERROR:
+    for reach, kappa in CONTRACT.ndtri_rel_error:
         bound = _cell_log_ratio(reach, kappa)
         # tau at the reach, inflated a million times so the ratio rises far above
         # mpmath's rounding; the bound, linear in tau, is inflated alike
@@ -730,11 +732,10 @@ def test_residual_constants_against_mpmath():
     import mpmath
     from scipy import stats
 
-    from dpmp.accounting._accounting import (
-        SNAP_TAIL,
-        _outside_mass,
-        _tail_count,
-    )
+    from dpmp.accounting._residual import _outside_mass, _tail_count
+    from dpmp.noise._snapped import CONTRACT
+
+    SNAP_TAIL = CONTRACT.tail
 
     mpmath.mp.dps = 50
     # the uniform is exact down to 2^-77: |z| = 10.01 > SNAP_TAIL + a cell + slack

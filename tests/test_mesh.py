@@ -166,7 +166,7 @@ import re
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import dpmp
-from dpmp.noise import _noise as noise
+from dpmp.noise import _snapped as noise
 
 assert jax.device_count() == 4
 # pieces of one size, so that loop trip counts show the coordinates

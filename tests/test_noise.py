@@ -60,13 +60,30 @@ def test_tail_probability_matches_gaussian(draws):
     assert np.abs(z).max() > 5.0  # a tail bf16 noise (max ~2.9 sigma) never has
 
 
+def test_bf16_normal_noise_takes_few_values_and_has_no_tail():
+    """What lifting the sum to the noise dtype avoids (dpmp.noise._noise): normals
+    drawn in bfloat16 take about 128 distinct values, none beyond ~2.9 sigma,
+    where 2M Gaussian draws reach about 5 sigma; a bf16 sum privatized with the
+    plain sampler gets float32 noise, with as many values as draws."""
+    x = jax.random.normal(jax.random.key(0), (2_000_000,), jnp.bfloat16)
+    x = np.asarray(x.astype(jnp.float32))
+    assert len(np.unique(x)) <= 130
+    assert np.abs(x).max() < 2.95
+    priv = dpmp.gaussian_privatizer(stddev=1.0, policy="bf16", prng_key=0, sampler="plain")
+    g = jnp.zeros(200_000, jnp.bfloat16)
+    noisy, _ = priv.update(g, priv.init(g))
+    assert noisy.dtype == jnp.float32
+    assert len(np.unique(np.asarray(noisy))) > 190_000
+    assert np.abs(np.asarray(noisy)).max() > 4.0
+
+
 def test_ndtri_is_within_the_accounted_relative_error():
     """The float64 inverse normal CDF the sampler uses, against a 40-digit mpmath
     reference from p = 2^-97 (its reach, |z| = 11.3) to 1/2: its relative error is
-    within SNAP_NDTRI_REL_ERROR, the bound noise_residual accounts."""
+    within the snapped contract's ndtri_rel_error, the bound noise_residual accounts."""
     import mpmath
 
-    from dpmp.accounting._accounting import SNAP_NDTRI_REL_ERROR
+    from dpmp.noise._snapped import CONTRACT
 
     rng = np.random.default_rng(0)
     exponents = rng.integers(1, 97, 1500)
@@ -79,7 +96,7 @@ def test_ndtri_is_within_the_accounted_relative_error():
     mpmath.mp.dps = 40
     ref = np.array([float(mpmath.sqrt(2) * mpmath.erfinv(2 * mpmath.mpf(x) - 1)) for x in p])
     rel = np.abs(z - ref) / np.maximum(np.abs(ref), 1e-300)
-    (core, kappa_core), (tail, kappa_tail) = SNAP_NDTRI_REL_ERROR
+    (core, kappa_core), (tail, kappa_tail) = CONTRACT.ndtri_rel_error
     assert rel[np.abs(ref) <= core].max() <= kappa_core
     assert rel[np.abs(ref) <= tail].max() <= kappa_tail
     assert np.abs(ref).max() > tail  # the reach covers the accounted tail
@@ -89,7 +106,7 @@ def test_half_uniform_reaches_2_to_the_minus_77_with_relative_resolution():
     """The sampler's uniform: crafted words give its extremes, its CDF matches
     u within binomial error on a log scale, and it is finer than a grid cell
     everywhere (the audit relies on every cell in reach being possible)."""
-    from dpmp.noise._noise import _half_uniform
+    from dpmp.noise._snapped import _half_uniform
 
     def uniform(words):
         with jax.enable_x64(True):
@@ -127,7 +144,7 @@ def test_the_written_out_threefry_is_jaxs_primitive_bit_for_bit():
     Random123 known-answer vector for key and counter zero."""
     from jax.extend.random import threefry2x32_p
 
-    from dpmp.noise._noise import _threefry2x32
+    from dpmp.noise._snapped import _threefry2x32
 
     rng = np.random.default_rng(2)
     for _ in range(3):
@@ -145,7 +162,7 @@ def test_the_written_out_threefry_is_jaxs_primitive_bit_for_bit():
 def test_a_coordinates_noise_depends_on_its_index_alone():
     """The draw of a whole array equals the draw of any piece of it at the same
     indices, whatever the piece size: chunks (and mesh shards) change nothing."""
-    from dpmp.noise import _noise as noise
+    from dpmp.noise import _snapped as noise
 
     key = jax.random.key(3)
     x = jnp.linspace(-3.0, 3.0, 50_000, dtype=jnp.float32)

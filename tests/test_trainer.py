@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import dpmp
-from dpmp.accounting import _accounting as accounting
+from dpmp import accounting
 from dpmp.app.checkpoint import (
     CheckpointError,
     latest_checkpoint,

@@ -74,7 +74,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dpmp.accounting import _accounting as accounting
+import dpmp.accounting as accounting
 from dpmp.app.config import Config, ConfigError
 from dpmp.app.inputs import load_data
 from dpmp.app.run_dir import ProgressBar

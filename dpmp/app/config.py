@@ -34,8 +34,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from dpmp.accounting._registry import accountant_names
 from dpmp.data.sources import PUBLIC_TEXT, SOURCES
 from dpmp.models.families import FAMILIES
+from dpmp.noise._registry import sampler_names
 from dpmp.precision._policy import Policy
 
 __all__ = [
@@ -55,14 +57,14 @@ class ConfigError(ValueError):
     """A bad config field or value; the message names the field and what is allowed."""
 
 
-# The choices of each enumerated key: validation and the README's key table use
-# them. Data sources (data.dataset), public text (pretrain.dataset) and model
-# families (model.kind) are registries of the library: their names are read
-# when a config is validated, so a registered variant is a valid choice.
-ACCOUNTANTS = ("pld", "rdp")
+# The choices of each enumerated key: validation and the docs' key table use
+# them. Data sources (data.dataset), public text (pretrain.dataset), model
+# families (model.kind), accountants and noise samplers are registries of the
+# library: a registered variant is a valid choice.
+ACCOUNTANTS = tuple(sorted(accountant_names()))
 SAMPLINGS = ("poisson", "shuffle")
 CLIP_METHODS = ("vmap", "ghost", "auto")
-NOISE_SAMPLERS = ("snapped", "plain")
+NOISE_SAMPLERS = sampler_names()
 OPTIMIZERS = ("adam", "sgd", "momentum")
 LOSS_SCALE_KINDS = ("none", "static", "private_dynamic", "nonprivate_dynamic")
 STANDARDIZE_MODES = ("none", "private", "nonprivate")

@@ -10,7 +10,7 @@ exactly one of:
 * **computed on the held-out test split**: test accuracy and test loss;
 * **part of the public plan**: the config, epsilon, delta, the noise
   multiplier, steps, the number of training records n (public under zero-out
-  neighbours, ``NEIGHBOURING_RELATION_NOTE``), the sampling probability and
+  neighbours, ``dpmp.accounting.NEIGHBOURING_RELATION_NOTE``), the sampling probability and
   padded batch size computed from it, the precision audit and clip method of
   the step (functions of shapes and dtypes, not of values).
 
@@ -35,8 +35,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dpmp.accounting import _accounting as accounting
-from dpmp.accounting._accounting import NEIGHBOURING_RELATION_NOTE
+import dpmp.accounting as accounting
 from dpmp.app.run_dir import LOG_FILE, METRICS_FILE, PRIVATE_DIR, PRIVATE_NOTE, REPORT_FILE
 from dpmp.data._sampling import ShuffledSampler
 
@@ -313,6 +312,119 @@ def epsilon_breakdown(step, steps: int) -> accounting.EpsilonBreakdown:
     )
 
 
+def _sampling_section(step, sampler, completed: int, breakdown) -> dict[str, Any]:
+    """How batches were drawn, and what truncating a Poisson sample may cost."""
+    config = step.config
+    poisson = config.privacy.sampling == "poisson"
+    sampling: dict[str, Any] = {
+        "kind": "poisson" if poisson else "shuffle",
+        "sampling_prob": step.sampling_prob,
+        "expected_batch_size": config.training.expected_batch_size,
+        "padded_batch_size": sampler.padded_batch_size,
+        "privacy_note": sampler.privacy_note,
+    }
+    if poisson:
+        sampling["truncation_probability"] = sampler.truncation_probability
+        sampling["truncation_delta"] = sampler.truncation_delta(completed, breakdown.total)
+    return sampling
+
+
+def _overflow_section(step, tracker, totals: dict[str, Any], breakdown) -> dict[str, Any]:
+    """The loss scale's releases (noised overflow counts) and their epsilon."""
+    kind = step.config.loss_scale.kind
+    overflow: dict[str, Any] = {
+        "privatized": kind == "private_dynamic",
+        "count_releases": tracker.count_releases,
+        "count_noise_stddev": step.count_noise_stddev,
+        "epsilon_cost": breakdown.counts,
+        "epsilon_without_counts": breakdown.dpsgd,
+    }
+    if kind == "private_dynamic":
+        overflow["noised_count_total"] = totals["noised_overflow"]
+        overflow["privacy"] = "only noised counts are released (exact counts stay in private/)"
+    elif kind == "nonprivate_dynamic":
+        overflow["privacy"] = "NOT PRIVATE: decisions used the exact count, unaccounted"
+    else:
+        overflow["privacy"] = f"loss scale '{kind}' releases nothing; it costs no epsilon"
+    return overflow
+
+
+def _standardize_section(step, breakdown) -> dict[str, Any]:
+    """The preprocessing release (private standardisation) and its epsilon."""
+    d = step.config.data
+    standardize: dict[str, Any] = {"mode": d.standardize}
+    if d.standardize == "private":
+        standardize.update(
+            clip=d.standardize_clip,
+            noise_multiplier=d.standardize_noise_multiplier,
+            release_noise_multiplier=step.budget.preprocessing_noise_multiplier,
+            epsilon_cost=breakdown.preprocessing,
+        )
+    elif d.standardize == "nonprivate":
+        standardize["privacy"] = "NOT PRIVATE: exact training mean and std, unaccounted"
+    return standardize
+
+
+def _noise_section(step, breakdown) -> dict[str, Any]:
+    """The gradient noise: its sampler, the residual accounted, its stddev."""
+    return {
+        "sampler": step.config.privacy.noise_sampler,
+        "noised_coordinates": step.budget.noised_coordinates,
+        "epsilon_residual": breakdown.noise_residual,
+        # The sum's L2 sensitivity as computed (the clip norm plus a bound on the
+        # floating-point rounding of the clipped sum, from public constants: the
+        # padded batch size, the partial sums, the dtypes and the model's shapes);
+        # the noise stddev is noise_multiplier times it.
+        "l2_sensitivity": step.sensitivity.get("sensitivity"),
+        "stddev": step.noise_multiplier * step.sensitivity.get("sensitivity", math.nan),
+        "sensitivity_bound": dict(step.sensitivity),
+    }
+
+
+def _privacy_section(step, tracker, breakdown, warnings_: list[str]) -> dict[str, Any]:
+    """The guarantee: epsilon, delta and its parts, the relation, the noise."""
+    config = step.config
+    p = config.privacy
+    return {
+        "policy": config.policy,
+        "private": not warnings_,
+        "privacy_warnings": warnings_,
+        "privacy_notes": privacy_notes(config, breakdown),
+        "neighbouring_relation": accounting.NEIGHBOURING_RELATION_NOTE,
+        "accounting_relation": "add_or_remove",
+        "epsilon": breakdown.total,
+        "epsilon_tracked": tracker.spent(),
+        "target_epsilon": p.target_epsilon,
+        "delta": p.delta,
+        "delta_parts": {
+            "accountant": step.budget.delta,
+            "truncation_reserved": step.plan.truncation_delta,
+            "note": "delta is the whole: the accountant's epsilon holds at the delta a "
+            "possibly truncated Poisson sample leaves (its part reserved), and covers the "
+            "snapped noise's residual, whose failure probability is part of it",
+        },
+        "accountant": p.accountant,
+        "noise_multiplier": step.noise_multiplier,
+        "noise_multiplier_calibrated": step.noise_calibrated,
+        "noise": _noise_section(step, breakdown),
+        "l2_clip_norm": p.l2_clip_norm,
+    }
+
+
+def _test_metrics(step, evaluation: dict[str, Any]) -> dict[str, Any]:
+    """Held-out accuracy, loss and (next-token data) perplexity."""
+    return {
+        "test_accuracy": evaluation.get("test_accuracy"),
+        "test_loss": evaluation.get("test_loss"),
+        # next-token data: accuracy and loss are per predicted token (held out)
+        "test_perplexity": (
+            math.exp(evaluation["test_loss"])
+            if step.data.task == "next_token" and evaluation.get("test_loss") is not None
+            else None
+        ),
+    }
+
+
 def build_report(
     *,
     step,
@@ -333,103 +445,24 @@ def build_report(
 ) -> dict[str, Any]:
     """``report.json``: the plan, epsilon, test metrics, loss scale, audit. Public."""
     config = step.config
-    p, ls, d = config.privacy, config.loss_scale, config.data
     breakdown = epsilon_breakdown(step, completed)
-    poisson = p.sampling == "poisson"
     warnings_ = privacy_warnings(config) + audit_warnings(audit)
-
-    sampling: dict[str, Any] = {
-        "kind": "poisson" if poisson else "shuffle",
-        "sampling_prob": step.sampling_prob,
-        "expected_batch_size": config.training.expected_batch_size,
-        "padded_batch_size": sampler.padded_batch_size,
-        "privacy_note": sampler.privacy_note,
-    }
-    if poisson:
-        sampling["truncation_probability"] = sampler.truncation_probability
-        sampling["truncation_delta"] = sampler.truncation_delta(completed, breakdown.total)
-
-    overflow: dict[str, Any] = {
-        "privatized": ls.kind == "private_dynamic",
-        "count_releases": tracker.count_releases,
-        "count_noise_stddev": step.count_noise_stddev,
-        "epsilon_cost": breakdown.counts,
-        "epsilon_without_counts": breakdown.dpsgd,
-    }
-    if ls.kind == "private_dynamic":
-        overflow["noised_count_total"] = totals["noised_overflow"]
-        overflow["privacy"] = "only noised counts are released (exact counts stay in private/)"
-    elif ls.kind == "nonprivate_dynamic":
-        overflow["privacy"] = "NOT PRIVATE: decisions used the exact count, unaccounted"
-    else:
-        overflow["privacy"] = f"loss scale '{ls.kind}' releases nothing; it costs no epsilon"
-
-    standardize: dict[str, Any] = {"mode": d.standardize}
-    if d.standardize == "private":
-        standardize.update(
-            clip=d.standardize_clip,
-            noise_multiplier=d.standardize_noise_multiplier,
-            release_noise_multiplier=step.budget.preprocessing_noise_multiplier,
-            epsilon_cost=breakdown.preprocessing,
-        )
-    elif d.standardize == "nonprivate":
-        standardize["privacy"] = "NOT PRIVATE: exact training mean and std, unaccounted"
-
     return {
-        "policy": config.policy,
-        "private": not warnings_,
-        "privacy_warnings": warnings_,
-        "privacy_notes": privacy_notes(config, breakdown),
-        "neighbouring_relation": NEIGHBOURING_RELATION_NOTE,
-        "accounting_relation": "add_or_remove",
-        "epsilon": breakdown.total,
-        "epsilon_tracked": tracker.spent(),
-        "target_epsilon": p.target_epsilon,
-        "delta": p.delta,
-        "delta_parts": {
-            "accountant": step.budget.delta,
-            "truncation_reserved": step.plan.truncation_delta,
-            "note": "delta is the whole: the accountant's epsilon holds at the delta a "
-            "possibly truncated Poisson sample leaves (its part reserved), and covers the "
-            "snapped noise's residual, whose failure probability is part of it",
-        },
-        "accountant": p.accountant,
-        "noise_multiplier": step.noise_multiplier,
-        "noise_multiplier_calibrated": step.noise_calibrated,
-        "noise": {
-            "sampler": p.noise_sampler,
-            "noised_coordinates": step.budget.noised_coordinates,
-            "epsilon_residual": breakdown.noise_residual,
-            # The sum's L2 sensitivity as computed (the clip norm plus a bound on the
-            # floating-point rounding of the clipped sum, from public constants: the
-            # padded batch size, the partial sums, the dtypes and the model's shapes);
-            # the noise stddev is noise_multiplier times it.
-            "l2_sensitivity": step.sensitivity.get("sensitivity"),
-            "stddev": step.noise_multiplier * step.sensitivity.get("sensitivity", math.nan),
-            "sensitivity_bound": dict(step.sensitivity),
-        },
-        "l2_clip_norm": p.l2_clip_norm,
+        **_privacy_section(step, tracker, breakdown, warnings_),
         "steps": completed,
         "planned_steps": config.training.steps,
         "stopped_early": stopped,
-        "test_accuracy": evaluation.get("test_accuracy"),
-        "test_loss": evaluation.get("test_loss"),
-        # next-token data: accuracy and loss are per predicted token (held out)
-        "test_perplexity": (
-            math.exp(evaluation["test_loss"])
-            if step.data.task == "next_token" and evaluation.get("test_loss") is not None
-            else None
-        ),
-        "overflow": overflow,
+        **_test_metrics(step, evaluation),
+        "overflow": _overflow_section(step, tracker, totals, breakdown),
         "loss_scale": {
-            "kind": ls.kind,
+            "kind": config.loss_scale.kind,
             "initial": scale_history[0][1],
             "final": final_scale,
             "changes": totals["loss_scale_changes"],
             "history": scale_history,
             "history_note": "[step, value]: the scale used from that (1-based) step on",
         },
-        "standardize": standardize,
+        "standardize": _standardize_section(step, breakdown),
         "clipping": {
             "method_requested": step.clipping["requested"],
             "method": step.clipping["method"],
@@ -437,7 +470,7 @@ def build_report(
             "layers": step.clipping["layers"],
         },
         "audit": audit,
-        "sampling": sampling,
+        "sampling": _sampling_section(step, sampler, completed, breakdown),
         "mesh": mesh_summary(step.mesh, sharded=config.training.shard_params),
         "model": step.model.summary(params),
         "data": step.data.summary(),

@@ -52,7 +52,8 @@ from jax_privacy import auditing as jp_auditing
 from jax_privacy import noise_addition as jp_noise
 
 from dpmp.noise._entropy import key_from
-from dpmp.noise._noise import draws_snapped, gaussian_privatizer, snap_extremes, snap_grid
+from dpmp.noise._noise import draws_snapped, gaussian_privatizer
+from dpmp.noise._snapped import snap_extremes, snap_grid
 from dpmp.precision._policy import Policy
 
 __all__ = ["PrivacyAuditReport", "privacy_audit", "MECHANISMS"]
@@ -303,7 +304,7 @@ def _support(priv, sum_value):
 
 def _grid_range(stddev: float, sum_value):
     """(smallest, largest) release of ``sum_value`` (a length-1 vector) by dpmp's
-    snapped stage (``dpmp.noise._noise.snap_extremes``, the draw of crafted random
+    snapped stage (``dpmp.noise._snapped.snap_extremes``, the draw of crafted random
     words): every grid value between them is possible, nothing outside is."""
     low, high = jax.jit(snap_extremes, static_argnums=1)(jnp.asarray(sum_value), stddev)
     return float(np.asarray(low, np.float64)[0]), float(np.asarray(high, np.float64)[0])

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmp.noise._entropy import key_from
-from dpmp.noise._noise import snapped_gaussian
+from dpmp.noise._snapped import snapped_gaussian
 from dpmp.precision._loss_scale import (
     _as_f32_scale,
     _check_static,

@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dpmp.accounting import _accounting as accounting
+import dpmp.accounting as accounting
 from dpmp.app import release
 from dpmp.app.checkpoint import (
     CheckpointError,

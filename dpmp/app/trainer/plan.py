@@ -20,12 +20,12 @@ from typing import Any
 
 import jax
 
-from dpmp.accounting import _accounting as accounting
+import dpmp.accounting as accounting
 from dpmp.app.config import Config, ConfigError
 from dpmp.data._preprocess import release_noise_multiplier
 from dpmp.data._sampling import MAX_TRUNCATION_PROB
+from dpmp.noise import drawn_sampler
 from dpmp.noise._entropy import fresh_key, fresh_seed
-from dpmp.noise._noise import draws_snapped
 
 __all__ = [
     "NoisePlan",
@@ -76,9 +76,11 @@ def _preprocessing_sigma(config: Config) -> float | None:
 
 
 def _noised_coordinates(config: Config, policy, params_shape) -> int | None:
-    """Coordinates of each noisy release when the noise is snapped (its residual
-    is then accounted), else None."""
-    if params_shape is None or not draws_snapped(config.privacy.noise_sampler, policy):
+    """Coordinates of each noisy release when the sampler that draws the noise has
+    an accounting contract (its residual is then accounted), else None."""
+    if params_shape is None:
+        return None
+    if drawn_sampler(config.privacy.noise_sampler, policy).contract is None:
         return None
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params_shape))
 
@@ -126,6 +128,7 @@ def _calibrate(
             count_every=1,
             preprocessing_noise_multiplier=pre_sigma,
             noised_coordinates=coordinates,
+            noise_sampler=p.noise_sampler,
         )
 
     if p.noise_multiplier is not None:
@@ -145,6 +148,7 @@ def _calibrate(
             value_discretization_interval=accounting.TRACKING_DISCRETIZATION,
             preprocessing_noise_multiplier=pre_sigma,
             noised_coordinates=coordinates,
+            noise_sampler=p.noise_sampler,
         )
     except ValueError as e:
         raise ConfigError(f"privacy.target_epsilon: cannot be reached: {e}") from e

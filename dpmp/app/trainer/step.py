@@ -407,7 +407,7 @@ def check_step_memory(step: PrivateStep, limit: int | None = None) -> int:
 # What a trained parameter costs in a step, itself included: its clipped (then
 # noisy) sum, the optimizer's slots (Adam: two moments; momentum: one), and the
 # step's new parameters and slots (its arguments are not donated). The noise
-# stage adds a bounded amount (dpmp.noise._noise.SNAP_CHUNK), not a copy. A lower
+# stage adds a bounded amount (dpmp.noise._snapped.SNAP_CHUNK), not a copy. A lower
 # bound from shapes alone; ``check_step_memory`` measures the compiled step.
 _COPIES = {"adam": 7, "momentum": 5, "sgd": 3}
 

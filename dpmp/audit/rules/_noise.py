@@ -24,17 +24,27 @@ _RANDOM_BITS = (
     "threefry2x32",
 )
 
-# The named jit of dpmp.snapped_gaussian's normal draw (dpmp/noise/_noise.py).
-SNAPPED_SAMPLE = "snapped_normal_sample"
+
+def _sampler_jits() -> dict[str, str]:
+    """jit name -> sampler name, of every registered noise sampler that draws in a
+    named jit of its own (``dpmp.noise.NoiseSampler.jit_name``)."""
+    from dpmp.noise import sampler, sampler_names
+
+    drawn = (sampler(name) for name in sampler_names())
+    return {s.jit_name: s.name for s in drawn if s.jit_name is not None}
 
 
 def sampler_drawn_by(eqn) -> str | None:
-    """The dpmp noise sampler whose draw the call equation ``eqn`` is, or ``None``.
+    """The jit name of the dpmp noise sampler whose draw the call equation ``eqn``
+    is, or ``None``.
 
-    The one place where the audit recognises a sampler by its call: the snapped
-    Gaussian's float64 ``ndtri`` draw is a jit named :data:`SNAPPED_SAMPLE`.
+    The one place where the audit recognises a sampler by its call: a registered
+    sampler that does not draw with ``erf_inv`` names the jit that draws its
+    normals (the snapped Gaussian's float64 ``ndtri`` draw is
+    ``snapped_normal_sample``).
     """
-    return SNAPPED_SAMPLE if eqn.params.get("name") == SNAPPED_SAMPLE else None
+    name = eqn.params.get("name")
+    return name if name in _sampler_jits() else None
 
 
 def sampler_call(s: Step, outs: Outs) -> Outs:
@@ -52,7 +62,7 @@ def sampler_call(s: Step, outs: Outs) -> Outs:
         out_dtype=s.out_dtype,
         location=s.loc,
         required=s.policy.noise,
-        message="Gaussian sample (dpmp.snapped_gaussian: float64 ndtri of random bits)",
+        message=f"Gaussian sample (noise sampler {_sampler_jits()[sampler]!r}: its draw {sampler})",
     )
     return [dataclasses.replace(av, flags=(av.flags | NOISE) & ~GRAD) for av in outs]
 

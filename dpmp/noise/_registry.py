@@ -1,0 +1,111 @@
+"""Noise samplers as strategies, registered by name.
+
+A sampler is a small object (``NoiseSampler``): how it adds its noise to a
+gradient sum, the accounting contract of what it draws, and what the precision
+audit needs to recognise its draw. ``"snapped"`` (``dpmp.noise._snapped``) and
+``"plain"`` (``dpmp.noise._plain``) are built in; a new sampler is a new module
+with such an object and one registration (``register_sampler``). Listing the
+names imports no JAX: the built-in samplers load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from dpmp.accounting._contract import NoiseContract, register_noise_contract
+from dpmp.accounting._registry import Registry
+
+if TYPE_CHECKING:
+    import optax
+
+    from dpmp.precision._policy import Policy
+
+__all__ = [
+    "SAMPLER_REGISTRY",
+    "NoiseSampler",
+    "drawn_sampler",
+    "register_sampler",
+    "sampler",
+    "sampler_names",
+]
+
+
+@runtime_checkable
+class NoiseSampler(Protocol):
+    """What a Gaussian noise sampler is to dpmp.
+
+    Attributes:
+      name: the name it is registered and chosen by (``privacy.noise_sampler``,
+        ``gaussian_privatizer(sampler=...)``).
+      contract: its accounting contract: what its floating-point output costs
+        beyond the exact Gaussian the accountant assumes
+        (``dpmp.accounting.NoiseContract``), or None: accounted as exact.
+      jit_name: the name of the jitted function that draws its normals, by which
+        the precision audit records the draw as a ``noise_sample`` site; None
+        when the draw is a primitive the audit knows (``erf_inv``).
+      min_noise_bits: the narrowest noise dtype it draws in; a policy with
+        narrower noise (an unsafe opt-in) is drawn by ``"plain"`` instead.
+    """
+
+    name: str
+    contract: NoiseContract | None
+    jit_name: str | None
+    min_noise_bits: int
+
+    def update(
+        self,
+        inner: optax.GradientTransformation,
+        grads: Any,
+        state: Any,
+        *,
+        stddev: float,
+        sharding: Any,
+    ) -> tuple[Any, Any]:
+        """``grads`` (lifted to the noise dtype) plus N(0, stddev^2) noise, and the new
+        state. ``inner`` is jax-privacy's Gaussian privatizer in the noise dtype,
+        whose state layout ``(key, inner)`` every sampler keeps, so that all of them
+        checkpoint alike; ``sharding`` is a ``NoiseSharding`` or None."""
+        ...
+
+
+SAMPLER_REGISTRY: Registry[NoiseSampler] = Registry(
+    "sampler",
+    {"snapped": "dpmp.noise._snapped:SNAPPED", "plain": "dpmp.noise._plain:PLAIN"},
+)
+
+
+def sampler_names() -> tuple[str, ...]:
+    """The names of the registered samplers (no import of JAX)."""
+    return SAMPLER_REGISTRY.names()
+
+
+def sampler(name: Any) -> NoiseSampler:
+    """The sampler registered as ``name``; its contract is handed to the accounting."""
+    try:
+        obj = SAMPLER_REGISTRY.get(name)
+    except ValueError:
+        raise ValueError(f"sampler: must be one of {sampler_names()}, got {name!r}") from None
+    register_noise_contract(obj.name, obj.contract)
+    return obj
+
+
+def register_sampler(obj: NoiseSampler) -> NoiseSampler:
+    """Makes ``obj`` available as ``sampler=obj.name`` (the privatizer, the config,
+    the accounting's ``noise_sampler``); returns it."""
+    if not isinstance(obj, NoiseSampler):
+        raise TypeError(f"sampler: {obj!r} does not implement dpmp.noise.NoiseSampler")
+    SAMPLER_REGISTRY.register(obj)
+    register_noise_contract(obj.name, obj.contract)
+    return obj
+
+
+def drawn_sampler(name: str, policy: Policy) -> NoiseSampler:
+    """The sampler that ``gaussian_privatizer(sampler=name, policy=policy)`` draws
+    with: ``name``'s, unless the policy's noise is narrower than it draws in
+    (half-precision noise, an unsafe opt-in, is drawn plain in that dtype)."""
+    import jax.numpy as jnp
+
+    chosen = sampler(name)
+    if jnp.finfo(policy.noise).bits >= chosen.min_noise_bits:
+        return chosen
+    return sampler("plain")
