@@ -234,7 +234,7 @@ def test_toml_blocks_are_configs(page, code, tmp_path):
 
 # -- the API reference --------------------------------------------------------------------------
 
-LAYERS = ("accounting", "precision", "noise", "clipping", "audit", "data", "models")
+LAYERS = ("accounting", "precision", "noise", "clipping", "audit", "data", "models", "step")
 
 
 @pytest.mark.parametrize("layer", LAYERS)
