@@ -52,3 +52,96 @@ def test_help_and_import_load_no_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
+
+
+# The public names of ``dpmp`` and ``dpmp.accounting`` before the package was
+# reorganised into layers: each one still imports, from the same place.
+NAMES_BEFORE_LAYERS = (
+    "AUDIT_KINDS",
+    "Config",
+    "ConfigError",
+    "DataError",
+    "Dataset",
+    "DynamicLossScale",
+    "Finding",
+    "NoOpLossScale",
+    "NoiseSharding",
+    "NumericReport",
+    "PoissonSampler",
+    "Policy",
+    "PrecisionAuditError",
+    "PrecisionError",
+    "PrecisionReport",
+    "PrivacyAuditReport",
+    "PrivateDynamicLossScale",
+    "PrivateGrad",
+    "PrivateGradFn",
+    "PrivateGradStats",
+    "RunAuditReport",
+    "SampledBatch",
+    "ScaledGrad",
+    "ShuffledSampler",
+    "StaticLossScale",
+    "accounting",
+    "all_finite",
+    "audit_precision",
+    "audit_run",
+    "cast_function",
+    "cast_tree",
+    "force_full_precision",
+    "fp_sum_sensitivity",
+    "gaussian_privatizer",
+    "init_lora",
+    "load_config",
+    "load_params",
+    "merge_lora",
+    "numeric_audit",
+    "privacy_audit",
+    "private_grad",
+    "private_optimizer",
+    "select_tree",
+    "snap_grid",
+    "snapped_gaussian",
+    "train",
+    "update_if_finite",
+    "value_and_grad",
+)
+ACCOUNTING_NAMES_BEFORE_LAYERS = (
+    "ACCOUNTANTS",
+    "BudgetExceededError",
+    "BudgetTracker",
+    "EpsilonBreakdown",
+    "MAX_EPSILON",
+    "MAX_NOISE_MULTIPLIER",
+    "MAX_STEPS",
+    "MIN_CALIBRATED_NOISE",
+    "NEIGHBORING_RELATIONS",
+    "NoiseResidual",
+    "PrivacyBudget",
+    "REPORT_DISCRETIZATION",
+    "REQUIRED",
+    "RESIDUAL_DELTA_SHARE",
+    "SNAP_TAIL",
+    "TRACKING_DISCRETIZATION",
+    "calibrate_noise_multiplier",
+    "calibrate_steps",
+    "count_releases",
+    "dpsgd_event",
+    "effective_noise_multiplier",
+    "epsilon",
+    "epsilon_breakdown",
+    "noise_residual",
+)
+
+
+def test_every_name_public_before_the_layers_still_imports():
+    import dpmp
+    import dpmp.accounting
+
+    missing = [n for n in NAMES_BEFORE_LAYERS if not hasattr(dpmp, n)]
+    missing += [
+        f"accounting.{n}" for n in ACCOUNTING_NAMES_BEFORE_LAYERS if not hasattr(dpmp.accounting, n)
+    ]
+    assert not missing, missing
+    assert set(NAMES_BEFORE_LAYERS) <= set(dpmp.__all__)
+    assert set(ACCOUNTING_NAMES_BEFORE_LAYERS) <= set(dpmp.accounting.__all__)
