@@ -61,7 +61,7 @@ __all__ = [
     "effective_noise_multiplier",
 ]
 
-# The relation a dpmp run's guarantee is stated for, in words (report, README).
+# The relation a dpmp run's guarantee is stated for, in words (report, docs).
 NEIGHBOURING_RELATION_NOTE = (
     "zero-out: two datasets are neighbours if one record of one is replaced, in the "
     "other, by a null record that contributes nothing (a zero gradient, zero to every "

@@ -659,8 +659,8 @@ def config_reference() -> list[dict[str, str]]:
     """Every config key with its default, meaning and allowed values.
 
     Read from the config dataclasses (defaults, types), their docstrings
-    (meanings) and the choice tuples the validation uses, so that the README's
-    key table can be generated and checked: ``python -m dpmp.app.config``
+    (meanings) and the choice tuples the validation uses, so that the docs' key table
+    (docs/cli.md) can be generated and checked: ``python -m dpmp.app.config``
     prints it as Markdown.
     """
     rows = [
@@ -705,7 +705,7 @@ def _positive_words(key: str, hint: Any) -> str:
 
 
 def markdown_table() -> str:
-    """The README's config key table (``config_reference`` as Markdown)."""
+    """The docs' config key table (docs/cli.md) (``config_reference`` as Markdown)."""
     lines = ["| key | default | meaning | allowed |", "| --- | --- | --- | --- |"]
     for row in config_reference():
         cells = [f"`{row['key']}`", f"`{row['default']}`", row["meaning"], row["allowed"]]
@@ -779,5 +779,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
     return Config.from_dict(raw)
 
 
-if __name__ == "__main__":  # python -m dpmp.app.config: the README's key table
+if __name__ == "__main__":  # python -m dpmp.app.config: the docs' key table
     print(markdown_table(), end="")
