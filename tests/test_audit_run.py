@@ -15,9 +15,9 @@ from dpmp import cli
 from dpmp.app.audit_run import _setup, _train, _zero_out, audit_run
 from dpmp.app.config import Config, ConfigError, load_config
 from dpmp.app.inputs import load_data
-from dpmp.app.trainer import step as step_module
 from dpmp.audit._one_run import auc, epsilon_lower_bound, exact_gaussian_game, guess
 from dpmp.data._sampling import SampledBatch
+from dpmp.step import _step as step_module
 
 
 def _p_value(m, k, c, eps, delta):
