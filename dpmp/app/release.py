@@ -73,6 +73,9 @@ Safe to publish (privatized, held-out test, or the public plan):
 {", ".join(PUBLIC_FILES)}.
 Secret: ../checkpoints/ (the noise keys, the sampler's seed and a fingerprint
 of the data: as secret as the data itself).
+
+This folder and checkpoints/ are readable by their owner only (folders 0700,
+files 0600); keep them so.
 """
 
 NONPRIVATE_LOSS_SCALE = (
