@@ -290,7 +290,7 @@ def test_train_report_and_audit_end_to_end(tmp_path, capsys):
     assert "test accuracy" in text and "audit" in text
     assert "private" in text and "yes (differentially private; zero-out neighbours)" in text
     assert "safe to publish: report.json, metrics.jsonl, train.log" in text
-    assert "private (non-private diagnostics: do not publish): private/" in text
+    assert "private (non-private diagnostics: do not publish; owner-only, 0700): private/" in text
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 6 and report["audit"]["ok"] is True
     assert report["epsilon"] <= 1.0 + 1e-6
@@ -305,7 +305,7 @@ def test_train_report_and_audit_end_to_end(tmp_path, capsys):
         "safe to publish: report.json, metrics.jsonl, train.log, privacy_utility.png, "
         "precision.png" in lines
     )
-    assert "private (non-private diagnostics: do not publish): private/" in lines
+    assert "private (non-private diagnostics: do not publish; owner-only, 0700): private/" in lines
     assert any(line.startswith("secret (noise keys") and "checkpoints/" in line for line in lines)
     assert cli.main(["report", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["steps"] == 6

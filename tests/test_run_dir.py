@@ -1,4 +1,4 @@
-"""The run directory: private and secret files readable by their owner only."""
+"""The run directory: private and secret files readable by their owner only, the lock."""
 
 import os
 import stat
@@ -6,7 +6,7 @@ import stat
 import pytest
 
 from dpmp.app import release
-from dpmp.app.run_dir import RunDir
+from dpmp.app.run_dir import RunDir, RunDirError, locked
 
 
 def _mode(path) -> int:
@@ -34,3 +34,22 @@ def test_private_folder_and_files_are_owner_only(tmp_path, loose_umask):
     assert _mode(tmp_path / "metrics.jsonl") == 0o644
     assert "0700" in release.PRIVATE_README
 
+
+def test_lock_is_held_while_writing_and_gone_after(tmp_path):
+    with locked(tmp_path):
+        assert (tmp_path / ".lock").read_text().strip() == str(os.getpid())
+    assert not (tmp_path / ".lock").exists()
+    with locked(tmp_path):  # taken again afterwards
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_lock_removed_by_its_holder_as_it_was_opened_is_not_taken(tmp_path, monkeypatch):
+    """The lock file is unlinked on release: a run that opened the old file just
+    before must not think it holds the directory."""
+    from dpmp.app import run_dir
+
+    monkeypatch.setattr(run_dir, "_same_file", lambda handle, path: False)
+    with pytest.raises(RunDirError, match="start again"):
+        with locked(tmp_path):
+            pass

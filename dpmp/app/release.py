@@ -31,6 +31,7 @@ and ``dpmp report`` repeat it.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,10 @@ __all__ = [
     "privacy_notes",
     "privacy_warnings",
     "progress_fields",
+    "public_config",
     "public_info",
     "public_record",
+    "report_private",
     "run_failures",
 ]
 
@@ -477,7 +480,7 @@ def build_report(
         "mesh": mesh_summary(step.mesh, sharded=config.training.shard_params),
         "model": step.model.summary(params),
         "data": step.data.summary(),
-        "config": config_dict(config),
+        "config": public_config(config),
         "versions": versions,
         "num_params": num_params,
         "finite_params": finite_params,
@@ -508,6 +511,17 @@ def config_dict(config) -> dict[str, Any]:
     return json.loads(json.dumps(config.to_dict()))
 
 
+def public_config(config) -> dict[str, Any]:
+    """``config_dict`` as ``report.json`` publishes it: a data or pre-training path
+    by its file name only (a full path would publish the operator's folders)."""
+    out = config_dict(config)
+    for section in ("data", "pretrain"):
+        path = out.get(section, {}).get("path")
+        if path:
+            out[section]["path"] = Path(path).name
+    return out
+
+
 # ---- what `dpmp report` says about the files ---------------------------------------
 
 
@@ -527,15 +541,31 @@ def file_inventory(run_dir: str | Path) -> dict[str, list[str]]:
     return {"public": public, "private": private, "secret": secret}
 
 
+def report_private(run_dir: str | Path) -> bool | None:
+    """``report.json``'s ``private`` (None: no readable report)."""
+    try:
+        report = json.loads((Path(run_dir) / REPORT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return report.get("private") if isinstance(report, dict) else None
+
+
 def inventory_lines(run_dir: str | Path) -> list[str]:
     """``file_inventory`` in words, for the command line."""
     inv = file_inventory(run_dir)
-    lines = ["safe to publish: " + (", ".join(inv["public"]) or "-")]
+    public = ", ".join(inv["public"]) or "-"
+    if report_private(run_dir) is False:
+        lines = [
+            "public files (this run is NOT differentially private, see privacy_warnings: "
+            f"publishing them is not private): {public}"
+        ]
+    else:
+        lines = ["safe to publish: " + public]
     if inv["private"]:
-        lines.append(f"private ({PRIVATE_NOTE}): " + ", ".join(inv["private"]))
+        lines.append(f"private ({PRIVATE_NOTE}; owner-only, 0700): " + ", ".join(inv["private"]))
     if inv["secret"]:
         lines.append(
-            "secret (noise keys, sampler seed, data fingerprint; as secret as the data): "
-            + ", ".join(inv["secret"])
+            "secret (noise keys, sampler seed, data fingerprint; as secret as the data; "
+            "owner-only, 0700): " + ", ".join(inv["secret"])
         )
     return lines

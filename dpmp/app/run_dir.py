@@ -17,10 +17,15 @@ Private (``private/``, "non-private diagnostics: do not publish"):
 * ``private/diagnostics.json``: the run's exact totals and timings;
 * ``private/README.txt``: what the folder holds and why it stays private.
 
+The ``private/`` folder is created 0700 and its files 0600 (readable by
+their owner only), as are ``checkpoints/`` and its files (``secret_dir``).
+
 One writer at a time: ``locked(path)`` holds an exclusive ``flock`` on
 ``path/.lock`` while a run writes there (POSIX; elsewhere no lock is taken),
 and a second run in the same directory is refused before it changes
-anything. A ``report.json`` that dpmp did not write is never overwritten.
+anything. The lock file is removed when the run lets go of it (a run
+directory keeps no ``.lock`` to publish or forget). A ``report.json`` that
+dpmp did not write is never overwritten.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ __all__ = [
     "RunDirError",
     "SilentRunDir",
     "locked",
+    "secret_dir",
     "atomic_write_text",
     "read_metrics",
     "to_jsonable",
@@ -187,7 +193,8 @@ def locked(path: str | Path) -> Iterator[Path]:
     if path.exists() and not path.is_dir():
         raise RunDirError(f"{path}: exists and is not a directory")
     path.mkdir(parents=True, exist_ok=True)
-    with open(path / LOCK_FILE, "a+") as handle:
+    lock = path / LOCK_FILE
+    with open(lock, "a+") as handle:
         if fcntl is not None:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -198,6 +205,9 @@ def locked(path: str | Path) -> Iterator[Path]:
                     f"{path}: another dpmp run (pid {holder}) is writing here; wait for it "
                     "to end or use another run directory"
                 ) from None
+            if not _same_file(handle, lock):  # the holder removed it as we opened it
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                raise RunDirError(f"{path}: another dpmp run was just writing here; start again")
         try:
             _check_report(path / REPORT_FILE)
             handle.seek(0)
@@ -207,7 +217,16 @@ def locked(path: str | Path) -> Iterator[Path]:
             yield path
         finally:
             if fcntl is not None:
+                lock.unlink(missing_ok=True)  # while held: no run directory keeps a .lock
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _same_file(handle, path: Path) -> bool:
+    """Whether the open ``handle`` is still the file at ``path``."""
+    try:
+        return os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def _check_report(report: Path) -> None:
