@@ -219,22 +219,33 @@ def restore_latest(
     return None
 
 
+def _newest_readable(directory: Path) -> tuple[dict[str, Any], list[np.ndarray], Path]:
+    """The newest checkpoint in ``directory`` that can be read (a torn file is
+    skipped for the previous one, as ``restore_latest`` does)."""
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            meta, stored = _read(path)
+        except CheckpointError:
+            continue
+        return meta, stored, path
+    raise CheckpointError(f"{directory}: no checkpoint (has the run started?)")
+
+
 def load_params(out_dir: str | Path, like: Any) -> Any:
     """The trained parameters of the run in ``out_dir`` (its newest checkpoint), in
     the structure of ``like`` (the model's parameters: a linen params dict, the
     ``nnx.Param`` state, the arrays of ``eqx.partition``, an ``init(key)``
     result). The parameters are the private step's output: differentially
     private, unlike the rest of a checkpoint (keys and sampler seed).
+
+    ``out_dir`` may also be a file ``dpmp.app.export.export_params`` wrote
+    (``params.npz``: the parameters alone).
     """
-    directory = Path(out_dir) / "checkpoints"
-    for _, path in reversed(list_checkpoints(directory)):
-        try:
-            meta, stored = _read(path)
-        except CheckpointError:
-            continue  # a torn file: the previous checkpoint, as restore_latest does
-        break
+    if Path(out_dir).is_file():
+        meta, stored = _read(Path(out_dir))
+        path = Path(out_dir)
     else:
-        raise CheckpointError(f"{directory}: no checkpoint (has the run started?)")
+        meta, stored, path = _newest_readable(Path(out_dir) / "checkpoints")
     span = meta.get("params_leaves")
     if span is None:
         raise CheckpointError(f"{path}: does not say where its parameters are")

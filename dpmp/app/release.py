@@ -64,7 +64,14 @@ __all__ = [
     "run_failures",
 ]
 
-PUBLIC_FILES = (REPORT_FILE, METRICS_FILE, LOG_FILE, "privacy_utility.png", "precision.png")
+PUBLIC_FILES = (
+    REPORT_FILE,
+    METRICS_FILE,
+    LOG_FILE,
+    "privacy_utility.png",
+    "precision.png",
+    "params.npz",  # ``dpmp export``: the parameters alone
+)
 PRIVATE_README = f"""{PRIVATE_NOTE}
 
 The files in this folder hold exact statistics of the private training data:
