@@ -29,6 +29,8 @@ _PUBLIC = {
     "cast_tree": ("dpmp.precision", "cast_tree"),
     "force_full_precision": ("dpmp.precision", "force_full_precision"),
     "load_params": ("dpmp.app.checkpoint", "load_params"),
+    "export_params": ("dpmp.app.export", "export_params"),
+    "delete_secrets": ("dpmp.app.export", "delete_secrets"),
     "PrivateGrad": ("dpmp.clipping", "PrivateGrad"),
     "PrivateGradFn": ("dpmp.clipping", "PrivateGradFn"),
     "PrivateGradStats": ("dpmp.clipping", "PrivateGradStats"),
@@ -74,6 +76,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from dpmp.app.config import Config as Config
     from dpmp.app.config import ConfigError as ConfigError
     from dpmp.app.config import load_config as load_config
+    from dpmp.app.export import delete_secrets as delete_secrets
+    from dpmp.app.export import export_params as export_params
     from dpmp.app.trainer import train as train
     from dpmp.audit import KINDS as AUDIT_KINDS
     from dpmp.audit import Finding as Finding
@@ -182,6 +186,8 @@ __all__ = [
     "load_config",
     "init_lora",
     "load_params",
+    "export_params",
+    "delete_secrets",
     "merge_lora",
     "private_grad",
     "private_optimizer",

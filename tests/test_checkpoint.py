@@ -171,3 +171,14 @@ def test_load_params_reads_the_newest_readable_checkpoint_in_the_like_structure(
         dpmp.load_params(run, like={"w": jnp.zeros((2, 2))})
     with pytest.raises(CheckpointError, match="no checkpoint"):
         dpmp.load_params(tmp_path / "empty", like=half)
+
+
+def test_checkpoints_are_owner_only(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        (tmp_path / "ckpt").mkdir(mode=0o755)  # an older run's folder
+        path = save_checkpoint(tmp_path / "ckpt", step=1, state=_state(), meta={})
+    finally:
+        os.umask(previous)
+    assert os.stat(tmp_path / "ckpt").st_mode & 0o777 == 0o700
+    assert os.stat(path).st_mode & 0o777 == 0o600

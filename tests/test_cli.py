@@ -237,7 +237,7 @@ def test_a_command_is_one_module_and_one_registration(capsys):
     """Each command is a Command in a module of its own; registering one more is
     all a new command needs: it is in the help, runs, and its usage errors are
     one line with status 2, as the built-in commands' are."""
-    assert [c.name for c in COMMANDS] == ["train", "audit", "compare", "budget", "report"]
+    assert [c.name for c in COMMANDS] == ["train", "audit", "compare", "budget", "report", "export"]
     assert [c.run.__module__ for c in COMMANDS] == [f"dpmp.app.cli.{c.name}" for c in COMMANDS]
     commands = (*COMMANDS, TOY)
     with pytest.raises(SystemExit) as exit_:
@@ -290,7 +290,7 @@ def test_train_report_and_audit_end_to_end(tmp_path, capsys):
     assert "test accuracy" in text and "audit" in text
     assert "private" in text and "yes (differentially private; zero-out neighbours)" in text
     assert "safe to publish: report.json, metrics.jsonl, train.log" in text
-    assert "private (non-private diagnostics: do not publish): private/" in text
+    assert "private (non-private diagnostics: do not publish; owner-only, 0700): private/" in text
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == 6 and report["audit"]["ok"] is True
     assert report["epsilon"] <= 1.0 + 1e-6
@@ -305,7 +305,7 @@ def test_train_report_and_audit_end_to_end(tmp_path, capsys):
         "safe to publish: report.json, metrics.jsonl, train.log, privacy_utility.png, "
         "precision.png" in lines
     )
-    assert "private (non-private diagnostics: do not publish): private/" in lines
+    assert "private (non-private diagnostics: do not publish; owner-only, 0700): private/" in lines
     assert any(line.startswith("secret (noise keys") and "checkpoints/" in line for line in lines)
     assert cli.main(["report", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["steps"] == 6
@@ -516,6 +516,46 @@ def test_resume_on_other_data_is_refused(capsys, tmp_path):
     np.savez(data, **arrays)
     assert cli.main(argv) == 2
     assert_one_line_error(capsys, "train", "different training data", "--fresh")
+
+
+@pytest.mark.slow  # end to end (two steps)
+def test_a_runs_secrets_stay_owner_only_and_end_with_an_export(capsys, tmp_path):
+    """private/ and checkpoints/ are owner-only, report.json names the data file
+    alone, no .lock is left, a non-private run's files are not called safe to
+    publish, and `dpmp export` writes the parameters alone and deletes the secrets."""
+    data = tmp_path / "my-folder" / "data.npz"
+    data.parent.mkdir()
+    np.savez(data, x=np.random.default_rng(0).normal(size=(60, 3)), y=np.arange(60) % 2)
+    out = tmp_path / "run"
+    argv = ["train", "--quiet", "--data", str(data.resolve()), "--out", str(out)]
+    argv += ["--set", "training.steps=2", "--set", "training.expected_batch_size=8"]
+    assert cli.main([*argv, "--set", "privacy.reproducible_noise=true"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert not any(line.startswith("safe to publish") for line in lines)
+    assert any("NOT differentially private" in line and "report.json" in line for line in lines)
+    report = (out / "report.json").read_text()
+    assert json.loads(report)["config"]["data"]["path"] == "data.npz"
+    assert "my-folder" not in report
+    assert not (out / ".lock").exists()
+    for folder in ("private", "checkpoints"):
+        assert (out / folder).stat().st_mode & 0o777 == 0o700
+        for file in (out / folder).iterdir():
+            assert file.stat().st_mode & 0o777 == 0o600, file
+    assert cli.main([*argv, "--fresh"]) == 0  # a private run
+    assert "safe to publish: report.json" in capsys.readouterr().out
+    assert cli.main(["export", str(out), "--delete-secrets"]) == 0
+    text = capsys.readouterr().out
+    assert f"parameters: {out / 'params.npz'} (differentially private: safe to publish)" in text
+    assert f"deleted: {out / 'checkpoints'}" in text
+    assert not (out / "checkpoints").exists()
+    params = np.load(out / "params.npz")
+    assert len(params.files) == 1 + 4  # two dense layers' kernels and biases
+    assert cli.main(["report", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("safe to publish") and "params.npz" in line for line in lines)
+    assert not any(line.startswith("secret") for line in lines)
+    assert cli.main(["export", str(out)]) == 2
+    assert_one_line_error(capsys, "export", "no checkpoint")
 
 
 def test_summary_says_whether_a_run_is_private():

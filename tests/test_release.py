@@ -99,6 +99,26 @@ def test_file_inventory(tmp_path):
     }
     lines = release.inventory_lines(tmp_path)
     assert lines[0] == "safe to publish: report.json, metrics.jsonl, train.log"
-    assert lines[1] == "private (non-private diagnostics: do not publish): private/"
+    assert lines[1] == (
+        "private (non-private diagnostics: do not publish; owner-only, 0700): private/"
+    )
     assert lines[2].startswith("secret (") and lines[2].endswith("checkpoints/")
     assert release.PRIVATE_README.startswith(release.PRIVATE_NOTE)
+
+
+def test_a_non_private_run_does_not_end_with_safe_to_publish(tmp_path):
+    (tmp_path / "report.json").write_text('{"private": false}')
+    (lines,) = release.inventory_lines(tmp_path)
+    assert "safe to publish" not in lines and "NOT differentially private" in lines
+    assert lines.endswith(": report.json")
+    (tmp_path / "report.json").write_text('{"private": true}')
+    assert release.inventory_lines(tmp_path) == ["safe to publish: report.json"]
+
+
+def test_the_published_config_names_a_data_file_not_its_folders(tmp_path):
+    data = tmp_path / "secret-project" / "patients.npz"
+    config = load_config(None, ["data.dataset=npz", f'data.path="{data}"'])
+    published = release.public_config(config)
+    assert published["data"]["path"] == "patients.npz"
+    assert str(tmp_path) not in str(published)
+    assert release.config_dict(config)["data"]["path"] == str(data)  # checkpoints keep it

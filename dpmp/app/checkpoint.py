@@ -11,7 +11,8 @@ A checkpoint is one file ``checkpoint_<step>.npz`` holding
 
 A trainer's checkpoint holds its secret randomness (the noise keys, the
 sampler's seed) and a fingerprint of the data: keep checkpoints as secret as
-the data itself.
+the data itself. Their folder is created 0700 and each file 0600 (readable by
+its owner only).
 
 Restoring needs a *template*: the same pytree built from a fresh ``init``
 (linen dicts and nnx ``State`` alike). The stored leaves are checked against
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpmp.app.run_dir import _fsync_dir, to_jsonable
+from dpmp.app.run_dir import _create, _fsync_dir, secret_dir, to_jsonable
 
 __all__ = [
     "CheckpointError",
@@ -102,8 +103,7 @@ def save_checkpoint(
     The newest ``keep`` (>= 1) checkpoints are kept; older ones are deleted
     after the new file is in place.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = secret_dir(directory)
     leaves = jax.tree_util.tree_leaves(state)
     arrays, infos = {}, []
     for i, leaf in enumerate(leaves):
@@ -119,7 +119,7 @@ def save_checkpoint(
     for stale in directory.glob(f"{_TMP_PREFIX}*"):
         stale.unlink(missing_ok=True)  # a temp file left by a killed save
     tmp = directory / f"{_TMP_PREFIX}{int(step):08d}.npz.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with os.fdopen(_create(tmp, os.O_TRUNC, True), "wb") as f:
         np.savez(f, **arrays)
         f.flush()
         os.fsync(f.fileno())
@@ -219,22 +219,33 @@ def restore_latest(
     return None
 
 
+def _newest_readable(directory: Path) -> tuple[dict[str, Any], list[np.ndarray], Path]:
+    """The newest checkpoint in ``directory`` that can be read (a torn file is
+    skipped for the previous one, as ``restore_latest`` does)."""
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            meta, stored = _read(path)
+        except CheckpointError:
+            continue
+        return meta, stored, path
+    raise CheckpointError(f"{directory}: no checkpoint (has the run started?)")
+
+
 def load_params(out_dir: str | Path, like: Any) -> Any:
     """The trained parameters of the run in ``out_dir`` (its newest checkpoint), in
     the structure of ``like`` (the model's parameters: a linen params dict, the
     ``nnx.Param`` state, the arrays of ``eqx.partition``, an ``init(key)``
     result). The parameters are the private step's output: differentially
     private, unlike the rest of a checkpoint (keys and sampler seed).
+
+    ``out_dir`` may also be a file ``dpmp.app.export.export_params`` wrote
+    (``params.npz``: the parameters alone).
     """
-    directory = Path(out_dir) / "checkpoints"
-    for _, path in reversed(list_checkpoints(directory)):
-        try:
-            meta, stored = _read(path)
-        except CheckpointError:
-            continue  # a torn file: the previous checkpoint, as restore_latest does
-        break
+    if Path(out_dir).is_file():
+        meta, stored = _read(Path(out_dir))
+        path = Path(out_dir)
     else:
-        raise CheckpointError(f"{directory}: no checkpoint (has the run started?)")
+        meta, stored, path = _newest_readable(Path(out_dir) / "checkpoints")
     span = meta.get("params_leaves")
     if span is None:
         raise CheckpointError(f"{path}: does not say where its parameters are")

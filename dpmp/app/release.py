@@ -31,6 +31,7 @@ and ``dpmp report`` repeat it.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -56,12 +57,21 @@ __all__ = [
     "privacy_notes",
     "privacy_warnings",
     "progress_fields",
+    "public_config",
     "public_info",
     "public_record",
+    "report_private",
     "run_failures",
 ]
 
-PUBLIC_FILES = (REPORT_FILE, METRICS_FILE, LOG_FILE, "privacy_utility.png", "precision.png")
+PUBLIC_FILES = (
+    REPORT_FILE,
+    METRICS_FILE,
+    LOG_FILE,
+    "privacy_utility.png",
+    "precision.png",
+    "params.npz",  # ``dpmp export``: the parameters alone
+)
 PRIVATE_README = f"""{PRIVATE_NOTE}
 
 The files in this folder hold exact statistics of the private training data:
@@ -73,6 +83,9 @@ Safe to publish (privatized, held-out test, or the public plan):
 {", ".join(PUBLIC_FILES)}.
 Secret: ../checkpoints/ (the noise keys, the sampler's seed and a fingerprint
 of the data: as secret as the data itself).
+
+This folder and checkpoints/ are readable by their owner only (folders 0700,
+files 0600); keep them so.
 """
 
 NONPRIVATE_LOSS_SCALE = (
@@ -474,7 +487,7 @@ def build_report(
         "mesh": mesh_summary(step.mesh, sharded=config.training.shard_params),
         "model": step.model.summary(params),
         "data": step.data.summary(),
-        "config": config_dict(config),
+        "config": public_config(config),
         "versions": versions,
         "num_params": num_params,
         "finite_params": finite_params,
@@ -505,6 +518,17 @@ def config_dict(config) -> dict[str, Any]:
     return json.loads(json.dumps(config.to_dict()))
 
 
+def public_config(config) -> dict[str, Any]:
+    """``config_dict`` as ``report.json`` publishes it: a data or pre-training path
+    by its file name only (a full path would publish the operator's folders)."""
+    out = config_dict(config)
+    for section in ("data", "pretrain"):
+        path = out.get(section, {}).get("path")
+        if path:
+            out[section]["path"] = Path(path).name
+    return out
+
+
 # ---- what `dpmp report` says about the files ---------------------------------------
 
 
@@ -524,15 +548,31 @@ def file_inventory(run_dir: str | Path) -> dict[str, list[str]]:
     return {"public": public, "private": private, "secret": secret}
 
 
+def report_private(run_dir: str | Path) -> bool | None:
+    """``report.json``'s ``private`` (None: no readable report)."""
+    try:
+        report = json.loads((Path(run_dir) / REPORT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return report.get("private") if isinstance(report, dict) else None
+
+
 def inventory_lines(run_dir: str | Path) -> list[str]:
     """``file_inventory`` in words, for the command line."""
     inv = file_inventory(run_dir)
-    lines = ["safe to publish: " + (", ".join(inv["public"]) or "-")]
+    public = ", ".join(inv["public"]) or "-"
+    if report_private(run_dir) is False:
+        lines = [
+            "public files (this run is NOT differentially private, see privacy_warnings: "
+            f"publishing them is not private): {public}"
+        ]
+    else:
+        lines = ["safe to publish: " + public]
     if inv["private"]:
-        lines.append(f"private ({PRIVATE_NOTE}): " + ", ".join(inv["private"]))
+        lines.append(f"private ({PRIVATE_NOTE}; owner-only, 0700): " + ", ".join(inv["private"]))
     if inv["secret"]:
         lines.append(
-            "secret (noise keys, sampler seed, data fingerprint; as secret as the data): "
-            + ", ".join(inv["secret"])
+            "secret (noise keys, sampler seed, data fingerprint; as secret as the data; "
+            "owner-only, 0700): " + ", ".join(inv["secret"])
         )
     return lines

@@ -17,10 +17,15 @@ Private (``private/``, "non-private diagnostics: do not publish"):
 * ``private/diagnostics.json``: the run's exact totals and timings;
 * ``private/README.txt``: what the folder holds and why it stays private.
 
+The ``private/`` folder is created 0700 and its files 0600 (readable by
+their owner only), as are ``checkpoints/`` and its files (``secret_dir``).
+
 One writer at a time: ``locked(path)`` holds an exclusive ``flock`` on
 ``path/.lock`` while a run writes there (POSIX; elsewhere no lock is taken),
 and a second run in the same directory is refused before it changes
-anything. A ``report.json`` that dpmp did not write is never overwritten.
+anything. The lock file is removed when the run lets go of it (a run
+directory keeps no ``.lock`` to publish or forget). A ``report.json`` that
+dpmp did not write is never overwritten.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ __all__ = [
     "RunDirError",
     "SilentRunDir",
     "locked",
+    "secret_dir",
     "atomic_write_text",
     "read_metrics",
     "to_jsonable",
@@ -100,11 +106,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Writes ``text`` to a temporary file beside ``path``, fsyncs, renames over it."""
+def _create(path: Path, flags: int, secret: bool) -> int:
+    """Opens ``path`` for writing; ``secret``: readable by its owner only (0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o600 if secret else 0o666)
+    if secret and hasattr(os, "fchmod"):
+        os.fchmod(fd, 0o600)  # a file that existed keeps its mode otherwise
+    return fd
+
+
+def secret_dir(path: str | Path) -> Path:
+    """``path`` created if needed, readable by its owner only (0700)."""
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)  # an older folder, or one made under a loose umask
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str, *, secret: bool = False) -> None:
+    """Writes ``text`` to a temporary file beside ``path``, fsyncs, renames over it
+    (``secret``: the file is 0600)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
+    with os.fdopen(_create(tmp, os.O_TRUNC, secret), "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -131,18 +154,18 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def _append_line(path: Path, record: dict[str, Any]) -> None:
+def _append_line(path: Path, record: dict[str, Any], *, secret: bool = False) -> None:
     line = json.dumps(to_jsonable(record), allow_nan=False)
-    with open(path, "a") as f:
+    with os.fdopen(_create(path, os.O_APPEND, secret), "a") as f:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
-def _truncate(path: Path, last_step: int) -> None:
+def _truncate(path: Path, last_step: int, *, secret: bool = False) -> None:
     """Keeps the records of steps ``<= last_step`` (and any record without a step)."""
     records = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records), secret=secret)
 
 
 def _json_text(value: dict[str, Any]) -> str:
@@ -170,7 +193,8 @@ def locked(path: str | Path) -> Iterator[Path]:
     if path.exists() and not path.is_dir():
         raise RunDirError(f"{path}: exists and is not a directory")
     path.mkdir(parents=True, exist_ok=True)
-    with open(path / LOCK_FILE, "a+") as handle:
+    lock = path / LOCK_FILE
+    with open(lock, "a+") as handle:
         if fcntl is not None:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -181,6 +205,9 @@ def locked(path: str | Path) -> Iterator[Path]:
                     f"{path}: another dpmp run (pid {holder}) is writing here; wait for it "
                     "to end or use another run directory"
                 ) from None
+            if not _same_file(handle, lock):  # the holder removed it as we opened it
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                raise RunDirError(f"{path}: another dpmp run was just writing here; start again")
         try:
             _check_report(path / REPORT_FILE)
             handle.seek(0)
@@ -190,7 +217,16 @@ def locked(path: str | Path) -> Iterator[Path]:
             yield path
         finally:
             if fcntl is not None:
+                lock.unlink(missing_ok=True)  # while held: no run directory keeps a .lock
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _same_file(handle, path: Path) -> bool:
+    """Whether the open ``handle`` is still the file at ``path``."""
+    try:
+        return os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def _check_report(report: Path) -> None:
@@ -254,31 +290,33 @@ class RunDir:
         """Keeps only records of steps ``<= last_step`` (resuming from that step)."""
         _truncate(self.metrics_path, last_step)
         if self.private_metrics_path.exists():
-            _truncate(self.private_metrics_path, last_step)
+            _truncate(self.private_metrics_path, last_step, secret=True)
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         """A record of public numbers to ``metrics.jsonl``."""
         _append_line(self.metrics_path, record)
 
     def _private_folder(self) -> None:
-        self.private_path.mkdir(exist_ok=True)
+        secret_dir(self.private_path)
         readme = self.private_path / PRIVATE_README_FILE
         if not readme.exists() or readme.read_text() != self.private_readme:
-            atomic_write_text(readme, self.private_readme)
+            atomic_write_text(readme, self.private_readme, secret=True)
 
     def append_private_metrics(self, record: dict[str, Any]) -> None:
         """A record of exact training statistics to ``private/metrics.jsonl``; the
         file's first line is ``{"_note": private_note}``."""
         self._private_folder()
         if not self.private_metrics_path.exists():
-            _append_line(self.private_metrics_path, {"_note": self.private_note})
-        _append_line(self.private_metrics_path, record)
+            _append_line(self.private_metrics_path, {"_note": self.private_note}, secret=True)
+        _append_line(self.private_metrics_path, record, secret=True)
 
     def write_private_diagnostics(self, diagnostics: dict[str, Any]) -> None:
         """``private/diagnostics.json`` (atomically), with ``_note`` first."""
         self._private_folder()
         atomic_write_text(
-            self.diagnostics_path, _json_text({"_note": self.private_note, **diagnostics})
+            self.diagnostics_path,
+            _json_text({"_note": self.private_note, **diagnostics}),
+            secret=True,
         )
 
     def log(self, message: str, *, echo: bool | None = None) -> None:

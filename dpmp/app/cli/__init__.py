@@ -1,7 +1,7 @@
-"""The ``dpmp`` command: train, audit, compare, budget, report.
+"""The ``dpmp`` command: train, audit, compare, budget, report, export.
 
 One module per command (``train``, ``audit``, ``compare``, ``budget``,
-``report``), each defining a :class:`~dpmp.app.cli.command.Command` that adds
+``report``, ``export``), each defining a :class:`~dpmp.app.cli.command.Command` that adds
 its options to its sub-parser and handles them; ``entry`` lists them and holds
 :func:`main` and the console script :func:`console`.
 

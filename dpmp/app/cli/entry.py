@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from dpmp.app.cli import audit, budget, compare, report, train
+from dpmp.app.cli import audit, budget, compare, export, report, train
 from dpmp.app.cli.command import Command, UsageError
 
 __all__ = ["COMMANDS", "console", "main", "parser"]
@@ -28,6 +28,7 @@ COMMANDS: tuple[Command, ...] = (
     compare.COMMAND,
     budget.COMMAND,
     report.COMMAND,
+    export.COMMAND,
 )
 
 

@@ -2,8 +2,10 @@
 
 Modules', classes' and functions' docstrings are parsed from the library's
 source files (not imported), which ship with Python; tests and programs
-(``idlelib``, ``lib2to3``, ...) are left out. It shares 25 of its 27,423
-lines with ``python_docs`` (Python 3.11).
+(``idlelib``, ``lib2to3``, ...) are left out. The lines that are also
+records of ``python_docs``, the default private text, are left out too (25 of
+27,423 under Python 3.11), so that pre-training on this public text reads no
+private record of the default language-model run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from dpmp.data._text import MIN_LINE, distinct_lines
 from dpmp.data.sources._base import register_public_text
+from dpmp.data.sources._python_docs import python_docs_records
 
 __all__ = ["python_stdlib_records"]
 
@@ -31,10 +34,16 @@ def python_stdlib_records() -> tuple[list[str], str]:
     files = sorted(
         p for p in root.rglob("*.py") if not _STDLIB_SKIP & set(p.relative_to(root).parts)
     )
-    records = distinct_lines(doc for file in files for doc in _docstrings(file))
+    private = set(python_docs_records()[0])
+    records = [
+        line
+        for line in distinct_lines(doc for file in files for doc in _docstrings(file))
+        if line not in private
+    ]
     source = (
         f"Python {sys.version.split()[0]} standard library docstrings ({len(files)} source "
-        f"files): distinct lines of at least {MIN_LINE} characters"
+        f"files): distinct lines of at least {MIN_LINE} characters, less the lines of "
+        "python_docs (the default private text)"
     )
     return records, source
 
