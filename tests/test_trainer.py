@@ -76,6 +76,21 @@ def _final_params(run_dir, config, data):
 # ---- report and metrics ----------------------------------------------------------
 
 
+def test_one_epsilon_everywhere(small_run):
+    """The guarantee (report.json's epsilon, the tracker's) is the last metrics
+    record's, and train.log and the summary print that one number."""
+    from dpmp.app.cli.summary import summary
+    from dpmp.app.release import epsilon_text
+
+    out, report = small_run
+    assert read_metrics(out)[-1]["epsilon"] == report["epsilon"]
+    assert not [k for k in report if k.startswith("epsilon") and k != "epsilon"]
+    shown = epsilon_text(report["epsilon"])
+    assert float(shown) >= report["epsilon"] > float(shown) - 1e-5
+    assert f"epsilon {shown} at delta" in (out / "train.log").read_text()
+    assert re.search(rf"^epsilon\s+{re.escape(shown)} \(delta", summary(report), re.M)
+
+
 def test_report_has_the_promised_keys(small_run):
     out, report = small_run
     on_disk = json.loads((out / "report.json").read_text())
@@ -107,7 +122,6 @@ def test_report_has_the_promised_keys(small_run):
     assert report["policy"] == str(dpmp.Policy.parse("bf16"))
     assert report["steps"] == 12 and report["stopped_early"] is None
     assert report["epsilon"] <= 2.0 and report["epsilon"] > 1.99
-    assert report["epsilon_tracked"] <= 2.0
     assert report["delta"] == 1e-5
     assert report["audit"]["ok"] is True, report["audit"]
     assert report["sampling"]["kind"] == "poisson"
@@ -253,7 +267,7 @@ def test_run_stops_at_the_last_step_within_budget(digits, tmp_path, monkeypatch)
         <= 2.0
         < accounting.epsilon(noised_coordinates=None, steps=n + 1, **tracking)
     )
-    assert report["epsilon_tracked"] <= 2.0
+    assert report["epsilon"] <= 2.0
     assert "STOPPED EARLY" in (tmp_path / "train.log").read_text()
     assert read_metrics(tmp_path)[-1]["step"] == n
 
@@ -293,7 +307,6 @@ def test_crash_and_resume_is_bit_identical(digits, tmp_path, monkeypatch):
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(a, b)
     assert resumed["epsilon"] == ref["epsilon"]
-    assert resumed["epsilon_tracked"] == ref["epsilon_tracked"]
     assert resumed["test_accuracy"] == ref["test_accuracy"]
     assert resumed["standardize"]["epsilon_cost"] == ref["standardize"]["epsilon_cost"] > 0
     assert meta["feature_stats"] == ref_meta["feature_stats"]
@@ -496,7 +509,7 @@ def test_sigkill_and_resume_gives_the_same_params_and_epsilon(tmp_path):
         np.testing.assert_array_equal(a, b)
     r1 = json.loads((killed / "report.json").read_text())
     r2 = json.loads((whole / "report.json").read_text())
-    assert r1["epsilon"] == r2["epsilon"] and r1["epsilon_tracked"] == r2["epsilon_tracked"]
+    assert r1["epsilon"] == r2["epsilon"]
     assert [r["step"] for r in read_metrics(killed)] == [5, 10, 15, 20, 25, 30]
 
 
@@ -570,7 +583,7 @@ PUBLIC_METRIC_KEYS = {
 PUBLIC_REPORT_KEYS = {
     "": {
         "policy", "private", "privacy_warnings", "privacy_notes", "neighbouring_relation",
-        "accounting_relation", "epsilon", "epsilon_tracked", "target_epsilon", "delta",
+        "accounting_relation", "epsilon", "target_epsilon", "delta",
         "accountant", "noise_multiplier", "noise_multiplier_calibrated", "l2_clip_norm",
         "steps", "planned_steps", "stopped_early", "test_accuracy", "test_loss",
         "test_perplexity", "overflow",

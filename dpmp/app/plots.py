@@ -56,11 +56,14 @@ def _title(run_dir: Path) -> str:
     report_path = run_dir / "report.json"
     if report_path.is_file():
         try:
+            from dpmp.app.release import epsilon_text
+
             report = json.loads(report_path.read_text())
             compute = dict(
                 kv.split("=", 1) for kv in str(report.get("policy", "")).split(",") if "=" in kv
             ).get("compute", "?")
-            title = f"{run_dir.name} (compute {compute}, eps {report.get('epsilon', 0):.3g})"
+            eps = epsilon_text(report.get("epsilon", 0))
+            title = f"{run_dir.name} (compute {compute}, eps {eps})"
             if report.get("private") is False:
                 title += " — NOT DP"
         except (json.JSONDecodeError, AttributeError, TypeError):

@@ -506,7 +506,8 @@ class _Run:
         self.completed = self.saved_step = int(meta["step"])
         self.run_dir.truncate_metrics(self.completed)
         self.run_dir.log(
-            f"resumed from {path.name} (step {self.completed}, epsilon {self.tracker.spent():.4f})"
+            f"resumed from {path.name} (step {self.completed}, "
+            f"epsilon {release.epsilon_text(self.tracker.spent())})"
         )
         return True
 
@@ -687,7 +688,8 @@ class _Run:
         )
         self.run_dir.log(
             f"done: {self.completed} steps, test accuracy "
-            f"{self.last_eval['test_accuracy']:.4f}, epsilon {report['epsilon']:.4f} at delta "
+            f"{self.last_eval['test_accuracy']:.4f}, "
+            f"epsilon {release.epsilon_text(report['epsilon'])} at delta "
             f"{self.config.privacy.delta:g}"
             + ("" if report["private"] else "; NOT differentially private (see privacy_warnings)")
         )
