@@ -26,6 +26,7 @@ from dpmp.app.checkpoint import (
 )
 from dpmp.app.config import Config, ConfigError, load_config
 from dpmp.app.inputs import load_data
+from dpmp.app.plots import plot_series
 from dpmp.app.release import privacy_warnings as release_warnings
 from dpmp.app.run_dir import read_metrics
 from dpmp.app.trainer import audit_step, build_private_step, train
@@ -426,6 +427,14 @@ def test_private_dynamic_loss_scale_is_accounted(digits, tmp_path):
     assert hist[0] == [1, 65536.0]
     assert report["loss_scale"]["changes"] == len(hist) - 1
     assert report["audit"]["ok"] is True
+    # every released count is published (the records hold every log_every-th), and
+    # the plots draw them all and the scale's changes at the history's steps
+    counts = ov["noised_counts"]
+    assert len(counts) == 12 and sum(counts) == pytest.approx(ov["noised_count_total"])
+    assert all(r["noised_overflow"] == counts[r["step"] - 1] for r in records)
+    series = plot_series(records, report)
+    assert series["noised_overflow"] == (list(range(1, 13)), counts)
+    assert series["loss_scale"][0] == [s for s, _ in hist] + [max(12, hist[-1][0])]
 
 
 @pytest.mark.slow
@@ -600,7 +609,7 @@ PUBLIC_REPORT_KEYS = {
     },
     "overflow": {
         "privatized", "count_releases", "count_noise_stddev", "epsilon_cost",
-        "epsilon_without_counts", "noised_count_total", "privacy",
+        "epsilon_without_counts", "noised_count_total", "noised_counts", "privacy",
     },
     "loss_scale": {"kind", "initial", "final", "changes", "history", "history_note"},
     "standardize": {"mode"},

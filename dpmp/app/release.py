@@ -350,6 +350,9 @@ def _overflow_section(step, tracker, totals: dict[str, Any], breakdown) -> dict[
     }
     if kind == "private_dynamic":
         overflow["noised_count_total"] = totals["noised_overflow"]
+        # every step's released count, in step order (the last ones if a run resumed
+        # from a checkpoint that did not keep them)
+        overflow["noised_counts"] = list(totals.get("noised_counts", []))
         overflow["privacy"] = "only noised counts are released (exact counts stay in private/)"
     elif kind == "nonprivate_dynamic":
         overflow["privacy"] = "NOT PRIVATE: decisions used the exact count, unaccounted"

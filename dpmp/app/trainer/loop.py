@@ -100,11 +100,13 @@ def _params_span(state: dict[str, Any]) -> list[int]:
 
 
 def _new_totals() -> dict[str, Any]:
-    """The run's running totals (checkpointed). ``noised_overflow`` and
-    ``loss_scale_changes`` are public; the others are exact (private/)."""
+    """The run's running totals (checkpointed). ``noised_overflow``,
+    ``noised_counts`` (each step's released count) and ``loss_scale_changes``
+    are public; the others are exact (private/)."""
     return {
         "overflow": 0,
         "noised_overflow": 0.0,
+        "noised_counts": [],
         "steps_with_overflow": 0,
         "clipped": 0,
         "examples": 0,
@@ -563,6 +565,7 @@ class _Run:
         totals["examples"] += int(stats.num_examples)
         if self._private_dynamic:
             totals["noised_overflow"] += float(stats.noised_overflow_count)
+            totals.setdefault("noised_counts", []).append(float(stats.noised_overflow_count))
         new_scale = float(local(loss_scale.loss_scale))
         if new_scale != self.scale_history[-1][1]:
             self.scale_history.append([self.completed + 1, new_scale])
