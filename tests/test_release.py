@@ -102,3 +102,20 @@ def test_file_inventory(tmp_path):
     assert lines[1] == "private (non-private diagnostics: do not publish): private/"
     assert lines[2].startswith("secret (") and lines[2].endswith("checkpoints/")
     assert release.PRIVATE_README.startswith(release.PRIVATE_NOTE)
+
+
+def test_progress_bar_shows_speed_and_eta_marked_private(monkeypatch):
+    import io
+
+    from dpmp.app import run_dir
+
+    clock = iter([100.0, 102.0, 104.0])
+    monkeypatch.setattr(run_dir.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    bar = run_dir.ProgressBar(100, stream=out)
+    for step in (10, 20, 30):
+        bar.update(step, {"eps": "0.50000"}, force=True)
+    lines = out.getvalue().splitlines()
+    assert "steps/s" not in lines[0]  # nothing timed yet
+    assert lines[1].endswith("eps 0.50000 [private: 5 steps/s, ETA 0:16]"), lines[1]
+    assert lines[2].endswith("[private: 5 steps/s, ETA 0:14]"), lines[2]

@@ -659,7 +659,7 @@ def test_public_files_hold_no_exact_training_statistic(digits, tmp_path, capsys)
     report_text = capsys.readouterr().out
     public_json = json.loads((tmp_path / "report.json").read_text())
     records = read_metrics(tmp_path)
-    series = plot_series(records)
+    series = plot_series(records, public_json)
     texts = [(tmp_path / "train.log").read_text(), progress_text, report_text]
 
     private = read_metrics(tmp_path / "private" / "metrics.jsonl")[1:]
