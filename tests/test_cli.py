@@ -615,7 +615,15 @@ def test_report_errors(capsys, tmp_path):
     (tmp_path / "report.json").write_bytes(b"\xff")
     assert cli.main(["report", str(tmp_path)]) == 2
     assert_one_line_error(capsys, "report", "not valid JSON")
-    (tmp_path / "report.json").write_text("{}")  # no metrics: nothing to plot
+    (tmp_path / "report.json").write_text('{"policy": "mine", "steps": 3}')  # not dpmp's
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().out == ""  # no table before the error
+    (tmp_path / "report.json").write_text('{"policy": "mine"}')
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert_one_line_error(capsys, "report", "report.json: not a dpmp report", str(tmp_path))
+    (tmp_path / "report.json").write_text('{"versions": {"dpmp": "0"}}')  # no metrics
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().out == ""
     assert cli.main(["report", str(tmp_path)]) == 2
     assert_one_line_error(capsys, "report", "no metrics.jsonl records")
 
