@@ -915,3 +915,20 @@ def test_the_memory_check_counts_parameters_gradients_and_adam_state(capsys, mon
     assert_one_line_error(capsys, "audit", "model.hidden = [256]: 19,210 parameters")
     monkeypatch.setattr(step, "_memory_bytes", lambda: need)
     assert cli.main(["audit", "--set", "training.steps=2"]) == 0
+
+
+def test_every_option_of_every_command_says_what_it_is():
+    """``dpmp COMMAND --help`` explains each flag (none is a bare name)."""
+    import argparse
+
+    from dpmp.app.cli.entry import parser
+
+    top = parser()
+    (sub,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    bare = [
+        f"{name} {action.option_strings[0]}"
+        for name, p in sub.choices.items()
+        for action in p._actions
+        if action.option_strings and not action.help
+    ]
+    assert not bare, bare
