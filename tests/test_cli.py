@@ -932,3 +932,13 @@ def test_every_option_of_every_command_says_what_it_is():
         if action.option_strings and not action.help
     ]
     assert not bare, bare
+
+
+def test_the_default_run_directory_is_stated(capsys):
+    """``dpmp train`` writes runs/default when no --out is given: --help and the
+    docs' synopsis say so."""
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "(default: runs/default)" in " ".join(capsys.readouterr().out.split())
+    page = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    assert "[--out RUN_DIR]   # RUN_DIR: runs/default" in page
