@@ -37,7 +37,7 @@ def test_a_public_record_takes_only_test_metrics_from_an_evaluation():
     assert record["noised_overflow"] == -3.2  # a released value, negative or not
     assert release.public_info(record) == {k: v for k, v in record.items() if k != "step"}
     fields = release.progress_fields(record)
-    assert fields == {"eps": "1.500", "scale": "4", "noised overflow": "8", "test acc": "0.880"}
+    assert fields == {"eps": "1.50000", "scale": "4", "noised overflow": "8", "test acc": "0.880"}
     plain = _public(noised_overflow=None, noised_overflow_total=None, evaluation=None)
     assert set(record) - set(plain) == {
         "noised_overflow",
@@ -45,7 +45,7 @@ def test_a_public_record_takes_only_test_metrics_from_an_evaluation():
         "test_accuracy",
         "test_loss",
     }
-    assert release.progress_fields(plain) == {"eps": "1.500", "scale": "4"}
+    assert release.progress_fields(plain) == {"eps": "1.50000", "scale": "4"}
 
 
 def test_a_private_record_holds_the_exact_statistics():
