@@ -21,7 +21,7 @@ the test accuracy on held-out data.
 
 Expected output (2 CPU cores, 35-50 s; the accuracies vary by about a point
 between runs, since the noise and the batches are fresh and secret each time;
-``dpmp train`` measured 93.3-93.9% over five runs):
+``dpmp train``'s measurement is in the configs table of docs/cli.md):
 
     digits: 1437 train / 360 test; policy param=f32,compute=bf16,...
     noise multiplier 12.38 for epsilon 2 at delta 1e-05 over 300 steps (q = 0.3563)

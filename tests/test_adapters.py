@@ -183,3 +183,24 @@ def test_model_signature_sees_names_and_shapes_not_values():
     assert model_signature(a) == model_signature(jax.tree.map(jnp.ones_like, a))
     assert model_signature(a) != model_signature({"w": jnp.zeros((3, 3)), "b": jnp.zeros(3)})
     assert model_signature(a) != model_signature({"v": jnp.zeros((2, 3)), "b": jnp.zeros(3)})
+
+
+def test_linen_dropout_is_said_to_be_off_or_refused():
+    """The trainer passes no dropout randomness: dropout layers are off, and the
+    model's name and description say so; one that asks for a 'dropout' stream is
+    refused in one sentence."""
+
+    class WithDropout(nn.Module):
+        train: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dropout(0.5, deterministic=not self.train)(nn.Dense(8)(x))
+            return nn.Dense(K)(x)
+
+    model = as_model(WithDropout(), (IN,), K, "fp32")
+    assert model.name.endswith("(dropout off)")
+    assert "dropout off (Dropout_0" in model.description
+    assert "dropout" not in as_model(LinenLinear(), (IN,), K, "fp32").name
+    with pytest.raises(ValueError, match="Dropout_0 asks for a 'dropout' random stream"):
+        as_model(WithDropout(train=True), (IN,), K, "fp32")

@@ -655,7 +655,15 @@ def test_report_errors(capsys, tmp_path):
     (tmp_path / "report.json").write_bytes(b"\xff")
     assert cli.main(["report", str(tmp_path)]) == 2
     assert_one_line_error(capsys, "report", "not valid JSON")
-    (tmp_path / "report.json").write_text("{}")  # no metrics: nothing to plot
+    (tmp_path / "report.json").write_text('{"policy": "mine", "steps": 3}')  # not dpmp's
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().out == ""  # no table before the error
+    (tmp_path / "report.json").write_text('{"policy": "mine"}')
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert_one_line_error(capsys, "report", "report.json: not a dpmp report", str(tmp_path))
+    (tmp_path / "report.json").write_text('{"versions": {"dpmp": "0"}}')  # no metrics
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().out == ""
     assert cli.main(["report", str(tmp_path)]) == 2
     assert_one_line_error(capsys, "report", "no metrics.jsonl records")
 
@@ -947,3 +955,30 @@ def test_the_memory_check_counts_parameters_gradients_and_adam_state(capsys, mon
     assert_one_line_error(capsys, "audit", "model.hidden = [256]: 19,210 parameters")
     monkeypatch.setattr(step, "_memory_bytes", lambda: need)
     assert cli.main(["audit", "--set", "training.steps=2"]) == 0
+
+
+def test_every_option_of_every_command_says_what_it_is():
+    """``dpmp COMMAND --help`` explains each flag (none is a bare name)."""
+    import argparse
+
+    from dpmp.app.cli.entry import parser
+
+    top = parser()
+    (sub,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    bare = [
+        f"{name} {action.option_strings[0]}"
+        for name, p in sub.choices.items()
+        for action in p._actions
+        if action.option_strings and not action.help
+    ]
+    assert not bare, bare
+
+
+def test_the_default_run_directory_is_stated(capsys):
+    """``dpmp train`` writes runs/default when no --out is given: --help and the
+    docs' synopsis say so."""
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "(default: runs/default)" in " ".join(capsys.readouterr().out.split())
+    page = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    assert "[--out RUN_DIR]   # RUN_DIR: runs/default" in page

@@ -1,6 +1,7 @@
-"""The shipped configs: each loads, validates, trains, and says what it measured."""
+"""The shipped configs: each loads, validates, trains, and points to what it measured."""
 
 import math
+import re
 import tomllib
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import jax
 import pytest
 
 import dpmp
+from dpmp import accounting
 from dpmp.app.config import Config, load_config
 from dpmp.app.inputs import load_data
 from dpmp.app.trainer import audit_step, build_private_step, train
@@ -35,18 +37,64 @@ def test_default_toml_is_exactly_the_built_in_default():
             assert f"# {key} = " in text, f"{section}.{key}"
 
 
+DOCS = CONFIGS.parent / "docs"
+ROOT_README = CONFIGS.parent / "README.md"
+# a measured figure: a percentage, a time, a perplexity
+FIGURE = re.compile(r"\d(\.\d+)?%|\b\d+(-\d+)? (s|minutes)\b|perplexity[^.\n]* \d+\.\d")
+
+
+def _table_row(name: str) -> list[str]:
+    """The cells of ``name``'s row in the configs table of docs/cli.md."""
+    for line in (DOCS / "cli.md").read_text().splitlines():
+        if line.startswith(f"| `{name}` |"):
+            return [c.strip() for c in line.strip("|").split("|")]
+    raise AssertionError(f"docs/cli.md's configs table has no row for {name}")
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_config_loads_validates_and_states_its_measurement(name):
+def test_config_loads_validates_and_points_to_its_measurement(name):
+    """A config's measured figures have one place, a docs page: its header says
+    which, and no comment of it repeats a figure (a copy would drift)."""
     config = dpmp.load_config(CONFIGS / name)
     assert isinstance(config, dpmp.Config)
     assert Config.from_dict(config.to_dict()) == config
-    header = (CONFIGS / name).read_text().split("\n\n")[0]
+    text = (CONFIGS / name).read_text()
+    header = text.split("\n\n")[0]
+    comments = [line for line in text.splitlines() if "#" in line]
+    assert not [c for c in comments if FIGURE.search(c)], name
     if config.model.kind == "lm":  # text: a language model's own measure
-        assert "measured:" in header and "perplexity at eps" in header, name
+        assert "measured:" in header and "docs/language-models.md" in header, name
+        assert f"configs/{name}" in (DOCS / "language-models.md").read_text()
         return
-    assert "measured:" in header and "test accuracy at eps" in header, name
+    assert "measured:" in header and "docs/cli.md" in header, name
+    assert _table_row(name)
     # every classifier config spends the default's budget, so their accuracies compare
     assert config.privacy.target_epsilon == 2.0 and config.privacy.delta == 1e-5
+
+
+def test_the_readme_holds_no_measured_figure():
+    """The README is a door: the figures live in docs/*.md."""
+    readme = ROOT_README.read_text()
+    assert not FIGURE.search(readme.split("## A short example")[0]), FIGURE.search(readme)
+
+
+@pytest.mark.parametrize("name", ["default.toml", "fp16.toml"])
+def test_the_configs_tables_epsilon_column_is_the_plans(name, digits):
+    """The epsilon column of docs/cli.md's configs table, recomputed: the
+    guarantee, the noise residual and the count releases' cost at the planned steps."""
+    config = load_config(CONFIGS / name)
+    step = build_private_step(config, digits)
+    releases = config.training.steps if step.count_noise_stddev else 0
+    parts = accounting.BudgetTracker(
+        step.budget, steps=config.training.steps, count_releases=releases
+    ).breakdown()
+    cell = _table_row(name)[3]
+    assert cell.startswith(f"{parts.total:.2f} "), cell
+    if parts.counts:
+        assert f"count releases included: {parts.counts:.2g})" in cell, cell
+    else:
+        shown = f"{parts.noise_residual:.1e}".replace("e-0", "e-")
+        assert f"noise residual included: {shown})" in cell, cell
 
 
 @pytest.fixture(scope="module")

@@ -137,6 +137,14 @@ def test_npz_validation_errors(tmp_path, arrays, match):
         load_data(_npz(tmp_path, **arrays), seed=0)
 
 
+def test_the_missing_class_error_does_not_advise_deriving_classes_from_the_data(tmp_path):
+    """K is published: the advice is a public label set, never np.unique of the data."""
+    with pytest.raises(DataError, match="missing") as e:
+        load_data(_npz(tmp_path, x=np.ones((20, 3)), y=np.where(np.arange(20) % 2, 2, 0)), seed=0)
+    assert "public knowledge" in str(e.value) and "K is published" in str(e.value)
+    assert "np.unique" not in str(e.value)
+
+
 def test_npz_object_array_and_missing_file(tmp_path):
     path = tmp_path / "obj.npz"
     np.savez(path, x=np.array([[1, 2], [3]], dtype=object), y=np.zeros(2, int))

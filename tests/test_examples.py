@@ -215,7 +215,19 @@ def test_language_examples_train_and_report(name, tmp_path, capsys, monkeypatch)
     assert 7.99 <= float(m[1]) <= 8.0005 and 1 < float(m[2]) < 258, out
     if name == "lora_fine_tuning.py":
         assert re.search(r"public pre-training: 3 steps on \d+ records", out), out
+        assert "(from scratch at epsilon 8 and 2 steps: not measured)" in out, out
     assert _stated(name) in out, out
+
+
+def test_lora_example_compares_with_the_measured_run_of_its_settings():
+    """The from-scratch figure it prints is the results file's at the same epsilon
+    and steps, and no figure at all for settings never measured."""
+    example = runpy.run_path(str(EXAMPLES / "lora_fine_tuning.py"))
+    from_scratch = example["from_scratch"]
+    assert from_scratch(8.0, 200) == "from scratch: 13.07"
+    assert from_scratch(1.0, 200) == "from scratch: 17.10"
+    assert from_scratch(3.0, 200) == "from scratch at epsilon 3 and 200 steps: not measured"
+    assert from_scratch(8.0, 20) == "from scratch at epsilon 8 and 20 steps: not measured"
 
 
 @pytest.mark.parametrize(

@@ -98,3 +98,22 @@ def test_noise_figures_are_the_committed_results():
     assert not missing, (
         "docs/performance.md's noise tables do not match " + str(NOISE) + ":\n" + "\n".join(missing)
     )
+
+
+def test_lora_table_is_the_committed_results():
+    """docs/language-models.md's perplexity table is benchmarks/results/lm_lora.json's."""
+    runs = json.loads((RESULTS / "lm_lora.json").read_text())
+    text = (ROOT / "docs" / "language-models.md").read_text()
+    rows = {
+        "from scratch": "| random (`configs/lm.toml`) | all 137,538 parameters | {} |",
+        "LoRA after public pre-training": "| public pre-training (`configs/lm_lora.toml`) "
+        "| LoRA rank 8: 21,008 adapter parameters | {} |",
+        "full fine-tuning after public pre-training": "| public pre-training | all 137,538 "
+        "parameters (`lora_rank = 0`, learning rate 3e-3) | {} |",
+    }
+    for mode, row in rows.items():
+        by_eps = {r["target_epsilon"]: r["test_perplexity"] for r in runs if r["mode"] == mode}
+        cells = [f"{by_eps[e]:.2f}" for e in (1.0, 2.0, 8.0)]
+        if mode.startswith("LoRA"):
+            cells = [f"**{c}**" for c in cells]
+        assert row.format(" | ".join(cells)) in text, mode

@@ -37,7 +37,7 @@ def test_a_public_record_takes_only_test_metrics_from_an_evaluation():
     assert record["noised_overflow"] == -3.2  # a released value, negative or not
     assert release.public_info(record) == {k: v for k, v in record.items() if k != "step"}
     fields = release.progress_fields(record)
-    assert fields == {"eps": "1.500", "scale": "4", "noised overflow": "8", "test acc": "0.880"}
+    assert fields == {"eps": "1.50000", "scale": "4", "noised overflow": "8", "test acc": "0.880"}
     plain = _public(noised_overflow=None, noised_overflow_total=None, evaluation=None)
     assert set(record) - set(plain) == {
         "noised_overflow",
@@ -45,7 +45,7 @@ def test_a_public_record_takes_only_test_metrics_from_an_evaluation():
         "test_accuracy",
         "test_loss",
     }
-    assert release.progress_fields(plain) == {"eps": "1.500", "scale": "4"}
+    assert release.progress_fields(plain) == {"eps": "1.50000", "scale": "4"}
 
 
 def test_a_private_record_holds_the_exact_statistics():
@@ -122,3 +122,20 @@ def test_the_published_config_names_a_data_file_not_its_folders(tmp_path):
     assert published["data"]["path"] == "patients.npz"
     assert str(tmp_path) not in str(published)
     assert release.config_dict(config)["data"]["path"] == str(data)  # checkpoints keep it
+
+
+def test_progress_bar_shows_speed_and_eta_marked_private(monkeypatch):
+    import io
+
+    from dpmp.app import run_dir
+
+    clock = iter([100.0, 102.0, 104.0])
+    monkeypatch.setattr(run_dir.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    bar = run_dir.ProgressBar(100, stream=out)
+    for step in (10, 20, 30):
+        bar.update(step, {"eps": "0.50000"}, force=True)
+    lines = out.getvalue().splitlines()
+    assert "steps/s" not in lines[0]  # nothing timed yet
+    assert lines[1].endswith("eps 0.50000 [private: 5 steps/s, ETA 0:16]"), lines[1]
+    assert lines[2].endswith("[private: 5 steps/s, ETA 0:14]"), lines[2]

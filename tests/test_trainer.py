@@ -26,6 +26,7 @@ from dpmp.app.checkpoint import (
 )
 from dpmp.app.config import Config, ConfigError, load_config
 from dpmp.app.inputs import load_data
+from dpmp.app.plots import plot_series
 from dpmp.app.release import privacy_warnings as release_warnings
 from dpmp.app.run_dir import read_metrics
 from dpmp.app.trainer import audit_step, build_private_step, train
@@ -76,6 +77,21 @@ def _final_params(run_dir, config, data):
 # ---- report and metrics ----------------------------------------------------------
 
 
+def test_one_epsilon_everywhere(small_run):
+    """The guarantee (report.json's epsilon, the tracker's) is the last metrics
+    record's, and train.log and the summary print that one number."""
+    from dpmp.app.cli.summary import summary
+    from dpmp.app.release import epsilon_text
+
+    out, report = small_run
+    assert read_metrics(out)[-1]["epsilon"] == report["epsilon"]
+    assert not [k for k in report if k.startswith("epsilon") and k != "epsilon"]
+    shown = epsilon_text(report["epsilon"])
+    assert float(shown) >= report["epsilon"] > float(shown) - 1e-5
+    assert f"epsilon {shown} at delta" in (out / "train.log").read_text()
+    assert re.search(rf"^epsilon\s+{re.escape(shown)} \(delta", summary(report), re.M)
+
+
 def test_report_has_the_promised_keys(small_run):
     out, report = small_run
     on_disk = json.loads((out / "report.json").read_text())
@@ -107,7 +123,6 @@ def test_report_has_the_promised_keys(small_run):
     assert report["policy"] == str(dpmp.Policy.parse("bf16"))
     assert report["steps"] == 12 and report["stopped_early"] is None
     assert report["epsilon"] <= 2.0 and report["epsilon"] > 1.99
-    assert report["epsilon_tracked"] <= 2.0
     assert report["delta"] == 1e-5
     assert report["audit"]["ok"] is True, report["audit"]
     assert report["sampling"]["kind"] == "poisson"
@@ -253,7 +268,7 @@ def test_run_stops_at_the_last_step_within_budget(digits, tmp_path, monkeypatch)
         <= 2.0
         < accounting.epsilon(noised_coordinates=None, steps=n + 1, **tracking)
     )
-    assert report["epsilon_tracked"] <= 2.0
+    assert report["epsilon"] <= 2.0
     assert "STOPPED EARLY" in (tmp_path / "train.log").read_text()
     assert read_metrics(tmp_path)[-1]["step"] == n
 
@@ -293,7 +308,6 @@ def test_crash_and_resume_is_bit_identical(digits, tmp_path, monkeypatch):
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(a, b)
     assert resumed["epsilon"] == ref["epsilon"]
-    assert resumed["epsilon_tracked"] == ref["epsilon_tracked"]
     assert resumed["test_accuracy"] == ref["test_accuracy"]
     assert resumed["standardize"]["epsilon_cost"] == ref["standardize"]["epsilon_cost"] > 0
     assert meta["feature_stats"] == ref_meta["feature_stats"]
@@ -413,6 +427,14 @@ def test_private_dynamic_loss_scale_is_accounted(digits, tmp_path):
     assert hist[0] == [1, 65536.0]
     assert report["loss_scale"]["changes"] == len(hist) - 1
     assert report["audit"]["ok"] is True
+    # every released count is published (the records hold every log_every-th), and
+    # the plots draw them all and the scale's changes at the history's steps
+    counts = ov["noised_counts"]
+    assert len(counts) == 12 and sum(counts) == pytest.approx(ov["noised_count_total"])
+    assert all(r["noised_overflow"] == counts[r["step"] - 1] for r in records)
+    series = plot_series(records, report)
+    assert series["noised_overflow"] == (list(range(1, 13)), counts)
+    assert series["loss_scale"][0] == [s for s, _ in hist] + [max(12, hist[-1][0])]
 
 
 @pytest.mark.slow
@@ -496,7 +518,7 @@ def test_sigkill_and_resume_gives_the_same_params_and_epsilon(tmp_path):
         np.testing.assert_array_equal(a, b)
     r1 = json.loads((killed / "report.json").read_text())
     r2 = json.loads((whole / "report.json").read_text())
-    assert r1["epsilon"] == r2["epsilon"] and r1["epsilon_tracked"] == r2["epsilon_tracked"]
+    assert r1["epsilon"] == r2["epsilon"]
     assert [r["step"] for r in read_metrics(killed)] == [5, 10, 15, 20, 25, 30]
 
 
@@ -509,7 +531,7 @@ def test_default_config_bf16_accuracy(tmp_path):
     assert report["policy"] == str(dpmp.Policy.parse("bf16"))
     assert report["epsilon"] <= 2.0 and report["delta"] == 1e-5
     assert report["stopped_early"] is None and report["private"] is True
-    # measured (README): fresh secret noise each run, see the configs table
+    # fresh secret noise each run; the measured accuracy: the configs table of docs/cli.md
     assert report["test_accuracy"] >= 0.90, report["test_accuracy"]
 
 
@@ -570,7 +592,7 @@ PUBLIC_METRIC_KEYS = {
 PUBLIC_REPORT_KEYS = {
     "": {
         "policy", "private", "privacy_warnings", "privacy_notes", "neighbouring_relation",
-        "accounting_relation", "epsilon", "epsilon_tracked", "target_epsilon", "delta",
+        "accounting_relation", "epsilon", "target_epsilon", "delta",
         "accountant", "noise_multiplier", "noise_multiplier_calibrated", "l2_clip_norm",
         "steps", "planned_steps", "stopped_early", "test_accuracy", "test_loss",
         "test_perplexity", "overflow",
@@ -587,7 +609,7 @@ PUBLIC_REPORT_KEYS = {
     },
     "overflow": {
         "privatized", "count_releases", "count_noise_stddev", "epsilon_cost",
-        "epsilon_without_counts", "noised_count_total", "privacy",
+        "epsilon_without_counts", "noised_count_total", "noised_counts", "privacy",
     },
     "loss_scale": {"kind", "initial", "final", "changes", "history", "history_note"},
     "standardize": {"mode"},
@@ -637,7 +659,7 @@ def test_public_files_hold_no_exact_training_statistic(digits, tmp_path, capsys)
     report_text = capsys.readouterr().out
     public_json = json.loads((tmp_path / "report.json").read_text())
     records = read_metrics(tmp_path)
-    series = plot_series(records)
+    series = plot_series(records, public_json)
     texts = [(tmp_path / "train.log").read_text(), progress_text, report_text]
 
     private = read_metrics(tmp_path / "private" / "metrics.jsonl")[1:]

@@ -3,11 +3,11 @@
 ``plot_run(run_dir)`` reads ``metrics.jsonl`` (and ``report.json`` when there),
 never ``private/``, and writes:
 
-* ``privacy_utility.png`` — test loss and test accuracy (held-out split)
-  against epsilon spent;
-* ``precision.png`` — the loss scale against steps and, for a private dynamic
-  loss scale, the released noised overflow counts (noise included: they can be
-  negative).
+* ``privacy_utility.png`` — test loss and test accuracy (next-token data:
+  test perplexity) on the held-out split against epsilon spent;
+* ``precision.png`` — the loss scale against steps, changing at the steps
+  ``report.json``'s history gives, and, for a private dynamic loss scale, every
+  released noised overflow count (noise included: they can be negative).
 
 ``plot_series(records)`` returns exactly the numbers the plots draw.
 """
@@ -41,29 +41,61 @@ def _series(records, x_key, y_key) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
-def plot_series(records: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
-    """``{name: (xs, ys)}``: every series the plots draw, from public records."""
-    return {
+def plot_series(
+    records: list[dict], report: dict | None = None
+) -> dict[str, tuple[list[float], list[float]]]:
+    """``{name: (xs, ys)}``: every series the plots draw, from public records and,
+    when given, the run's ``report.json``: its loss-scale history (the exact steps
+    of each change, where the records only see logged steps), every released
+    noised count, and for next-token data the test perplexity."""
+    series = {
         "test_loss": _series(records, "epsilon", "test_loss"),
         "test_accuracy": _series(records, "epsilon", "test_accuracy"),
         "loss_scale": _series(records, "step", "loss_scale"),
         "noised_overflow": _series(records, "step", "noised_overflow"),
     }
+    report = report if isinstance(report, dict) else {}
+    history = (report.get("loss_scale") or {}).get("history")
+    if history:
+        last = max(int(report.get("steps") or 0), history[-1][0])
+        series["loss_scale"] = (
+            [s for s, _ in history] + [last],
+            [v for _, v in history] + [history[-1][1]],
+        )
+    counts = (report.get("overflow") or {}).get("noised_counts")
+    if counts:
+        first = int(report.get("steps") or len(counts)) - len(counts) + 1
+        series["noised_overflow"] = (list(range(first, first + len(counts))), list(counts))
+    if report.get("test_perplexity") is not None:
+        eps, loss = series["test_loss"]
+        series["test_perplexity"] = (eps, [math.exp(v) for v in loss])
+    return series
+
+
+def _read_report(run_dir: Path) -> dict | None:
+    """The run's report.json, or None when absent or unreadable."""
+    try:
+        report = json.loads((run_dir / "report.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return report if isinstance(report, dict) else None
 
 
 def _title(run_dir: Path) -> str:
     title = run_dir.name
-    report_path = run_dir / "report.json"
-    if report_path.is_file():
+    report = _read_report(run_dir)
+    if report is not None:
         try:
-            report = json.loads(report_path.read_text())
+            from dpmp.app.release import epsilon_text
+
             compute = dict(
                 kv.split("=", 1) for kv in str(report.get("policy", "")).split(",") if "=" in kv
             ).get("compute", "?")
-            title = f"{run_dir.name} (compute {compute}, eps {report.get('epsilon', 0):.3g})"
+            eps = epsilon_text(report.get("epsilon", 0))
+            title = f"{run_dir.name} (compute {compute}, eps {eps})"
             if report.get("private") is False:
                 title += " — NOT DP"
-        except (json.JSONDecodeError, AttributeError, TypeError):
+        except (AttributeError, TypeError, ValueError):
             pass
     return title
 
@@ -76,7 +108,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    series = plot_series(read_metrics(run_dir))
+    series = plot_series(read_metrics(run_dir), _read_report(run_dir))
     title = _title(run_dir)
     out = []
 
@@ -87,10 +119,15 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     ax.set_xlabel("epsilon spent")
     ax.set_ylabel("test loss", color="tab:blue")
     ax2 = ax.twinx()
-    eps, acc = series["test_accuracy"]
-    ax2.plot(eps, acc, "s-", color="tab:green", label="test accuracy", markersize=4)
-    ax2.set_ylabel("test accuracy", color="tab:green")
-    ax2.set_ylim(0, 1)
+    if "test_perplexity" in series:  # next-token data: the measure of a language model
+        eps, ppl = series["test_perplexity"]
+        ax2.plot(eps, ppl, "s-", color="tab:green", label="test perplexity", markersize=4)
+        ax2.set_ylabel("test perplexity", color="tab:green")
+    else:
+        eps, acc = series["test_accuracy"]
+        ax2.plot(eps, acc, "s-", color="tab:green", label="test accuracy", markersize=4)
+        ax2.set_ylabel("test accuracy", color="tab:green")
+        ax2.set_ylim(0, 1)
     lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     labels = ax.get_legend_handles_labels()[1] + ax2.get_legend_handles_labels()[1]
     ax.legend(lines, labels, loc="center right")
@@ -126,9 +163,9 @@ def _precision_figure(plt, series, title):
     a1.set_title(f"loss scale and released overflow counts — {title}", fontsize=10)
     steps, noised = series["noised_overflow"]
     if noised:
+        # no legend (it would cover points): the axis label says what they are
         a2.plot(steps, noised, ".", color="tab:orange", label="released noised count")
         a2.axhline(0, color="grey", linewidth=0.8)
-        a2.legend(loc="upper right")
     else:
         a2.text(
             0.5,
@@ -139,7 +176,7 @@ def _precision_figure(plt, series, title):
             transform=a2.transAxes,
         )
     a2.set_xlabel("step")
-    a2.set_ylabel("overflowed examples (noised)")
+    a2.set_ylabel("released noised\noverflow count")
     a2.grid(alpha=0.3)
     fig.tight_layout()
     return fig

@@ -49,6 +49,7 @@ __all__ = [
     "build_report",
     "config_dict",
     "epsilon_breakdown",
+    "epsilon_text",
     "file_inventory",
     "inventory_lines",
     "mesh_summary",
@@ -270,7 +271,7 @@ def public_info(record: dict[str, Any]) -> dict[str, Any]:
 
 def progress_fields(record: dict[str, Any]) -> dict[str, str]:
     """The progress bar's fields, from a public record."""
-    fields = {"eps": f"{record['epsilon']:.3f}", "scale": f"{record['next_loss_scale']:g}"}
+    fields = {"eps": epsilon_text(record["epsilon"]), "scale": f"{record['next_loss_scale']:g}"}
     if "noised_overflow_total" in record:
         fields["noised overflow"] = f"{record['noised_overflow_total']:.0f}"
     if "test_accuracy" in record:
@@ -308,9 +309,17 @@ def private_diagnostics(
     return out
 
 
+def epsilon_text(epsilon: float) -> str:
+    """The run's epsilon as every public line prints it: five decimals, rounded up
+    (never below the guarantee), the same in the summary, ``train.log``, the
+    progress bar and the plots."""
+    return f"{math.ceil(epsilon * 1e5 - 1e-6) / 1e5:.5f}"
+
+
 def epsilon_breakdown(step, steps: int) -> accounting.EpsilonBreakdown:
-    """The run's epsilon after ``steps`` steps at dp-accounting's default (finer)
-    discretisation, in parts (the tracker's coarser value is ``epsilon_tracked``)."""
+    """An epsilon after ``steps`` steps at dp-accounting's default (finer)
+    discretisation, in parts. A run's guarantee is its tracker's value instead
+    (``tracker.breakdown()``: the value calibrated to and stopped at)."""
     p = step.config.privacy
     return accounting.epsilon_breakdown(
         noise_multiplier=step.noise_multiplier,
@@ -354,6 +363,9 @@ def _overflow_section(step, tracker, totals: dict[str, Any], breakdown) -> dict[
     }
     if kind == "private_dynamic":
         overflow["noised_count_total"] = totals["noised_overflow"]
+        # every step's released count, in step order (the last ones if a run resumed
+        # from a checkpoint that did not keep them)
+        overflow["noised_counts"] = list(totals.get("noised_counts", []))
         overflow["privacy"] = "only noised counts are released (exact counts stay in private/)"
     elif kind == "nonprivate_dynamic":
         overflow["privacy"] = "NOT PRIVATE: decisions used the exact count, unaccounted"
@@ -405,8 +417,9 @@ def _privacy_section(step, tracker, breakdown, warnings_: list[str]) -> dict[str
         "privacy_notes": privacy_notes(config, breakdown),
         "neighbouring_relation": accounting.NEIGHBOURING_RELATION_NOTE,
         "accounting_relation": "add_or_remove",
+        # the guarantee: the tracker's epsilon, the one calibrated to, stopped at and
+        # shown in every metrics.jsonl record; its parts are breakdown's
         "epsilon": breakdown.total,
-        "epsilon_tracked": tracker.spent(),
         "target_epsilon": p.target_epsilon,
         "delta": p.delta,
         "delta_parts": {
@@ -458,7 +471,7 @@ def build_report(
 ) -> dict[str, Any]:
     """``report.json``: the plan, epsilon, test metrics, loss scale, audit. Public."""
     config = step.config
-    breakdown = epsilon_breakdown(step, completed)
+    breakdown = tracker.breakdown()
     warnings_ = privacy_warnings(config) + audit_warnings(audit)
     return {
         **_privacy_section(step, tracker, breakdown, warnings_),

@@ -335,7 +335,9 @@ class ProgressBar:
 
     Off a terminal (CI logs, pipes) it prints a line only on forced updates
     instead of redrawing, so logs stay readable. It shows the step and the
-    fields it is given (the trainer gives public numbers only), no timings.
+    fields it is given (the trainer gives public numbers only), then, marked
+    private, the speed since it started and the time left (timings are private
+    diagnostics: never written to ``train.log``).
     """
 
     def __init__(self, total: int, *, enabled: bool = True, stream=None, width: int = 24):
@@ -345,11 +347,14 @@ class ProgressBar:
         self.width = width
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._last_draw = 0.0
+        self._start: tuple[int, float] | None = None  # (step, time) of the first update
 
     def update(self, step: int, fields: dict[str, str], *, force: bool = False) -> None:
         if not self.enabled:
             return
         now = time.perf_counter()
+        if self._start is None:
+            self._start = (step, now)
         if not force and self.tty and now - self._last_draw < 0.1:
             return
         if not self.tty and not force:
@@ -358,12 +363,22 @@ class ProgressBar:
         done = int(self.width * min(step, self.total) / self.total)
         bar = "#" * done + "." * (self.width - done)
         extra = " ".join(f"{k} {v}" for k, v in fields.items())
-        line = f"[{bar}] {step}/{self.total} {extra}"
+        line = f"[{bar}] {step}/{self.total} {extra}{self._timing(step, now)}"
         if self.tty:
             self.stream.write("\r" + line + "\x1b[K")
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+    def _timing(self, step: int, now: float) -> str:
+        """`` [private: 12.5 steps/s, ETA 0:24]`` once a step has been timed."""
+        first_step, first_time = self._start or (step, now)
+        if step <= first_step or now <= first_time:
+            return ""
+        rate = (step - first_step) / (now - first_time)
+        left = max(self.total - step, 0) / rate
+        minutes, seconds = divmod(round(left), 60)
+        return f" [private: {rate:.3g} steps/s, ETA {minutes}:{seconds:02d}]"
 
     def close(self) -> None:
         if self.enabled and self.tty:

@@ -342,8 +342,9 @@ def _check_classes(y_train: np.ndarray, y_test: np.ndarray) -> int:
         shown = ", ".join(str(int(m)) for m in missing[:5])
         raise DataError(
             f"y: labels must be 0..K-1 with every class in the training split; "
-            f"{len(missing)} missing ({shown}{', ...' if len(missing) > 5 else ''}); remap "
-            "them, e.g. y = np.unique(y, return_inverse=True)[1]"
+            f"{len(missing)} missing ({shown}{', ...' if len(missing) > 5 else ''}); number "
+            "a label set chosen from public knowledge 0..K-1, not the classes the private "
+            "data happens to hold (K is published), and give each class training examples"
         )
     unseen = np.setdiff1d(np.unique(y_test), present)
     if len(unseen):

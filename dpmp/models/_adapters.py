@@ -25,6 +25,11 @@ on integer labels) gives one loss per example, in float32.
 Per-example clipping needs each example's gradient to depend on that example
 alone: a model with batch statistics (BatchNorm's ``batch_stats``, nnx
 ``BatchStat``) is refused with a message saying so.
+
+Models are called with no dropout randomness and no train flag, so dropout is
+off: a linen module's dropout layers are named in its ``name`` and
+``description`` ("dropout off"), and one that needs a ``"dropout"`` random
+stream is refused (a random mask per example would need its own analysis).
 """
 
 from __future__ import annotations
@@ -76,10 +81,11 @@ def as_model(
 
     loss_fn, predict, metrics = wrap_forward(forward_in_compute, policy, loss)
     name = type(obj).__name__ if framework != "jax" else getattr(obj[1], "__name__", "apply")
+    dropout = _linen_dropout(init, forward, input_shape) if framework == "flax.linen" else ""
     return Model(
         kind="custom",
         framework=framework,
-        name=f"{framework} {name}",
+        name=f"{framework} {name}" + (" (dropout off)" if dropout else ""),
         init=init,
         loss_fn=loss_fn,
         predict=predict,
@@ -87,6 +93,7 @@ def as_model(
         description=(
             f"user model {name} ({framework}) on inputs {input_shape}, {num_classes} classes"
             + ("" if loss is None else f", loss {getattr(loss, '__name__', 'user')}")
+            + dropout
         ),
     )
 
@@ -127,6 +134,38 @@ def _linen(module, input_shape):
         return module.apply({"params": params}, x)
 
     return init, forward
+
+
+def _linen_dropout(init, forward, input_shape) -> str:
+    """``", dropout off (...)"`` naming the module's dropout layers, or ``""``.
+
+    Raises:
+      ValueError: a dropout layer asks for a ``"dropout"`` random stream.
+    """
+    import flax.errors
+    import flax.linen as nn
+
+    found: list[str] = []
+
+    def spy(next_fun, args, kwargs, context):
+        if isinstance(context.module, nn.Dropout) and context.method_name == "__call__":
+            found.append(str(context.module.name))
+        return next_fun(*args, **kwargs)
+
+    params = jax.eval_shape(init, jax.random.key(0))
+    example = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
+    try:
+        with nn.intercept_methods(spy):
+            jax.eval_shape(forward, params, example)
+    except flax.errors.InvalidRngError as e:
+        raise ValueError(
+            f"model: {', '.join(found) or 'a dropout layer'} asks for a 'dropout' random "
+            "stream; dpmp calls models with none (a random mask per example would need its "
+            "own privacy analysis): make it deterministic or remove it"
+        ) from e
+    if not found:
+        return ""
+    return f", dropout off ({', '.join(sorted(set(found)))}: no dropout randomness is passed)"
 
 
 def _nnx(module):

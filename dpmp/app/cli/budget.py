@@ -17,14 +17,38 @@ __all__ = ["COMMAND"]
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--noise-multiplier", type=float, metavar="SIGMA")
-    p.add_argument("--target-epsilon", type=float, metavar="EPS")
-    p.add_argument("--steps", type=int, metavar="N")
-    p.add_argument("--sampling-prob", type=float, metavar="Q")
-    p.add_argument("--batch-size", type=int, metavar="B", help="expected batch size")
-    p.add_argument("--num-examples", type=int, metavar="N")
-    p.add_argument("--delta", type=float, default=1e-5)
-    accountant = p.add_argument("--accountant", default="pld")
+    p.add_argument(
+        "--noise-multiplier",
+        type=float,
+        metavar="SIGMA",
+        help="the gradient noise's stddev / the clip norm: print the epsilon it spends",
+    )
+    p.add_argument(
+        "--target-epsilon",
+        type=float,
+        metavar="EPS",
+        help="print the noise multiplier that spends exactly EPS (give this or --noise-multiplier)",
+    )
+    p.add_argument("--steps", type=int, metavar="N", help="training steps (one release each)")
+    p.add_argument(
+        "--sampling-prob",
+        type=float,
+        metavar="Q",
+        help="Poisson sampling probability per example and step (or --batch-size and "
+        "--num-examples)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, metavar="B", help="expected batch size (with --num-examples)"
+    )
+    p.add_argument(
+        "--num-examples", type=int, metavar="N", help="training records (with --batch-size)"
+    )
+    p.add_argument(
+        "--delta", type=float, default=1e-5, help="the guarantee's delta (default: 1e-5)"
+    )
+    accountant = p.add_argument(
+        "--accountant", default="pld", help="privacy accountant (default: pld)"
+    )
     accountant.choices = LibraryChoices("dpmp.accounting", "ACCOUNTANTS")
     p.add_argument(
         "--count-noise-stddev",

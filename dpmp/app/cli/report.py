@@ -35,6 +35,12 @@ def _read_report(run_dir: str) -> dict:
         raise UsageError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(report, dict):
         raise UsageError(f"{path}: expected a JSON object (a dpmp run report), got {report!r:.60}")
+    versions = report.get("versions")
+    if not isinstance(versions, dict) or "dpmp" not in versions:
+        raise UsageError(
+            f"{path}: not a dpmp report (one names its dpmp version); "
+            f"is {run_dir} a dpmp run directory?"
+        )
     return report
 
 
@@ -45,8 +51,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
+    plots = plot_run(Path(args.run_dir))  # its errors come before any output
     print(summary(report))
-    for p in plot_run(Path(args.run_dir)):
+    for p in plots:
         print(f"plot: {p}")
     for line in inventory(Path(args.run_dir)):
         print(line)

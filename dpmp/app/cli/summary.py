@@ -38,7 +38,7 @@ def summary(report: dict) -> str:
         ("steps", report.get("steps")),
         ("test accuracy", fmt(report.get("test_accuracy"))),
         ("test perplexity", fmt(report.get("test_perplexity"))),
-        ("epsilon", f"{fmt(report.get('epsilon'))} (delta {fmt(report.get('delta'))})"),
+        ("epsilon", f"{_epsilon(report.get('epsilon'))} (delta {fmt(report.get('delta'))})"),
         ("noise multiplier", fmt(report.get("noise_multiplier"))),
         ("noised overflow total", fmt(overflow.get("noised_count_total"))),
         ("loss-scale cost (epsilon)", fmt(overflow.get("epsilon_cost"))),
@@ -51,6 +51,15 @@ def summary(report: dict) -> str:
     rows += _privacy_rows(report)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _epsilon(value) -> str:
+    """The run's epsilon as train.log and the progress bar print it."""
+    if not isinstance(value, int | float):
+        return fmt(value)
+    from dpmp.app.release import epsilon_text
+
+    return epsilon_text(value)
 
 
 def _starting_point_rows(report: dict) -> list[tuple[str, str]]:

@@ -19,7 +19,12 @@ __all__ = ["COMMAND"]
 
 def _arguments(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
-    p.add_argument("--out", default="runs/default", metavar="RUN_DIR", help="run directory")
+    p.add_argument(
+        "--out",
+        default="runs/default",
+        metavar="RUN_DIR",
+        help="run directory (default: %(default)s)",
+    )
     p.add_argument("--fresh", action="store_true", help="ignore a checkpoint in RUN_DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     d = p.add_argument_group(

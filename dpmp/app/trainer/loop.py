@@ -100,11 +100,13 @@ def _params_span(state: dict[str, Any]) -> list[int]:
 
 
 def _new_totals() -> dict[str, Any]:
-    """The run's running totals (checkpointed). ``noised_overflow`` and
-    ``loss_scale_changes`` are public; the others are exact (private/)."""
+    """The run's running totals (checkpointed). ``noised_overflow``,
+    ``noised_counts`` (each step's released count) and ``loss_scale_changes``
+    are public; the others are exact (private/)."""
     return {
         "overflow": 0,
         "noised_overflow": 0.0,
+        "noised_counts": [],
         "steps_with_overflow": 0,
         "clipped": 0,
         "examples": 0,
@@ -506,7 +508,8 @@ class _Run:
         self.completed = self.saved_step = int(meta["step"])
         self.run_dir.truncate_metrics(self.completed)
         self.run_dir.log(
-            f"resumed from {path.name} (step {self.completed}, epsilon {self.tracker.spent():.4f})"
+            f"resumed from {path.name} (step {self.completed}, "
+            f"epsilon {release.epsilon_text(self.tracker.spent())})"
         )
         return True
 
@@ -562,6 +565,7 @@ class _Run:
         totals["examples"] += int(stats.num_examples)
         if self._private_dynamic:
             totals["noised_overflow"] += float(stats.noised_overflow_count)
+            totals.setdefault("noised_counts", []).append(float(stats.noised_overflow_count))
         new_scale = float(local(loss_scale.loss_scale))
         if new_scale != self.scale_history[-1][1]:
             self.scale_history.append([self.completed + 1, new_scale])
@@ -687,7 +691,8 @@ class _Run:
         )
         self.run_dir.log(
             f"done: {self.completed} steps, test accuracy "
-            f"{self.last_eval['test_accuracy']:.4f}, epsilon {report['epsilon']:.4f} at delta "
+            f"{self.last_eval['test_accuracy']:.4f}, "
+            f"epsilon {release.epsilon_text(report['epsilon'])} at delta "
             f"{self.config.privacy.delta:g}"
             + ("" if report["private"] else "; NOT differentially private (see privacy_warnings)")
         )
