@@ -76,6 +76,7 @@ def test_a_private_record_holds_the_exact_statistics():
         (["loss_scale.kind=nonprivate_dynamic"], "loss_scale.kind = 'nonprivate_dynamic'"),
         (["data.standardize=nonprivate"], "data.standardize = 'nonprivate'"),
         (["privacy.sampling=shuffle"], "not Poisson sampling"),
+        (["privacy.noise_sampler=plain"], "privacy.noise_sampler = 'plain'"),
     ],
 )
 def test_every_way_out_of_dp_is_a_warning(overrides, needle):
@@ -102,3 +103,11 @@ def test_file_inventory(tmp_path):
     assert lines[1] == "private (non-private diagnostics: do not publish): private/"
     assert lines[2].startswith("secret (") and lines[2].endswith("checkpoints/")
     assert release.PRIVATE_README.startswith(release.PRIVATE_NOTE)
+
+
+def test_a_delta_not_below_one_over_n_is_a_warning():
+    config = load_config(None, ["privacy.delta=0.001", "privacy.allow_large_delta=true"])
+    (warning,) = release.privacy_warnings(config, num_train=1437)
+    assert "privacy.delta = 0.001 is not below 1/n" in warning and "NOT" in warning
+    assert release.privacy_warnings(load_config(None), num_train=1437) == []
+    assert release.privacy_warnings(config, num_train=999) == []  # 0.001 < 1/999

@@ -97,13 +97,22 @@ PLAIN_NOISE = (
     "privacy.noise_sampler = 'plain': the gradient noise is float32 jax.random.normal, 2^23 "
     "values within about 5.4 sigma on a lattice that depends on the gradient sum. The "
     "epsilon holds for observers of rounded outputs; an observer of the exact noisy values "
-    "can tell neighbouring datasets apart (dpmp audit --privacy measures it)."
+    "can tell neighbouring datasets apart (dpmp audit --privacy measures it). This run is "
+    "NOT differentially private against such an observer; use noise_sampler = 'snapped'."
 )
 
 
-def privacy_warnings(config) -> list[str]:
-    """Why a run of ``config`` is NOT differentially private (empty: it is)."""
+def privacy_warnings(config, num_train: int | None = None) -> list[str]:
+    """Why a run of ``config`` on ``num_train`` records is NOT differentially private
+    (empty: it is)."""
     out = []
+    if num_train and config.privacy.delta >= 1 / num_train:
+        out.append(
+            f"privacy.delta = {config.privacy.delta:g} is not below 1/n = {1 / num_train:.3g} "
+            f"(n = {num_train:,} training records; privacy.allow_large_delta = true): a "
+            "mechanism that publishes a record in the clear meets such a guarantee. This run "
+            "is NOT differentially private."
+        )
     if config.privacy.reproducible_noise:
         out.append(REPRODUCIBLE_NOISE)
     if config.loss_scale.kind == "nonprivate_dynamic":
@@ -112,6 +121,8 @@ def privacy_warnings(config) -> list[str]:
         out.append(NONPRIVATE_STANDARDIZE)
     if config.privacy.sampling == "shuffle":
         out.append(ShuffledSampler.privacy_note)
+    if config.privacy.noise_sampler == "plain":
+        out.append(PLAIN_NOISE)
     return out
 
 
@@ -169,9 +180,7 @@ def privacy_notes(config, breakdown: accounting.EpsilonBreakdown) -> list[str]:
         "keys, the sampler's seed and a fingerprint of the data: keep them as secret as "
         "the data.",
     ]
-    if config.privacy.noise_sampler == "plain":
-        notes.append(PLAIN_NOISE)
-    elif breakdown.noise_residual:
+    if breakdown.noise_residual:
         notes.append(
             "the gradient noise is dpmp's snapped Gaussian (float64 inverse-CDF normal, "
             "rounded to a power-of-two grid); its accounted floating-point residual "
@@ -446,7 +455,7 @@ def build_report(
     """``report.json``: the plan, epsilon, test metrics, loss scale, audit. Public."""
     config = step.config
     breakdown = epsilon_breakdown(step, completed)
-    warnings_ = privacy_warnings(config) + audit_warnings(audit)
+    warnings_ = privacy_warnings(config, step.data.num_train) + audit_warnings(audit)
     return {
         **_privacy_section(step, tracker, breakdown, warnings_),
         "steps": completed,

@@ -144,7 +144,7 @@ def _log_plan(run: RunDir, step: PrivateStep) -> None:
         + (f"; {clip['reason']}" if clip["reason"] and clip["requested"] != "vmap" else "")
         + ")"
     )
-    warnings_ = release.privacy_warnings(config)
+    warnings_ = release.privacy_warnings(config, step.data.num_train)
     for warning in warnings_:
         run.log("WARNING: " + warning, echo=True)
     if not warnings_:
