@@ -246,7 +246,7 @@ class ModelConfig:
       r columns (random) and ``B`` of r rows (zero at the start). Clipping,
       noise and the accounting then cover exactly the adapters; the frozen
       parameters stay bit-identical. Needs pre-trained parameters (a
-      ``[pretrain]`` section, or ``init_params`` of ``dpmp.train``).
+      ``[pretrain]`` section, or ``init_params`` of ``dpmp.train``): refused without.
     lora_alpha: the adapters' scale: the update is ``lora_alpha / lora_rank * A @ B``.
     """
 

@@ -336,6 +336,13 @@ def _starting_point(
         )
         return made.params, {"source": "pretrained on public text (no epsilon)", **made.info}
     if init_params is None:
+        if config.model.lora_rank:  # adapters over a frozen random base learn little
+            raise ConfigError(
+                f"model.lora_rank = {config.model.lora_rank}: LoRA trains adapters over a "
+                "frozen pre-trained model, and this run has none (its base would be the "
+                "model's random initialisation); add a [pretrain] section (or pass "
+                "init_params= to dpmp.train), or set model.lora_rank = 0 to train every parameter"
+            )
         return None, None
     source = "init_params given to dpmp.train"
     return init_params, {"source": source, "params_sha256": params_digest(init_params)}
