@@ -782,6 +782,12 @@ def test_train_own_model_from_its_file_on_a_npy_folder(tmp_path):
             "of the examples overflowed (noised count",
             marks=pytest.mark.slow,
         ),
+        pytest.param(
+            # a static scale releases no count: the exact one (private/) tells
+            ["policy=fp16", "loss_scale.kind=static", "loss_scale.initial=1e9", "training.steps=3"],
+            "most of the examples overflowed (a private diagnostic from private/diagnostics.json",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_a_run_that_did_not_do_what_was_asked_exits_3_and_says_why(
@@ -799,6 +805,7 @@ def test_a_run_that_did_not_do_what_was_asked_exits_3_and_says_why(
     err = capsys.readouterr().err
     failures = [line for line in err.splitlines() if line.startswith("dpmp train: run failed: ")]
     assert len(failures) == 1 and needle in failures[0], err
+    assert "overflowed" not in (tmp_path / "train.log").read_text()  # no public file says it
     report = json.loads((tmp_path / "report.json").read_text())
     if "audit" in needle:  # an unsafe policy whose audit fails is not called private
         assert report["private"] is False

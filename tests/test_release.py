@@ -111,3 +111,15 @@ def test_a_delta_not_below_one_over_n_is_a_warning():
     assert "privacy.delta = 0.001 is not below 1/n" in warning and "NOT" in warning
     assert release.privacy_warnings(load_config(None), num_train=1437) == []
     assert release.privacy_warnings(config, num_train=999) == []  # 0.001 < 1/999
+
+
+def test_most_examples_overflowed_is_told_from_the_private_diagnostics():
+    report = {"steps": 3, "config": {"training": {"expected_batch_size": 512}}}
+    report["audit"] = {"ok": True}
+    exact = {"overflow": {"examples_nonfinite": 1500}, "clipping": {"examples_seen": 1530}}
+    assert release.run_failures(report) == []  # no count was released
+    (failure,) = release.run_failures(report, exact)
+    assert failure.startswith("most of the examples overflowed (a private diagnostic")
+    assert "1500" not in failure and "1530" not in failure  # no exact count is printed
+    few = {"overflow": {"examples_nonfinite": 700}, "clipping": {"examples_seen": 1530}}
+    assert release.run_failures(report, few) == []

@@ -144,11 +144,14 @@ def audit_warnings(audit: dict[str, Any]) -> list[str]:
     ]
 
 
-def run_failures(report: dict[str, Any]) -> list[str]:
+def run_failures(report: dict[str, Any], diagnostics: dict[str, Any] | None = None) -> list[str]:
     """Why a finished run did not do what was asked (empty: it did), from the
-    report's public numbers only: an early stop, a failed or broken audit,
+    report's public numbers: an early stop, a failed or broken audit,
     parameters that are not finite, or (private dynamic loss scale) a noised
-    overflow count of at least half the expected examples."""
+    overflow count of at least half the expected examples. Given the run's
+    ``private/diagnostics.json``, also an exact overflow count of at least half
+    the examples seen; that line is labelled a private diagnostic and holds no
+    exact count (show it to the operator only: it is not a released number)."""
     out = []
     stopped = report.get("stopped_early")
     if stopped:
@@ -168,7 +171,21 @@ def run_failures(report: dict[str, Any]) -> list[str]:
             f"{noised:.0f} of about {expected} examples): the model barely trained; lower "
             "loss_scale.initial or loss_scale.max_scale, or use bf16"
         )
+    elif _mostly_overflowed(diagnostics or {}):
+        out.append(
+            "most of the examples overflowed (a private diagnostic from private/diagnostics.json:"
+            " an exact statistic of the training data, not a released number; do not publish "
+            "it): the model barely trained; lower loss_scale.initial, use loss_scale.kind = "
+            "'private_dynamic', or use bf16"
+        )
     return out
+
+
+def _mostly_overflowed(diagnostics: dict[str, Any]) -> bool:
+    """Whether the exact (private) overflow count is at least half the examples seen."""
+    seen = (diagnostics.get("clipping") or {}).get("examples_seen")
+    over = (diagnostics.get("overflow") or {}).get("examples_nonfinite")
+    return bool(seen) and over is not None and over >= seen / 2
 
 
 def privacy_notes(config, breakdown: accounting.EpsilonBreakdown) -> list[str]:
