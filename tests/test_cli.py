@@ -883,6 +883,12 @@ def test_ctrl_c_that_python_swallows_in_a_gc_callback_still_stops_the_run(tmp_pa
     assert not (out / "report.json").exists()
 
 
+def test_audit_refuses_an_accumulate_dtype_the_step_cannot_honour(capsys):
+    # clip=f32 summed in bf16 is impossible: the sum stayed float32 and the audit passed
+    assert cli.main(["audit", "--set", 'policy="bf16,accumulate=bf16,unsafe=true"']) == 2
+    assert_one_line_error(capsys, "audit", "accumulate=bf16 is not at least as wide as clip=f32")
+
+
 @pytest.mark.parametrize(
     "setting, needle",
     [
