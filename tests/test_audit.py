@@ -444,6 +444,19 @@ def test_report_table_json_and_raise():
     assert any("jax_privacy/clipping.py:" in loc or "optax/" in loc for loc in locs), locs
 
 
+def test_the_checked_policy_line_says_what_it_raised_from_the_given_one():
+    p, batch = mlp(F32)
+    given = "fp32,noise=bf16,unsafe=true"
+    checked = str(audit_precision(mlp_loss, p, batch, policy=given)).splitlines()[1]
+    assert checked.startswith("checked against: param=f32,") and "noise=f32" in checked
+    assert "unsafe=true" not in checked  # float32 clip, accumulate and noise are safe
+    assert checked.endswith("the policy given asks for noise=bf16 (unsafe), held to float32 here")
+    same = str(audit_precision(mlp_loss, p, batch, policy="bf16")).splitlines()[1]
+    assert (
+        same == f"checked against: {dpmp.Policy.bf16()} (clip, accumulate, noise: float32 or wider)"
+    )
+
+
 def test_argument_validation():
     p, batch = mlp(F32)
     with pytest.raises(ValueError, match="allowed"):

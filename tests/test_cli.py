@@ -830,6 +830,12 @@ def test_train_own_model_from_its_file_on_a_npy_folder(tmp_path):
             "of the examples overflowed (noised count",
             marks=pytest.mark.slow,
         ),
+        pytest.param(
+            # a static scale releases no count: the exact one (private/) tells
+            ["policy=fp16", "loss_scale.kind=static", "loss_scale.initial=1e9", "training.steps=3"],
+            "most of the examples overflowed (a private diagnostic from private/diagnostics.json",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_a_run_that_did_not_do_what_was_asked_exits_3_and_says_why(
@@ -847,6 +853,7 @@ def test_a_run_that_did_not_do_what_was_asked_exits_3_and_says_why(
     err = capsys.readouterr().err
     failures = [line for line in err.splitlines() if line.startswith("dpmp train: run failed: ")]
     assert len(failures) == 1 and needle in failures[0], err
+    assert "overflowed" not in (tmp_path / "train.log").read_text()  # no public file says it
     report = json.loads((tmp_path / "report.json").read_text())
     if "audit" in needle:  # an unsafe policy whose audit fails is not called private
         assert report["private"] is False
@@ -922,6 +929,12 @@ def test_ctrl_c_that_python_swallows_in_a_gc_callback_still_stops_the_run(tmp_pa
         f"{out / 'checkpoints'}: run again in the same directory to resume"
     ]
     assert not (out / "report.json").exists()
+
+
+def test_audit_refuses_an_accumulate_dtype_the_step_cannot_honour(capsys):
+    # clip=f32 summed in bf16 is impossible: the sum stayed float32 and the audit passed
+    assert cli.main(["audit", "--set", 'policy="bf16,accumulate=bf16,unsafe=true"']) == 2
+    assert_one_line_error(capsys, "audit", "accumulate=bf16 is not at least as wide as clip=f32")
 
 
 @pytest.mark.parametrize(

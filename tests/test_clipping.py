@@ -281,6 +281,12 @@ def test_sensitivity_and_repr():
         ({"microbatch_size": 0}, "microbatch_size"),
         ({"batch_argnums": 0}, "batch_argnums"),
         ({"policy": "bf16,accumulate=bf16"}, "accumulate"),
+        # a sum cannot be formed narrower than what it adds up: the setting would do nothing
+        (
+            {"policy": "bf16,accumulate=bf16,unsafe=true"},
+            "accumulate=bf16 is not at least as wide as clip=f32",
+        ),
+        ({"policy": "fp32,clip=bf16,accumulate=f16,unsafe=true"}, "formed in f32"),
         ({"accumulation": "float32"}, "accumulation.*allowed: float64, policy"),
     ],
 )

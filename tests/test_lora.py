@@ -219,3 +219,10 @@ def test_pretrained_parameters_are_remade_when_the_spec_changes(tmp_path):
     meta2, _ = latest_meta(out / "pretrained" / "checkpoints")
     assert meta2["info"]["steps"] == 5 and meta["info"]["steps"] == 4
     assert meta2["info"]["params_sha256"] != meta["info"]["params_sha256"]
+
+
+def test_lora_over_a_randomly_initialised_base_is_refused(tmp_path):
+    config = load_config(None, ["model.lora_rank=4", "training.steps=2"])
+    with pytest.raises(ConfigError, match=r"model.lora_rank = 4: .*\[pretrain\].*init_params"):
+        train(config, out_dir=tmp_path, progress=False)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "report.json").exists()

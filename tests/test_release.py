@@ -76,6 +76,7 @@ def test_a_private_record_holds_the_exact_statistics():
         (["loss_scale.kind=nonprivate_dynamic"], "loss_scale.kind = 'nonprivate_dynamic'"),
         (["data.standardize=nonprivate"], "data.standardize = 'nonprivate'"),
         (["privacy.sampling=shuffle"], "not Poisson sampling"),
+        (["privacy.noise_sampler=plain"], "privacy.noise_sampler = 'plain'"),
     ],
 )
 def test_every_way_out_of_dp_is_a_warning(overrides, needle):
@@ -139,3 +140,23 @@ def test_progress_bar_shows_speed_and_eta_marked_private(monkeypatch):
     assert "steps/s" not in lines[0]  # nothing timed yet
     assert lines[1].endswith("eps 0.50000 [private: 5 steps/s, ETA 0:16]"), lines[1]
     assert lines[2].endswith("[private: 5 steps/s, ETA 0:14]"), lines[2]
+
+
+def test_a_delta_not_below_one_over_n_is_a_warning():
+    config = load_config(None, ["privacy.delta=0.001", "privacy.allow_large_delta=true"])
+    (warning,) = release.privacy_warnings(config, num_train=1437)
+    assert "privacy.delta = 0.001 is not below 1/n" in warning and "NOT" in warning
+    assert release.privacy_warnings(load_config(None), num_train=1437) == []
+    assert release.privacy_warnings(config, num_train=999) == []  # 0.001 < 1/999
+
+
+def test_most_examples_overflowed_is_told_from_the_private_diagnostics():
+    report = {"steps": 3, "config": {"training": {"expected_batch_size": 512}}}
+    report["audit"] = {"ok": True}
+    exact = {"overflow": {"examples_nonfinite": 1500}, "clipping": {"examples_seen": 1530}}
+    assert release.run_failures(report) == []  # no count was released
+    (failure,) = release.run_failures(report, exact)
+    assert failure.startswith("most of the examples overflowed (a private diagnostic")
+    assert "1500" not in failure and "1530" not in failure  # no exact count is printed
+    few = {"overflow": {"examples_nonfinite": 700}, "clipping": {"examples_seen": 1530}}
+    assert release.run_failures(report, few) == []

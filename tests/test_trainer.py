@@ -250,6 +250,31 @@ def test_a_noise_multiplier_too_small_for_the_plan_is_refused_before_any_step(di
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_a_delta_not_below_one_over_n_is_refused_before_any_step(digits, tmp_path):
+    # n = 1,437 training records: delta 0.001 >= 1/n
+    with pytest.raises(
+        ConfigError, match=r"privacy.delta: 0.001 is not below 1/n.*allow_large_delta"
+    ):
+        train(small("privacy.delta=0.001"), out_dir=tmp_path, progress=False, data=digits)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow  # two short runs (~10 s)
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["privacy.delta=0.001", "privacy.allow_large_delta=true"], "not below 1/n"),
+        (["privacy.noise_sampler=plain"], "privacy.noise_sampler = 'plain'"),
+    ],
+)
+def test_a_large_delta_allowed_or_plain_noise_says_not_private(overrides, needle, digits, tmp_path):
+    cfg = small(*overrides, "training.steps=2")
+    report = train(cfg, out_dir=tmp_path, progress=False, data=digits)
+    assert report["private"] is False
+    assert any(needle in w for w in report["privacy_warnings"])
+    assert "NOT differentially private" in (tmp_path / "train.log").read_text()
+
+
 def test_run_stops_at_the_last_step_within_budget(digits, tmp_path, monkeypatch):
     """The tracker's stop, the guarantee behind the refusal above (switched off here)."""
     from dpmp.app.trainer import loop

@@ -246,7 +246,7 @@ class ModelConfig:
       r columns (random) and ``B`` of r rows (zero at the start). Clipping,
       noise and the accounting then cover exactly the adapters; the frozen
       parameters stay bit-identical. Needs pre-trained parameters (a
-      ``[pretrain]`` section, or ``init_params`` of ``dpmp.train``).
+      ``[pretrain]`` section, or ``init_params`` of ``dpmp.train``): refused without.
     lora_alpha: the adapters' scale: the update is ``lora_alpha / lora_rank * A @ B``.
     """
 
@@ -292,7 +292,8 @@ class PrivacyConfig:
     """The privacy guarantee and how it is spent.
 
     target_epsilon: the epsilon the whole run may spend.
-    delta: the delta of the run's (epsilon, delta) guarantee.
+    delta: the delta of the run's (epsilon, delta) guarantee; it must be below
+      1/n for n training records (refused otherwise, unless ``allow_large_delta``).
     noise_multiplier: sigma; if unset it is calibrated so that the run's
       ``steps`` spend exactly ``target_epsilon``. A given sigma too small for
       ``training.steps`` within ``target_epsilon`` is refused before training.
@@ -308,11 +309,14 @@ class PrivacyConfig:
     noise_sampler: ``"snapped"`` (default: ``dpmp.snapped_gaussian``, safe
       against observers of exact outputs; its floating-point residual is part
       of the reported epsilon) or ``"plain"`` (float32 ``jax.random.normal``:
-      ``dpmp audit --privacy`` shows what leaks).
+      ``dpmp audit --privacy`` shows what leaks; the run is reported NOT private).
     reproducible_noise: derive the noise keys and the sampler's seed from
       ``training.seed`` instead of the OS entropy, for debugging and tests. The
       run can then be replayed by anyone who knows the seed and the other
       records: the report and the log say it is NOT differentially private.
+    allow_large_delta: train with ``delta`` >= 1/n (a mechanism that publishes
+      one record in the clear meets such a guarantee): the report and the log
+      then say the run is NOT differentially private.
     """
 
     target_epsilon: float = 2.0
@@ -324,6 +328,7 @@ class PrivacyConfig:
     clip_method: str = "auto"
     noise_sampler: str = "snapped"
     reproducible_noise: bool = False
+    allow_large_delta: bool = False
 
     def __post_init__(self):
         _positive("privacy.target_epsilon", self.target_epsilon, at_most=MAX_EPSILON)
@@ -336,11 +341,9 @@ class PrivacyConfig:
         _choice("privacy.sampling", self.sampling, SAMPLINGS)
         _choice("privacy.clip_method", self.clip_method, CLIP_METHODS)
         _choice("privacy.noise_sampler", self.noise_sampler, NOISE_SAMPLERS)
-        if not isinstance(self.reproducible_noise, bool):
-            raise ConfigError(
-                "privacy.reproducible_noise: must be true or false, "
-                f"got {self.reproducible_noise!r}"
-            )
+        for key in ("reproducible_noise", "allow_large_delta"):
+            if not isinstance(value := getattr(self, key), bool):
+                raise ConfigError(f"privacy.{key}: must be true or false, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

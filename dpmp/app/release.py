@@ -111,13 +111,22 @@ PLAIN_NOISE = (
     "privacy.noise_sampler = 'plain': the gradient noise is float32 jax.random.normal, 2^23 "
     "values within about 5.4 sigma on a lattice that depends on the gradient sum. The "
     "epsilon holds for observers of rounded outputs; an observer of the exact noisy values "
-    "can tell neighbouring datasets apart (dpmp audit --privacy measures it)."
+    "can tell neighbouring datasets apart (dpmp audit --privacy measures it). This run is "
+    "NOT differentially private against such an observer; use noise_sampler = 'snapped'."
 )
 
 
-def privacy_warnings(config) -> list[str]:
-    """Why a run of ``config`` is NOT differentially private (empty: it is)."""
+def privacy_warnings(config, num_train: int | None = None) -> list[str]:
+    """Why a run of ``config`` on ``num_train`` records is NOT differentially private
+    (empty: it is)."""
     out = []
+    if num_train and config.privacy.delta >= 1 / num_train:
+        out.append(
+            f"privacy.delta = {config.privacy.delta:g} is not below 1/n = {1 / num_train:.3g} "
+            f"(n = {num_train:,} training records; privacy.allow_large_delta = true): a "
+            "mechanism that publishes a record in the clear meets such a guarantee. This run "
+            "is NOT differentially private."
+        )
     if config.privacy.reproducible_noise:
         out.append(REPRODUCIBLE_NOISE)
     if config.loss_scale.kind == "nonprivate_dynamic":
@@ -126,6 +135,8 @@ def privacy_warnings(config) -> list[str]:
         out.append(NONPRIVATE_STANDARDIZE)
     if config.privacy.sampling == "shuffle":
         out.append(ShuffledSampler.privacy_note)
+    if config.privacy.noise_sampler == "plain":
+        out.append(PLAIN_NOISE)
     return out
 
 
@@ -147,11 +158,14 @@ def audit_warnings(audit: dict[str, Any]) -> list[str]:
     ]
 
 
-def run_failures(report: dict[str, Any]) -> list[str]:
+def run_failures(report: dict[str, Any], diagnostics: dict[str, Any] | None = None) -> list[str]:
     """Why a finished run did not do what was asked (empty: it did), from the
-    report's public numbers only: an early stop, a failed or broken audit,
+    report's public numbers: an early stop, a failed or broken audit,
     parameters that are not finite, or (private dynamic loss scale) a noised
-    overflow count of at least half the expected examples."""
+    overflow count of at least half the expected examples. Given the run's
+    ``private/diagnostics.json``, also an exact overflow count of at least half
+    the examples seen; that line is labelled a private diagnostic and holds no
+    exact count (show it to the operator only: it is not a released number)."""
     out = []
     stopped = report.get("stopped_early")
     if stopped:
@@ -171,7 +185,21 @@ def run_failures(report: dict[str, Any]) -> list[str]:
             f"{noised:.0f} of about {expected} examples): the model barely trained; lower "
             "loss_scale.initial or loss_scale.max_scale, or use bf16"
         )
+    elif _mostly_overflowed(diagnostics or {}):
+        out.append(
+            "most of the examples overflowed (a private diagnostic from private/diagnostics.json:"
+            " an exact statistic of the training data, not a released number; do not publish "
+            "it): the model barely trained; lower loss_scale.initial, use loss_scale.kind = "
+            "'private_dynamic', or use bf16"
+        )
     return out
+
+
+def _mostly_overflowed(diagnostics: dict[str, Any]) -> bool:
+    """Whether the exact (private) overflow count is at least half the examples seen."""
+    seen = (diagnostics.get("clipping") or {}).get("examples_seen")
+    over = (diagnostics.get("overflow") or {}).get("examples_nonfinite")
+    return bool(seen) and over is not None and over >= seen / 2
 
 
 def privacy_notes(config, breakdown: accounting.EpsilonBreakdown) -> list[str]:
@@ -183,9 +211,7 @@ def privacy_notes(config, breakdown: accounting.EpsilonBreakdown) -> list[str]:
         "keys, the sampler's seed and a fingerprint of the data: keep them as secret as "
         "the data.",
     ]
-    if config.privacy.noise_sampler == "plain":
-        notes.append(PLAIN_NOISE)
-    elif breakdown.noise_residual:
+    if breakdown.noise_residual:
         notes.append(
             "the gradient noise is dpmp's snapped Gaussian (float64 inverse-CDF normal, "
             "rounded to a power-of-two grid); its accounted floating-point residual "
@@ -472,7 +498,7 @@ def build_report(
     """``report.json``: the plan, epsilon, test metrics, loss scale, audit. Public."""
     config = step.config
     breakdown = tracker.breakdown()
-    warnings_ = privacy_warnings(config) + audit_warnings(audit)
+    warnings_ = privacy_warnings(config, step.data.num_train) + audit_warnings(audit)
     return {
         **_privacy_section(step, tracker, breakdown, warnings_),
         "steps": completed,

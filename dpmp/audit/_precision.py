@@ -143,6 +143,7 @@ class PrecisionReport:
     expect: tuple[str, ...] = ()
     trace_seconds: float = 0.0
     analysis_seconds: float = 0.0
+    requested: Policy | None = None  # the policy given, where it differs from ``policy``
 
     @property
     def violations(self) -> tuple[Finding, ...]:
@@ -188,6 +189,19 @@ class PrecisionReport:
         kwargs.setdefault("indent", 2)
         return json.dumps(self.to_dict(), **kwargs)
 
+    def _raised(self) -> str:
+        """What the checked policy raised from the one given, in words ("" if nothing)."""
+        if self.requested is None:
+            return ""
+        raised = [
+            f"{role}={_name(getattr(self.requested, role))}"
+            for role in ("clip", "accumulate", "noise")
+            if getattr(self.requested, role) != getattr(self.policy, role)
+        ]
+        if not raised:
+            return ""
+        return f"; the policy given asks for {', '.join(raised)} (unsafe), held to float32 here"
+
     def __str__(self) -> str:
         head = "OK" if self.ok else "FAILED"
         counts = ", ".join(f"{k}={n}" for k, n in self.counts().items())
@@ -197,7 +211,8 @@ class PrecisionReport:
             + ")",
             # not the step's own policy where that opted in to unsafe dtypes: the audit
             # holds clip, accumulate and noise to float32 whatever it allows
-            f"checked against: {self.policy} (clip, accumulate, noise: float32 or wider)",
+            f"checked against: {self.policy} (clip, accumulate, noise: float32 or wider)"
+            + self._raised(),
             f"sites: {counts}",
         ]
         cols = ("ok", "kind", "primitive", "in", "acc", "out", "need", "location", "message")
@@ -284,6 +299,7 @@ def audit_precision(
     ``jax.random.normal`` (``erf_inv`` of random bits) and from
     ``dpmp.snapped_gaussian`` (its named float64 ``ndtri`` draw).
     """
+    requested = Policy.parse(policy) if isinstance(policy, str) else policy
     policy = _audit_policy(policy)
     for k in expect:
         if k not in KINDS:
@@ -326,6 +342,7 @@ def audit_precision(
         expect=tuple(expect),
         trace_seconds=t1 - t0,
         analysis_seconds=t2 - t1,
+        requested=None if requested == policy else requested,
     )
 
 
@@ -344,7 +361,7 @@ def _audit_policy(policy: Policy | str) -> Policy:
         for role in ("clip", "accumulate", "noise")
         if jnp.finfo(getattr(policy, role)).bits < 32
     }
-    return policy.replace(**floor) if floor else policy
+    return policy.replace(**floor, allow_unsafe=False) if floor else policy
 
 
 def _leaf_roles(args, params_argnums, batch_argnums, batch_size) -> tuple[list, list[str]]:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmp.precision._casting import cast_tree
+from dpmp.precision._dtypes import dtype_name
 from dpmp.precision._policy import Policy
 
 __all__ = ["Setup", "reduction_dtypes"]
@@ -20,8 +21,16 @@ def reduction_dtypes(policy: Policy, accumulation: str) -> tuple[Any, Any, Any]:
     """``(sum_dtype, acc_dtype, norm_dtype)``: the dtype the sum is returned in
     (``promote(clip, accumulate)``), the one the sums over examples accumulate in and
     the one squared norms are added up in (both float64 with ``accumulation="float64"``,
-    the policy's own with ``"policy"``)."""
+    the policy's own with ``"policy"``). An accumulate dtype that is not at least as
+    wide as the clip dtype is refused: the sum could not be formed in it."""
     sum_dtype = jnp.promote_types(policy.clip, policy.accumulate)
+    if sum_dtype != jnp.dtype(policy.accumulate):
+        acc, clip, wide = (dtype_name(d) for d in (policy.accumulate, policy.clip, sum_dtype))
+        raise ValueError(
+            f"policy: accumulate={acc} is not at least as wide as clip={clip}: the clipped "
+            f"sum would be formed in {wide}, so the setting would do nothing; use "
+            f"accumulate={wide} (or a clip dtype that accumulate={acc} can hold)"
+        )
     wide64 = accumulation == "float64"
     acc_dtype = jnp.promote_types(sum_dtype, jnp.float64) if wide64 else sum_dtype
     norm_dtype = jnp.promote_types(policy.clip, jnp.float64) if wide64 else jnp.dtype(policy.clip)

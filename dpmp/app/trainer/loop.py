@@ -146,7 +146,7 @@ def _log_plan(run: RunDir, step: PrivateStep) -> None:
         + (f"; {clip['reason']}" if clip["reason"] and clip["requested"] != "vmap" else "")
         + ")"
     )
-    warnings_ = release.privacy_warnings(config)
+    warnings_ = release.privacy_warnings(config, step.data.num_train)
     for warning in warnings_:
         run.log("WARNING: " + warning, echo=True)
     if not warnings_:
@@ -338,6 +338,13 @@ def _starting_point(
         )
         return made.params, {"source": "pretrained on public text (no epsilon)", **made.info}
     if init_params is None:
+        if config.model.lora_rank:  # adapters over a frozen random base learn little
+            raise ConfigError(
+                f"model.lora_rank = {config.model.lora_rank}: LoRA trains adapters over a "
+                "frozen pre-trained model, and this run has none (its base would be the "
+                "model's random initialisation); add a [pretrain] section (or pass "
+                "init_params= to dpmp.train), or set model.lora_rank = 0 to train every parameter"
+            )
         return None, None
     source = "init_params given to dpmp.train"
     return init_params, {"source": source, "params_sha256": params_digest(init_params)}

@@ -202,6 +202,13 @@ def noise_plan(
     covers the snapped noise's residual, its failure probability included) gets
     what a possibly truncated Poisson sample (``truncation_probability`` per
     step) leaves of it."""
+    if config.privacy.delta >= 1 / num_train and not config.privacy.allow_large_delta:
+        raise ConfigError(
+            f"privacy.delta: {config.privacy.delta:g} is not below 1/n = {1 / num_train:.3g} "
+            f"for the n = {num_train:,} training records, so the guarantee would allow "
+            "publishing a record in the clear; use a delta below 1/n (1e-5 is usual), or "
+            "privacy.allow_large_delta = true to train anyway (NOT differentially private)"
+        )
     q = config.training.expected_batch_size / num_train
     count_sigma = count_noise_stddev(config)
     coordinates = _noised_coordinates(config, config.precision, params_shape)
