@@ -109,7 +109,10 @@ def main(argv: list[str] | None = None, *, commands: Sequence[Command] = COMMAND
         return command.run(args)
     except KeyboardInterrupt as e:
         # A run stopped between steps says where its checkpoint is (RunInterrupted).
-        print(f"dpmp {args.command}: {e or 'interrupted'}", file=sys.stderr)
+        print(
+            f"dpmp {args.command}: {str(e) or 'interrupted; nothing new was saved'}",
+            file=sys.stderr,
+        )
         return 130
     except BrokenPipeError:
         # The reader (e.g. `| head`) closed the pipe: stop quietly, as Unix tools do
