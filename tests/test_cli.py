@@ -865,6 +865,37 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, delay_s):
             pass
 
 
+def test_sigterm_during_a_run_saves_a_checkpoint_says_so_and_exits_143(
+    capsys, tmp_path, monkeypatch
+):
+    """SIGTERM (SLURM, Kubernetes, ``timeout``) is Ctrl-C's twin: the step in
+    progress ends, its checkpoint is saved, one line says how to resume, status
+    128 + 15. It exited 143 with no message and no checkpoint."""
+    import signal
+
+    from dpmp.app.trainer import loop
+
+    advance = loop._Run._advance
+
+    def advance_then_sigterm(self):
+        out = advance(self)
+        if self.completed == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(loop._Run, "_advance", advance_then_sigterm)
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--quiet", "--set", "training.steps=4"]
+    handler = signal.getsignal(signal.SIGTERM)
+    assert cli.main(argv) == 143
+    assert capsys.readouterr().err.splitlines() == [
+        f"dpmp train: stopped by SIGTERM after step 2 of 4; a checkpoint of that step is in "
+        f"{out / 'checkpoints'}: run again in the same directory to resume"
+    ]
+    assert (out / "checkpoints" / "checkpoint_00000002.npz").is_file()
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back
+
+
 _GC_INTERRUPT = """
 import gc, os, signal, sys
 from dpmp.app import cli
