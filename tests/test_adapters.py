@@ -166,10 +166,15 @@ def test_factory_errors_say_what_to_fix(tmp_path, monkeypatch):
         "    return nn.Dense(num_classes)\n"
         "def broken(input_shape, num_classes):\n"
         "    return 'not a model'\n"
+        "def no_arguments():\n"
+        "    return None\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match="has no function 'missing'"):
         load_factory("user_models_ok:missing")
+    # a wrong signature is one line naming it, not a TypeError traceback from the call
+    with pytest.raises(ConfigError, match=r"no_arguments takes \(\); a model factory takes"):
+        load_factory("user_models_ok:no_arguments")
     info = type("Info", (), {"input_shape": (IN,), "num_classes": K})()
     model = model_from_config(ModelConfig(kind="user_models_ok:make"), info, "fp32")
     assert model.kind == "user_models_ok:make" and model.framework == "flax.linen"

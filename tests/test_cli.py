@@ -634,6 +634,35 @@ def test_a_second_writer_is_refused_and_changes_nothing(capsys, tmp_path):
     assert_one_line_error(capsys, "train", str(out), f"another dpmp run (pid {os.getpid()})")
 
 
+def test_a_run_that_stops_before_writing_leaves_no_folder_of_only_the_lock(capsys, tmp_path):
+    """A run refused (or interrupted) after taking the lock of a new run directory
+    removed nothing: a folder holding only ``.lock`` was left. One it did not
+    create is kept."""
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--set", "privacy.noise_multiplier=0.7"]
+    assert cli.main(argv) == 2
+    assert_one_line_error(capsys, "train", "privacy.noise_multiplier: 0.7")
+    assert not out.exists()
+    out.mkdir()
+    assert cli.main(argv) == 2
+    capsys.readouterr()
+    assert out.is_dir()
+
+
+def test_ctrl_c_with_no_message_still_says_it_was_interrupted(capsys):
+    """A KeyboardInterrupt without a message (Ctrl-C during start-up) printed
+    "dpmp hello: " and nothing else."""
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    toy = Command(
+        name="hello", help="", description="", add_arguments=_toy_arguments, run=interrupted
+    )
+    assert cli.main(["hello"], commands=(toy,)) == 130
+    assert capsys.readouterr().err == "dpmp hello: interrupted; nothing new was saved\n"
+
+
 def test_a_report_that_is_not_dpmps_is_never_overwritten(capsys, tmp_path):
     mine = tmp_path / "report.json"
     for text in ('{"my": "results"}', "not json"):
@@ -880,13 +909,46 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, delay_s):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "Error" not in err, err
-    assert err.splitlines()[-1].startswith("dpmp train: "), err
+    last = err.splitlines()[-1]
+    assert last.startswith("dpmp train: interrupted"), err  # it said "dpmp train: "
     assert not (out / "report.json").exists()
     if out.exists():  # nothing half-written: a second run in the same place starts
+        assert sorted(p.name for p in out.iterdir()) != [".lock"]
         from dpmp.app.run_dir import locked
 
         with locked(out):
             pass
+
+
+def test_sigterm_during_a_run_saves_a_checkpoint_says_so_and_exits_143(
+    capsys, tmp_path, monkeypatch
+):
+    """SIGTERM (SLURM, Kubernetes, ``timeout``) is Ctrl-C's twin: the step in
+    progress ends, its checkpoint is saved, one line says how to resume, status
+    128 + 15. It exited 143 with no message and no checkpoint."""
+    import signal
+
+    from dpmp.app.trainer import loop
+
+    advance = loop._Run._advance
+
+    def advance_then_sigterm(self):
+        out = advance(self)
+        if self.completed == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(loop._Run, "_advance", advance_then_sigterm)
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--quiet", "--set", "training.steps=4"]
+    handler = signal.getsignal(signal.SIGTERM)
+    assert cli.main(argv) == 143
+    assert capsys.readouterr().err.splitlines() == [
+        f"dpmp train: stopped by SIGTERM after step 2 of 4; a checkpoint of that step is in "
+        f"{out / 'checkpoints'}: run again in the same directory to resume"
+    ]
+    assert (out / "checkpoints" / "checkpoint_00000002.npz").is_file()
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back
 
 
 _GC_INTERRUPT = """

@@ -929,26 +929,36 @@ def test_python_api_trains_each_model_form_on_sources(form, digits, tmp_path):
     assert report["epsilon"] == pytest.approx(small().privacy.target_epsilon, rel=1e-3)
 
 
-def test_ctrl_c_stops_between_steps_with_a_checkpoint_and_the_run_resumes(digits, tmp_path):
+@pytest.mark.parametrize(
+    "signame, said", [("SIGINT", "interrupted"), ("SIGTERM", "stopped by SIGTERM")]
+)
+def test_ctrl_c_stops_between_steps_with_a_checkpoint_and_the_run_resumes(
+    digits, tmp_path, signame, said
+):
     """SIGINT during step 3 lets the step finish, saves its checkpoint, says how to
-    resume; the resumed run ends where an uninterrupted one would (12 steps)."""
+    resume; the resumed run ends where an uninterrupted one would (12 steps).
+    SIGTERM (what SLURM, Kubernetes and ``timeout`` send) alike: it stopped the
+    run at once, with no checkpoint and no message."""
     import os
     import signal
 
     from dpmp.app.checkpoint import list_checkpoints
     from dpmp.app.trainer.loop import RunInterrupted
 
+    signum = getattr(signal, signame)
+
     def press_ctrl_c(step, info):
         if step == 3:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
 
     out = tmp_path / "run"
-    handler = signal.getsignal(signal.SIGINT)
-    with pytest.raises(RunInterrupted, match="interrupted after step 3 of 12.*to resume"):
+    handler = signal.getsignal(signum)
+    with pytest.raises(RunInterrupted, match=f"{said} after step 3 of 12.*to resume") as stop:
         train(small(), out_dir=out, progress=False, data=digits, callback=press_ctrl_c)
+    assert stop.value.signum == signum
     assert [s for s, _ in list_checkpoints(out / "checkpoints")][-1] == 3
-    assert "interrupted after step 3" in (out / "train.log").read_text()
-    assert signal.getsignal(signal.SIGINT) is handler  # put back
+    assert f"{said} after step 3" in (out / "train.log").read_text()
+    assert signal.getsignal(signum) is handler  # put back
     report = train(small(), out_dir=out, progress=False, data=digits)
     assert report["steps"] == 12 and report["epsilon"] <= 2.0
     assert "resumed from checkpoint_00000003.npz" in (out / "train.log").read_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -86,4 +87,15 @@ def load_factory(kind: str) -> Callable:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ConfigError(f"model.kind: {module_name!r} has no function {attr!r}")
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without one: called as it is
+        return factory
+    try:
+        signature.bind((1,), 2)
+    except TypeError:
+        raise ConfigError(
+            f"model.kind: {kind} takes {signature}; a model factory takes "
+            "(input_shape, num_classes) and returns the model"
+        ) from None
     return factory

@@ -192,6 +192,7 @@ def locked(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise RunDirError(f"{path}: exists and is not a directory")
+    created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     lock = path / LOCK_FILE
     with open(lock, "a+") as handle:
@@ -216,6 +217,8 @@ def locked(path: str | Path) -> Iterator[Path]:
             handle.flush()
             yield path
         finally:
+            if created:  # no folder is left holding only the lock (an error, Ctrl-C)
+                _remove_if_only_lock(path)
             if fcntl is not None:
                 lock.unlink(missing_ok=True)  # while held: no run directory keeps a .lock
                 fcntl.flock(handle, fcntl.LOCK_UN)
@@ -227,6 +230,14 @@ def _same_file(handle, path: Path) -> bool:
         return os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
     except FileNotFoundError:
         return False
+
+
+def _remove_if_only_lock(path: Path) -> None:
+    """Removes ``path`` if it holds nothing but the lock (a run that wrote nothing)."""
+    with contextlib.suppress(OSError):
+        if [p.name for p in path.iterdir()] == [LOCK_FILE]:
+            (path / LOCK_FILE).unlink()
+            path.rmdir()
 
 
 def _check_report(report: Path) -> None:

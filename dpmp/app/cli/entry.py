@@ -3,7 +3,7 @@
 ``COMMANDS`` lists the commands in the order ``dpmp --help`` shows them; a new
 command is a module defining a :class:`~dpmp.app.cli.command.Command` and one
 line here. :func:`main` parses the arguments (importing nothing heavy, so that
-``--help`` is fast), loads what the command needs with Ctrl-C held, runs it and
+``--help`` is fast), loads what the command needs with Ctrl-C (and SIGTERM) held, runs it and
 turns its errors into one line and an exit status.
 """
 
@@ -58,7 +58,7 @@ def parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
 
 
 def _import_all(modules: Sequence[str], distributed: dict | None = None) -> None:
-    """Imports ``modules`` with Ctrl-C held until they are loaded, then raises it.
+    """Imports ``modules`` with Ctrl-C and SIGTERM held until they are loaded, then raises it.
 
     A KeyboardInterrupt raised inside a native extension's initialisation
     (jaxlib's) leaves it half-loaded: the interpreter reported an ImportError
@@ -71,7 +71,9 @@ def _import_all(modules: Sequence[str], distributed: dict | None = None) -> None
         _join(distributed)
         return
     pressed = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    previous = {
+        s: signal.signal(s, lambda signum, frame: pressed.append(signum)) for s in _STOP_SIGNALS
+    }
     try:
         for name in modules:
             importlib.import_module(name)
@@ -79,9 +81,20 @@ def _import_all(modules: Sequence[str], distributed: dict | None = None) -> None
         if "jax" in modules:
             sys.modules["jax"].devices()  # the backend's own start-up, also native
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if pressed:
-        raise KeyboardInterrupt
+        _stop(pressed[0], None)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop(signum: int, frame) -> None:
+    """Ctrl-C and SIGTERM alike raise KeyboardInterrupt, which says which it was."""
+    stop = KeyboardInterrupt()
+    stop.signum = signum
+    raise stop
 
 
 def _join(distributed: dict | None) -> None:
@@ -100,18 +113,23 @@ def main(argv: list[str] | None = None, *, commands: Sequence[Command] = COMMAND
     0 done; 1 an audit found a violation; 2 an error in the arguments, the config
     or the data (one line on stderr naming the field and what is allowed;
     ``DPMP_DEBUG=1`` raises it instead); 3 a run that ended without doing what
-    was asked (``dpmp train``); 130 Ctrl-C; 141 the reader of stdout went away.
+    was asked (``dpmp train``); 130 Ctrl-C; 143 SIGTERM (a run saves a checkpoint
+    first, as for Ctrl-C); 141 the reader of stdout went away.
     """
     args = parser(commands).parse_args(argv)
     command = next(c for c in commands if c.name == args.command)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None
     try:
         distributed = None if command.distributed is None else command.distributed(args)
         _import_all(command.imports, distributed)
         return command.run(args)
     except KeyboardInterrupt as e:
         # A run stopped between steps says where its checkpoint is (RunInterrupted).
-        print(f"dpmp {args.command}: {e or 'interrupted'}", file=sys.stderr)
-        return 130
+        signum = getattr(e, "signum", signal.SIGINT)
+        how = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+        print(f"dpmp {args.command}: {str(e) or how + '; nothing new was saved'}", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:
         # The reader (e.g. `| head`) closed the pipe: stop quietly, as Unix tools do
         # (status 128 + SIGPIPE); point stdout at /dev/null so the exit flush is silent.
@@ -126,6 +144,9 @@ def main(argv: list[str] | None = None, *, commands: Sequence[Command] = COMMAND
             raise
         print(f"dpmp {args.command}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def console() -> int:
@@ -136,8 +157,8 @@ def console() -> int:
     tearing the interpreter down under them crashed it (SIGSEGV instead of 130).
     """
     status = main()
-    if status == 130:
+    if status in (130, 143):
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(status)
     return status

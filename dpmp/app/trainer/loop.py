@@ -394,12 +394,20 @@ def _build_step(
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped a run between two steps, after saving a checkpoint; the
-    message says how to resume."""
+    """Ctrl-C or SIGTERM stopped a run between two steps, after saving a checkpoint;
+    the message says how to resume, ``signum`` which signal it was."""
+
+    def __init__(self, message: str = "", signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class _Interrupts:
-    """Ctrl-C (SIGINT) during a run. It raises KeyboardInterrupt at once, except
+    """Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and ``timeout`` send
+    before they kill) during a run. It raises KeyboardInterrupt at once, except
     inside ``held()`` (the loop), where the first is held until the step in
     progress is done, so that the run stops at a whole state; a second interrupts
     at once. Every one is remembered in ``requested``: Python ignores an exception
@@ -411,13 +419,18 @@ class _Interrupts:
 
     def __init__(self):
         self.requested = False
+        self.signum = signal.SIGINT  # the first signal received
         self._holding = False
         self._previous = None
 
     def _handler(self, signum, frame):
         again, self.requested = self.requested, True
+        if not again:
+            self.signum = signum
         if again or not self._holding:
-            raise KeyboardInterrupt
+            stop = KeyboardInterrupt()
+            stop.signum = signum  # the command's exit status is 128 + signum
+            raise stop
 
     def _unraisable(self, info):
         if not isinstance(info.exc_value, KeyboardInterrupt):  # remembered in requested
@@ -433,13 +446,14 @@ class _Interrupts:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self._previous = {s: signal.signal(s, self._handler) for s in _STOP_SIGNALS}
             self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def __exit__(self, *exc):
         if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+            for s, previous in self._previous.items():
+                signal.signal(s, previous)
             sys.unraisablehook = self._previous_hook
 
 
@@ -538,12 +552,13 @@ class _Run:
             if interrupts.requested:  # between steps: the state is whole, save it
                 bar.close()
                 self.save(finished=False)
+                how = "interrupted" if interrupts.signum == signal.SIGINT else "stopped by SIGTERM"
                 message = (
-                    f"interrupted after step {self.completed} of {t.steps}; a checkpoint of "
+                    f"{how} after step {self.completed} of {t.steps}; a checkpoint of "
                     f"that step is in {self.ckpt_dir}: run again in the same directory to resume"
                 )
                 self.run_dir.log(message, echo=False)  # the command prints it once
-                raise RunInterrupted(message)
+                raise RunInterrupted(message, interrupts.signum)
             tic = time.perf_counter()
             stats, eps, new_scale = self._advance()
             self.totals["elapsed_s"] = self.elapsed_before + (time.perf_counter() - session_start)
