@@ -48,7 +48,6 @@ __all__ = [
     "audit_warnings",
     "build_report",
     "config_dict",
-    "epsilon_breakdown",
     "epsilon_text",
     "file_inventory",
     "inventory_lines",
@@ -340,24 +339,6 @@ def epsilon_text(epsilon: float) -> str:
     (never below the guarantee), the same in the summary, ``train.log``, the
     progress bar and the plots."""
     return f"{math.ceil(epsilon * 1e5 - 1e-6) / 1e5:.5f}"
-
-
-def epsilon_breakdown(step, steps: int) -> accounting.EpsilonBreakdown:
-    """An epsilon after ``steps`` steps at dp-accounting's default (finer)
-    discretisation, in parts. A run's guarantee is its tracker's value instead
-    (``tracker.breakdown()``: the value calibrated to and stopped at)."""
-    p = step.config.privacy
-    return accounting.epsilon_breakdown(
-        noise_multiplier=step.noise_multiplier,
-        sampling_prob=step.sampling_prob,
-        steps=steps,
-        delta=step.budget.delta,  # privacy.delta less what truncation may take
-        count_noise_stddev=step.count_noise_stddev,
-        count_every=1,
-        accountant=p.accountant,
-        preprocessing_noise_multiplier=step.budget.preprocessing_noise_multiplier,
-        noised_coordinates=step.budget.noised_coordinates,
-    )
 
 
 def _sampling_section(step, sampler, completed: int, breakdown) -> dict[str, Any]:
