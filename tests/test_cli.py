@@ -951,6 +951,40 @@ def test_sigterm_during_a_run_saves_a_checkpoint_says_so_and_exits_143(
     assert signal.getsignal(signal.SIGTERM) is handler  # put back
 
 
+def test_a_full_disk_names_the_checkpoint_leaves_no_temporary_file_and_says_how_to_resume(
+    capsys, tmp_path, monkeypatch
+):
+    """ENOSPC while a checkpoint is written: one line naming the file, what was
+    kept and how to resume; no temporary file is left. It said "[Errno 28] No
+    space left on device" with no file named and left ``.checkpoint_*.tmp-*``."""
+    import errno
+
+    savez, calls = np.savez, []
+
+    def savez_on_a_disk_that_fills(file, **arrays):
+        calls.append(1)
+        if len(calls) == 1:
+            return savez(file, **arrays)
+        file.write(b"PK\x03\x04 half a zip")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", savez_on_a_disk_that_fills)
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--quiet"]
+    argv += ["--set", "training.steps=4", "--set", "training.checkpoint_every=2"]
+    assert cli.main(argv) == 2
+    ckpt = out / "checkpoints"
+    assert_one_line_error(
+        capsys,
+        "train",
+        f"{ckpt / 'checkpoint_00000004.npz'}: cannot write the checkpoint: No space left on "
+        "device; "
+        f"the newest checkpoint is of step 2 ({ckpt / 'checkpoint_00000002.npz'}): free space "
+        "and run again in the same directory to resume",
+    )
+    assert sorted(p.name for p in ckpt.iterdir()) == ["checkpoint_00000002.npz"]
+
+
 _GC_INTERRUPT = """
 import gc, os, signal, sys
 from dpmp.app import cli

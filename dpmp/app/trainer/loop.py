@@ -670,7 +670,19 @@ class _Run:
             "finished": finished,
             "stopped_early": self.stopped,
         }
-        save_checkpoint(self.ckpt_dir, step=self.completed, state=state, meta=meta)
+        try:
+            save_checkpoint(self.ckpt_dir, step=self.completed, state=state, meta=meta)
+        except OSError as e:  # a full disk: say what was kept and how to go on
+            saved = list_checkpoints(self.ckpt_dir)
+            kept = (
+                f"the newest checkpoint is of step {saved[-1][0]} ({saved[-1][1]})"
+                if saved
+                else "no checkpoint was saved"
+            )
+            raise OSError(
+                f"{e}; {kept}: free space and run again in the same directory to "
+                + ("resume" if saved else "start")
+            ) from e
 
     # ---- the end --------------------------------------------------------------
 
