@@ -985,6 +985,18 @@ def test_a_full_disk_names_the_checkpoint_leaves_no_temporary_file_and_says_how_
     assert sorted(p.name for p in ckpt.iterdir()) == ["checkpoint_00000002.npz"]
 
 
+def test_a_finished_run_run_again_says_it_is_finished_and_how_to_start_afresh(capsys, tmp_path):
+    """It said "resumed from checkpoint_00000002.npz (step 2, ...)", as if training went on."""
+    argv = ["train", "--out", str(tmp_path / "run"), "--set", "training.steps=2"]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "resumed" not in err
+    assert "this run is finished (2 steps, checkpoint_00000002.npz)" in err
+    assert "To train afresh: dpmp train --fresh" in err
+
+
 _GC_INTERRUPT = """
 import gc, os, signal, sys
 from dpmp.app import cli

@@ -528,6 +528,14 @@ class _Run:
         self.last_eval = dict(meta.get("last_eval", {}))
         self.completed = self.saved_step = int(meta["step"])
         self.run_dir.truncate_metrics(self.completed)
+        if meta.get("finished"):  # nothing to train: its report is written again
+            self.run_dir.log(
+                f"this run is finished ({self.completed} steps, {path.name}); its report is "
+                "written again, nothing is trained. To train afresh: dpmp train --fresh "
+                "(dpmp.train(..., resume=False)) or another run directory",
+                echo=True,  # with --quiet too
+            )
+            return True
         self.run_dir.log(
             f"resumed from {path.name} (step {self.completed}, "
             f"epsilon {release.epsilon_text(self.tracker.spent())})"
