@@ -60,13 +60,20 @@ def as_model(
     policy: Policy | str,
     *,
     loss: Callable | None = None,
+    input_dtype: Any = jnp.float32,
 ) -> Model:
     """A ``Model`` of a flax linen or nnx module, an Equinox module, an ``(init,
     apply)`` pair or a ``Model`` (returned as it is; ``loss`` must then be None).
 
+    ``input_dtype`` is what the inputs are: float32 features, or integer token
+    ids (a linen module is initialised on them); a language model on token ids
+    must give logits ``[B, T, V]`` with ``V`` at least the vocabulary
+    ``num_classes``.
+
     Raises:
       TypeError: ``obj`` is none of these forms.
-      ValueError: the model keeps batch statistics.
+      ValueError: the model keeps batch statistics, or its logits are fewer
+        than the vocabulary.
     """
     policy = Policy.parse(policy)
     if isinstance(obj, Model):
@@ -74,14 +81,18 @@ def as_model(
             raise ValueError("loss: a dpmp Model carries its own loss; pass loss=None")
         return obj
     input_shape = tuple(int(d) for d in input_shape)
-    framework, init, forward = _form(obj, input_shape)
+    framework, init, forward = _form(obj, input_shape, jnp.dtype(input_dtype))
 
     def forward_in_compute(params, x):
         return forward(cast_tree(params, policy.compute), x)
 
     loss_fn, predict, metrics = wrap_forward(forward_in_compute, policy, loss)
     name = type(obj).__name__ if framework != "jax" else getattr(obj[1], "__name__", "apply")
-    dropout = _linen_dropout(init, forward, input_shape) if framework == "flax.linen" else ""
+    dropout = ""
+    if framework == "flax.linen":
+        dropout = _linen_dropout(init, forward, input_shape, jnp.dtype(input_dtype))
+    if jnp.issubdtype(input_dtype, jnp.integer):
+        _check_vocabulary(init, predict, input_shape, num_classes)
     return Model(
         kind="custom",
         framework=framework,
@@ -98,14 +109,14 @@ def as_model(
     )
 
 
-def _form(obj: Any, input_shape: tuple[int, ...]) -> tuple[str, Callable, Callable]:
+def _form(obj: Any, input_shape: tuple[int, ...], dtype) -> tuple[str, Callable, Callable]:
     """``(framework, init(key) -> params, forward(params, x) -> outputs)``."""
     import equinox as eqx
     import flax.linen as nn
     from flax import nnx
 
     if isinstance(obj, nn.Module):
-        return ("flax.linen", *_linen(obj, input_shape))
+        return ("flax.linen", *_linen(obj, input_shape, dtype))
     if isinstance(obj, nnx.Module):
         return ("flax.nnx", *_nnx(obj))
     if isinstance(obj, eqx.Module):
@@ -118,8 +129,8 @@ def _form(obj: Any, input_shape: tuple[int, ...]) -> tuple[str, Callable, Callab
     )
 
 
-def _linen(module, input_shape):
-    example = jnp.zeros((1, *input_shape), jnp.float32)
+def _linen(module, input_shape, dtype):
+    example = jnp.zeros((1, *input_shape), dtype)
     collections = set(jax.eval_shape(module.init, jax.random.key(0), example))
     if collections - {"params"}:
         raise ValueError(
@@ -136,7 +147,7 @@ def _linen(module, input_shape):
     return init, forward
 
 
-def _linen_dropout(init, forward, input_shape) -> str:
+def _linen_dropout(init, forward, input_shape, dtype) -> str:
     """``", dropout off (...)"`` naming the module's dropout layers, or ``""``.
 
     Raises:
@@ -153,7 +164,7 @@ def _linen_dropout(init, forward, input_shape) -> str:
         return next_fun(*args, **kwargs)
 
     params = jax.eval_shape(init, jax.random.key(0))
-    example = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
+    example = jax.ShapeDtypeStruct((1, *input_shape), dtype)
     try:
         with nn.intercept_methods(spy):
             jax.eval_shape(forward, params, example)
@@ -166,6 +177,23 @@ def _linen_dropout(init, forward, input_shape) -> str:
     if not found:
         return ""
     return f", dropout off ({', '.join(sorted(set(found)))}: no dropout randomness is passed)"
+
+
+def _check_vocabulary(init, predict, input_shape, vocab: int) -> None:
+    """A language model on token ids gives logits ``[1, T, V]`` with ``V >= vocab``."""
+    params = jax.eval_shape(init, jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((1, *input_shape), jnp.int32)
+    shape = tuple(jax.eval_shape(predict, params, tokens).shape)
+    if len(shape) != 3 or shape[:2] != (1, *input_shape):
+        raise ValueError(
+            f"model: on token ids [B, {', '.join(map(str, input_shape))}] it must give logits "
+            f"[B, T, vocab], got shape {shape} for B = 1"
+        )
+    if shape[2] < int(vocab):
+        raise ValueError(
+            f"model: gives {shape[2]} logits per token, fewer than the data's vocabulary of "
+            f"{int(vocab)} token ids (the tokenizer's is larger than the model's embedding)"
+        )
 
 
 def _nnx(module):
