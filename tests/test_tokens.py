@@ -283,3 +283,28 @@ def test_a_user_flax_lm_trains_on_per_token_labels_through_dpmp_train(tmp_path):
     assert report["steps"] == 3 and report["data"]["task"] == "next_token"
     assert np.isfinite(report["test_loss"]) and 0 <= report["test_accuracy"] <= 1
     assert report["test_perplexity"] == pytest.approx(np.exp(report["test_loss"]))
+
+
+@pytest.mark.slow
+def test_the_builtin_lm_on_per_token_labels_clips_the_same_by_ghost_and_vmap():
+    from dpmp.models.families import Architecture, build_model
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 11, (12, 6)).astype(np.int32)
+    y = np.where(rng.random((12, 6)) < 0.3, IGNORE, rng.integers(0, 11, (12, 6))).astype(np.int32)
+    data = dpmp.Dataset.from_tokens((x, y), (x[:2], y[:2]), vocab_size=11)
+    model = build_model("lm", data, "fp32", Architecture(dim=16, depth=1, heads=2))
+    params = jax.jit(model.init)(jax.random.key(3))
+    batch = {"x": jnp.asarray(x[:6]), "y": jnp.asarray(y[:6])}
+    pad = jnp.asarray([False] * 5 + [True])
+
+    def clipped_sum(method):
+        grad = dpmp.private_grad(model.loss_fn, l2_clip_norm=0.1, policy="fp32", method=method)
+        return jax.jit(grad)(params, batch, is_padding_example=pad)
+
+    sums = {method: clipped_sum(method) for method in ("vmap", "ghost")}
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6),
+        sums["vmap"].grads,
+        sums["ghost"].grads,
+    )
