@@ -208,9 +208,21 @@ def test_a_tokenizer_needs_text_data():
         load_config(None, ['data.tokenizer="t.json"'])
 
 
-def test_a_model_with_fewer_logits_than_the_vocabulary_is_refused():
+class WideHead(nn.Module):
+    """Embeds positions (4 rows: fine) and token ids (4 rows), gives 9 logits."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        positions = nn.Embed(4, 8)(jnp.arange(tokens.shape[1])[None])
+        return nn.Dense(9)(nn.Embed(4, 8, name="tokens")(tokens) + positions)
+
+
+def test_a_model_smaller_than_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match="gives 5 logits per token, fewer than .* 9 token ids"):
         as_model(TinyLM(5), (4,), 9, "fp32", input_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="embedding tokens has 4 rows, fewer than .* 9 token"):
+        as_model(WideHead(), (4,), 9, "fp32", input_dtype=jnp.int32)
+    as_model(WideHead(), (4,), 4, "fp32", input_dtype=jnp.int32)  # positions: not token ids
 
 
 def _cli_text(tmp_path, tokenizer, *extra):

@@ -68,12 +68,13 @@ def as_model(
     ``input_dtype`` is what the inputs are: float32 features, or integer token
     ids (a linen module is initialised on them); a language model on token ids
     must give logits ``[B, T, V]`` with ``V`` at least the vocabulary
-    ``num_classes``.
+    ``num_classes``, and a linen ``nn.Embed`` applied to the token ids must
+    have as many rows.
 
     Raises:
       TypeError: ``obj`` is none of these forms.
-      ValueError: the model keeps batch statistics, or its logits are fewer
-        than the vocabulary.
+      ValueError: the model keeps batch statistics, or its logits (or its
+        linen token embedding) are fewer than the vocabulary.
     """
     policy = Policy.parse(policy)
     if isinstance(obj, Model):
@@ -92,7 +93,8 @@ def as_model(
     if framework == "flax.linen":
         dropout = _linen_dropout(init, forward, input_shape, jnp.dtype(input_dtype))
     if jnp.issubdtype(input_dtype, jnp.integer):
-        _check_vocabulary(init, predict, input_shape, num_classes)
+        linen = forward if framework == "flax.linen" else None
+        _check_vocabulary(init, predict, input_shape, num_classes, linen_forward=linen)
     return Model(
         kind="custom",
         framework=framework,
@@ -179,8 +181,9 @@ def _linen_dropout(init, forward, input_shape, dtype) -> str:
     return f", dropout off ({', '.join(sorted(set(found)))}: no dropout randomness is passed)"
 
 
-def _check_vocabulary(init, predict, input_shape, vocab: int) -> None:
-    """A language model on token ids gives logits ``[1, T, V]`` with ``V >= vocab``."""
+def _check_vocabulary(init, predict, input_shape, vocab: int, *, linen_forward=None) -> None:
+    """A language model on token ids gives logits ``[1, T, V]`` with ``V >= vocab``, and
+    (linen) every ``nn.Embed`` that reads the token ids themselves has ``vocab`` rows."""
     params = jax.eval_shape(init, jax.random.key(0))
     tokens = jax.ShapeDtypeStruct((1, *input_shape), jnp.int32)
     shape = tuple(jax.eval_shape(predict, params, tokens).shape)
@@ -194,6 +197,35 @@ def _check_vocabulary(init, predict, input_shape, vocab: int) -> None:
             f"model: gives {shape[2]} logits per token, fewer than the data's vocabulary of "
             f"{int(vocab)} token ids (the tokenizer's is larger than the model's embedding)"
         )
+    if linen_forward is not None:
+        for name, rows in _linen_token_embeddings(linen_forward, params, input_shape):
+            if rows < int(vocab):
+                raise ValueError(
+                    f"model: its embedding {name} has {rows} rows, fewer than the data's "
+                    f"vocabulary of {int(vocab)} token ids (the tokenizer's is larger than "
+                    "the model's embedding)"
+                )
+
+
+def _linen_token_embeddings(forward, params, input_shape) -> list[tuple[str, int]]:
+    """``(name, rows)`` of each linen ``nn.Embed`` called on the model's input itself."""
+    import flax.linen as nn
+
+    found: list[tuple[str, int]] = []
+
+    def run(p, tokens):
+        def spy(next_fun, args, kwargs, context):
+            module = context.module
+            if isinstance(module, nn.Embed) and context.method_name == "__call__":
+                if args and args[0] is tokens:  # not positions or other derived ids
+                    found.append((str(module.name), int(module.num_embeddings)))
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(spy):
+            return forward(p, tokens)
+
+    jax.eval_shape(run, params, jax.ShapeDtypeStruct((1, *input_shape), jnp.int32))
+    return found
 
 
 def _nnx(module):
