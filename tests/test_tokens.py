@@ -42,7 +42,7 @@ class TinyLM(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         h = nn.Embed(self.vocab, 8)(tokens)
-        h = jnp.cumsum(h, axis=1) / jnp.arange(1, tokens.shape[1] + 1)[:, None]
+        h = jnp.cumsum(h, axis=1) / jnp.arange(1, tokens.shape[1] + 1, dtype=h.dtype)[:, None]
         return nn.Dense(self.vocab)(jnp.tanh(h))
 
 
@@ -58,7 +58,7 @@ def _np_token_ce(logits, labels):
     return np.array(out)
 
 
-def test_per_record_loss_is_the_numpy_float64_mean_over_labelled_tokens():
+def test_per_record_loss_is_the_numpy_float64_mean_over_labelled_tokens(strict_promotion):
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, 6, 5)).astype(np.float32) * 3
     labels = rng.integers(0, 5, (4, 6)).astype(np.int32)
@@ -79,7 +79,7 @@ def tiny_lm():
     return model, jax.jit(model.init)(jax.random.key(0))
 
 
-def test_ignored_positions_contribute_nothing(tiny_lm):
+def test_ignored_positions_contribute_nothing(tiny_lm, strict_promotion):
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(3, 7, 6)).astype(np.float32)
     labels = rng.integers(0, 6, (3, 7)).astype(np.int32)
@@ -122,7 +122,7 @@ def test_padding_rows_of_a_poisson_batch_contribute_zero(tiny_lm):
     jax.tree.map(np.testing.assert_array_equal, a.grads, b.grads)
 
 
-def test_evaluation_is_the_mean_cross_entropy_per_labelled_token(tiny_lm):
+def test_evaluation_is_the_mean_cross_entropy_per_labelled_token(tiny_lm, strict_promotion):
     rng = np.random.default_rng(3)
     x = rng.integers(0, 6, (5, 5)).astype(np.int32)
     y = rng.integers(0, 6, (5, 5)).astype(np.int32)

@@ -65,8 +65,10 @@ class Dataset:
       x_train, x_test: features, ``[n, *input_shape]``: float32 arrays in
         memory, or anything indexed by rows (a memory-mapped ``.npy`` of any
         numeric dtype, a ``RecordColumn``); batches are cast to float32.
-      y_train, y_test: int32 labels in ``[0, num_classes)``, in memory.
-      num_classes: K; the training labels are exactly 0..K-1 (``_check_classes``).
+      y_train, y_test: int32 labels in ``[0, num_classes)``, in memory: ``[n]``,
+        or ``[n, T]`` per-token labels where -1 marks no label (see ``task``).
+      num_classes: K; the training labels are exactly 0..K-1 (``_check_classes``);
+        for next-token data the vocabulary.
       input_shape: shape of one example (``(8, 8, 1)`` for digits).
       description: one line saying where the data came from.
       standardize: how the features were standardised: ``"none"``,
