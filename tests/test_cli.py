@@ -213,6 +213,27 @@ def test_console_entry_point_exit_status():
     assert (old.returncode, old.stdout, old.stderr) == (2, "", out.stderr)
 
 
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["train", "--set", "model.dimm=3", "--out"], "unknown key model.dimm; allowed: kind, "),
+        (["audit", "--set", "privcy.delta=1e-6", "--out"], "unknown section 'privcy'"),
+        (["compare", "--config", "no/such.toml"], "config: no such file 'no/such.toml'"),
+    ],
+)
+def test_a_config_typo_is_named_before_jax_is_imported(argv, needle, tmp_path):
+    """The key check reads names only, so it answers before the libraries load."""
+    code = (
+        "import sys; from dpmp.app.cli.entry import main; "
+        f"status = main({argv + [str(tmp_path / 'run')] * (argv[-1] == '--out')!r}); "
+        "print(status, 'jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+    assert needle in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
 def _toy_arguments(p):
     p.add_argument("--times", type=int, default=1, help="how many greetings")
 
