@@ -1006,6 +1006,59 @@ def test_a_full_disk_names_the_checkpoint_leaves_no_temporary_file_and_says_how_
     assert sorted(p.name for p in ckpt.iterdir()) == ["checkpoint_00000002.npz"]
 
 
+def _disk_full_for(monkeypatch, file: Path, after: int):
+    """Writes to ``file`` (or its temporary twin) fail with ENOSPC, a real one from
+    /dev/full, once ``after`` writes of it have succeeded."""
+    from dpmp.app import run_dir
+
+    create, opened = run_dir._create, []
+
+    def create_on_a_disk_that_fills(path, flags, secret):
+        fd = create(path, flags, secret)
+        twin = path.parent == file.parent and path.name.startswith(f".{file.name}.tmp-")
+        if path == file or twin:
+            opened.append(path)
+            if len(opened) > after:
+                full = os.open("/dev/full", os.O_WRONLY)
+                os.dup2(full, fd)
+                os.close(full)
+        return fd
+
+    monkeypatch.setattr(run_dir, "_create", create_on_a_disk_that_fills)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, after, folder",
+    [("metrics.jsonl", 2, ""), ("report.json", 0, ""), ("diagnostics.json", 0, "private")],
+)
+def test_a_full_disk_while_writing_run_files_names_the_file_and_resumes(
+    name, after, folder, capsys, tmp_path, monkeypatch
+):
+    """ENOSPC on a run file: one line naming it, the checkpoint kept and how to go on;
+    no temporary file is left, and the run started again finishes with whole files."""
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--quiet", "--set", "training.steps=4"]
+    argv += ["--set", "training.checkpoint_every=2", "--set", "training.log_every=1"]
+    with monkeypatch.context() as patch:
+        _disk_full_for(patch, out / folder / name, after)
+        assert cli.main(argv) == 2
+    newest = 2 if name == "metrics.jsonl" else 4
+    ckpt = out / "checkpoints" / f"checkpoint_{newest:08d}.npz"
+    assert_one_line_error(
+        capsys,
+        "train",
+        f"{out / folder / name}: cannot write the file: No space left on device; the newest "
+        f"checkpoint is of step {newest} ({ckpt}): free space and run again in the same "
+        "directory to resume",
+    )
+    assert not list(out.rglob(".*.tmp-*"))
+    assert cli.main(argv) == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()  # no torn line is left
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    assert json.loads((out / "report.json").read_text())["steps"] == 4
+
+
 def test_a_finished_run_run_again_says_it_is_finished_and_how_to_start_afresh(capsys, tmp_path):
     """It said "resumed from checkpoint_00000002.npz (step 2, ...)", as if training went on."""
     argv = ["train", "--out", str(tmp_path / "run"), "--set", "training.steps=2"]

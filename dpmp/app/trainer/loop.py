@@ -457,6 +457,10 @@ class _Interrupts:
             sys.unraisablehook = self._previous_hook
 
 
+class _Resumable(OSError):
+    """A file could not be written; the message says what was kept and how to go on."""
+
+
 class _Run:
     """A run in progress: the state, and what a checkpoint keeps beside it (the
     sampler, the budget tracker, running totals, the loss-scale history, the last
@@ -571,8 +575,9 @@ class _Run:
             stats, eps, new_scale = self._advance()
             self.totals["elapsed_s"] = self.elapsed_before + (time.perf_counter() - session_start)
             end = StepEnd(self.completed, stats, eps, new_scale, started=tic)
-            for action in actions:  # budget stop, evaluation, logs, progress, checkpoint
-                action(self, end)
+            with self.resumable():
+                for action in actions:  # budget stop, evaluation, logs, progress, checkpoint
+                    action(self, end)
         bar.close()
 
     def _advance(self):
@@ -678,16 +683,25 @@ class _Run:
             "finished": finished,
             "stopped_early": self.stopped,
         }
-        try:
+        with self.resumable():
             save_checkpoint(self.ckpt_dir, step=self.completed, state=state, meta=meta)
-        except OSError as e:  # a full disk: say what was kept and how to go on
+
+    @contextlib.contextmanager
+    def resumable(self):
+        """A file that cannot be written (a full disk) stops the run with one line
+        that names it, says which checkpoint is kept and how to go on."""
+        try:
+            yield
+        except _Resumable:
+            raise  # said already
+        except OSError as e:
             saved = list_checkpoints(self.ckpt_dir)
             kept = (
                 f"the newest checkpoint is of step {saved[-1][0]} ({saved[-1][1]})"
                 if saved
                 else "no checkpoint was saved"
             )
-            raise OSError(
+            raise _Resumable(
                 f"{e}; {kept}: free space and run again in the same directory to "
                 + ("resume" if saved else "start")
             ) from e
@@ -722,20 +736,25 @@ class _Run:
             num_params=count_params(params),
             starting_point=self.start_info,
         )
-        self.run_dir.write_report(report)
-        self.run_dir.write_private_diagnostics(
-            release.private_diagnostics(
-                totals=self.totals,
-                sampler=self.sampler,
-                evaluation=self.last_eval,
-                wall_time_s=time.perf_counter() - started + self.elapsed_before,
+        with self.resumable():  # a finished run started again writes its report again
+            self.run_dir.write_report(report)
+            self.run_dir.write_private_diagnostics(
+                release.private_diagnostics(
+                    totals=self.totals,
+                    sampler=self.sampler,
+                    evaluation=self.last_eval,
+                    wall_time_s=time.perf_counter() - started + self.elapsed_before,
+                )
             )
-        )
-        self.run_dir.log(
-            f"done: {self.completed} steps, test accuracy "
-            f"{self.last_eval['test_accuracy']:.4f}, "
-            f"epsilon {release.epsilon_text(report['epsilon'])} at delta "
-            f"{self.config.privacy.delta:g}"
-            + ("" if report["private"] else "; NOT differentially private (see privacy_warnings)")
-        )
+            self.run_dir.log(
+                f"done: {self.completed} steps, test accuracy "
+                f"{self.last_eval['test_accuracy']:.4f}, "
+                f"epsilon {release.epsilon_text(report['epsilon'])} at delta "
+                f"{self.config.privacy.delta:g}"
+                + (
+                    ""
+                    if report["private"]
+                    else "; NOT differentially private (see privacy_warnings)"
+                )
+            )
         return report
