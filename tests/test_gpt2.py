@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dpmp.data._dataset import DataError
 from dpmp.models._generate import generate, generate_text
-from dpmp.models._gpt2_checkpoint import encode, load_gpt2, save_gpt2
+from dpmp.models._gpt2_checkpoint import encode_text, load_gpt2, save_gpt2
 from dpmp.models._lora import adapted
 
 SIZES = {"vocab_size": 12, "n_positions": 8, "n_embd": 8, "n_layer": 2, "n_head": 2}
@@ -139,7 +139,7 @@ def test_save_and_load_round_trip_the_logits_and_dtypes(tmp_path, dtype):
     np.testing.assert_array_equal(
         first.model.predict(first.params, TOKENS), second.model.predict(second.params, TOKENS)
     )
-    assert encode(second.tokenizer, "the cat sat").tolist() == [2, 3, 4]
+    assert encode_text(second.tokenizer, "the cat sat").tolist() == [2, 3, 4]
 
 
 def test_the_weight_matrices_are_kernels_lora_adapts(tmp_path):

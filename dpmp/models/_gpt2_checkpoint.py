@@ -28,16 +28,16 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dpmp.data._dataset import DataError
 from dpmp.models._model import Model
-from dpmp.models.families._gpt2 import GPT2Config, Params, gpt2_model, nest
+from dpmp.models._params_file import nest, param_names
+from dpmp.models.families._gpt2 import GPT2Config, Params, gpt2_model
 from dpmp.precision._policy import Policy
 
-__all__ = ["GPT2", "encode", "load_gpt2", "load_tokenizer", "read_config", "save_gpt2"]
+__all__ = ["GPT2", "encode_text", "load_gpt2", "load_tokenizer", "read_config", "save_gpt2"]
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 _SIZES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
@@ -214,16 +214,16 @@ def save_gpt2(folder: str | Path, params: Params, config: GPT2Config, tokenizer=
     raw |= {k: getattr(config, k) for k in _SIZES}
     raw |= {"layer_norm_epsilon": config.layer_norm_epsilon, "activation_function": "gelu_new"}
     (folder / CONFIG).write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
-    flat = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = ".".join(str(k.key) for k in path)
-        flat[_gpt2_name(name)] = np.ascontiguousarray(np.asarray(leaf))
+    flat = {
+        _gpt2_name(name): np.ascontiguousarray(np.asarray(leaf))
+        for name, leaf in param_names(params).items()
+    }
     save_file(flat, str(folder / WEIGHTS))
     if tokenizer is not None:
         tokenizer.save(str(folder / TOKENIZER))
     return folder
 
 
-def encode(tokenizer, text: str) -> np.ndarray:
+def encode_text(tokenizer, text: str) -> np.ndarray:
     """The token ids of ``text`` (int32 ``[n]``)."""
     return np.asarray(tokenizer.encode(text).ids, np.int32)

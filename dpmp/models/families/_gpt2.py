@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmp.models._model import Model, next_token_losses
+from dpmp.models._params_file import nest
 from dpmp.precision._policy import Policy
 
 __all__ = ["GPT2Config", "gpt2_forward", "gpt2_init", "gpt2_model"]
@@ -88,18 +89,6 @@ class GPT2Config:
                 out[f"h.{i}.{name}.bias"] = (fan_out,)
         out["ln_f.scale"] = out["ln_f.bias"] = (d,)
         return out
-
-
-def nest(flat: dict[str, Any]) -> Params:
-    """``{"a.b.c": x}`` as ``{"a": {"b": {"c": x}}}``."""
-    out: Params = {}
-    for name, value in flat.items():
-        *parents, last = name.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return out
 
 
 def gpt2_init(config: GPT2Config, key: jax.Array) -> Params:
