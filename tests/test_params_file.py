@@ -14,7 +14,12 @@ from dpmp.app.config import load_config
 from dpmp.app.inputs import load_data, model_from_config
 from dpmp.app.trainer import build_private_step, train
 from dpmp.data._dataset import DataError
-from dpmp.models._params_file import load_params, param_names, read_params, save_params
+from dpmp.models._params_file import (
+    load_params_file,
+    param_names,
+    read_params_file,
+    save_params_file,
+)
 
 
 def _params():
@@ -41,28 +46,28 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("name", ["params.safetensors", "params_orbax"])
 def test_a_round_trip_keeps_names_values_and_dtypes(tmp_path, name):
     params = _params()
-    path = save_params(tmp_path / name, params)
-    assert set(read_params(path)) == {
+    path = save_params_file(tmp_path / name, params)
+    assert set(read_params_file(path)) == {
         "Dense_0.kernel",
         "Dense_0.bias",
         "blocks.0.scale",
         "blocks.1.scale",
     }
-    _assert_same(load_params(path, like=params), params)
-    nested = load_params(path)  # without `like`: nested dicts by name
+    _assert_same(load_params_file(path, like=params), params)
+    nested = load_params_file(path)  # without `like`: nested dicts by name
     np.testing.assert_array_equal(nested["blocks"]["1"]["scale"], params["blocks"][1]["scale"])
 
 
 def test_bad_files_and_names_are_one_named_error(tmp_path):
     params = _params()
     with pytest.raises(DataError, match="init_params: .*nothing.safetensors not found"):
-        read_params(tmp_path / "nothing.safetensors")
+        read_params_file(tmp_path / "nothing.safetensors")
     (tmp_path / "folder").mkdir()
     with pytest.raises(DataError, match="neither a .safetensors file nor an orbax checkpoint"):
-        read_params(tmp_path / "folder")
+        read_params_file(tmp_path / "folder")
     (tmp_path / "junk.safetensors").write_bytes(b"not a tensor file")
     with pytest.raises(DataError, match="junk.safetensors is not a safetensors file"):
-        read_params(tmp_path / "junk.safetensors")
+        read_params_file(tmp_path / "junk.safetensors")
     flat = {k: np.asarray(v) for k, v in param_names(params).items()}
     cases = [
         ({k: v for k, v in flat.items() if k != "Dense_0.bias"}, "no parameter 'Dense_0.bias'"),
@@ -78,7 +83,7 @@ def test_bad_files_and_names_are_one_named_error(tmp_path):
     for i, (stored, message) in enumerate(cases):
         save_file(stored, str(tmp_path / f"{i}.safetensors"))
         with pytest.raises(DataError, match=f"init_params {i}.safetensors: {message}"):
-            load_params(tmp_path / f"{i}.safetensors", like=params)
+            load_params_file(tmp_path / f"{i}.safetensors", like=params)
 
 
 def _digits_config():
@@ -90,7 +95,7 @@ def test_init_params_may_be_a_file(tmp_path):
     data = load_data(config.data, 0)
     model = model_from_config(config.model, data, config.precision)
     start = jax.jit(model.init)(jax.random.key(7))
-    path = save_params(tmp_path / "start.safetensors", start)
+    path = save_params_file(tmp_path / "start.safetensors", start)
     step = build_private_step(config, data, init_params=path)
     got = step.init_state["params"]
     _assert_same(got, jax.tree.map(lambda a: np.asarray(a, jnp.float32), start))
@@ -99,7 +104,7 @@ def test_init_params_may_be_a_file(tmp_path):
 def test_a_bad_init_params_file_stops_train_before_anything_is_written(tmp_path):
     config = _digits_config()
     start = {"Dense_0": {"kernel": np.zeros((64, 8), np.float32)}}  # no bias, no Dense_1
-    path = save_params(tmp_path / "start.safetensors", start)
+    path = save_params_file(tmp_path / "start.safetensors", start)
     with pytest.raises(
         DataError, match="init_params start.safetensors: no parameter 'Dense_0.bias'"
     ):

@@ -14,8 +14,8 @@ from dpmp.models._gpt2_checkpoint import save_gpt2 as save_gpt2
 from dpmp.models._lora import init_adapters as init_adapters
 from dpmp.models._lora import merge as merge
 from dpmp.models._model import Model as Model
-from dpmp.models._params_file import load_params as load_params
-from dpmp.models._params_file import save_params as save_params
+from dpmp.models._params_file import load_params_file as load_params_file
+from dpmp.models._params_file import save_params_file as save_params_file
 from dpmp.models.families import Architecture as Architecture
 from dpmp.models.families import ModelFamily as ModelFamily
 from dpmp.models.families import build_model as build_model
@@ -37,9 +37,9 @@ __all__ = [
     "gpt2_model",
     "init_adapters",
     "load_gpt2",
-    "load_params",
+    "load_params_file",
     "merge",
     "register_family",
     "save_gpt2",
-    "save_params",
+    "save_params_file",
 ]

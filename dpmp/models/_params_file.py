@@ -2,8 +2,8 @@
 
 A parameter's name is its path in the params pytree joined by ``.``: the
 kernel of a linen model's first dense layer is ``Dense_0.kernel``, the third
-entry of a list ``layers.2``. ``save_params`` writes a pytree under those
-names, ``read_params`` gives ``{name: array}`` back, and ``load_params(path,
+entry of a list ``layers.2``. ``save_params_file`` writes a pytree under those
+names, ``read_params_file`` gives ``{name: array}`` back, and ``load_params_file(path,
 like)`` puts them in the structure of ``like`` (a model's parameters or
 ``jax.eval_shape`` of its ``init``), refusing a missing, unexpected or
 mis-shaped one by name. Every array keeps the dtype it is stored in.
@@ -20,7 +20,14 @@ import numpy as np
 
 from dpmp.data._dataset import DataError
 
-__all__ = ["arrange", "load_params", "nest", "param_names", "read_params", "save_params"]
+__all__ = [
+    "arrange",
+    "load_params_file",
+    "nest",
+    "param_names",
+    "read_params_file",
+    "save_params_file",
+]
 
 SUFFIX = ".safetensors"
 
@@ -38,7 +45,7 @@ def param_names(params: Any) -> dict[str, Any]:
     return {".".join(_key_name(k) for k in path): leaf for path, leaf in flat}
 
 
-def save_params(path: str | os.PathLike, params: Any) -> Path:
+def save_params_file(path: str | os.PathLike, params: Any) -> Path:
     """Writes ``params`` to ``path``: a safetensors file if it ends in
     ``.safetensors``, else an orbax checkpoint directory (replaced if there);
     returns the path."""
@@ -58,8 +65,8 @@ def save_params(path: str | os.PathLike, params: Any) -> Path:
     return path
 
 
-def read_params(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """``{name: array}`` stored at ``path`` (see ``save_params``).
+def read_params_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """``{name: array}`` stored at ``path`` (see ``save_params_file``).
 
     Raises:
       DataError: no such file or directory, or neither format.
@@ -112,15 +119,15 @@ def arrange(flat: dict[str, Any], like: Any, where: str = "init_params") -> Any:
     return jax.tree.unflatten(treedef, [flat[n] for n in wanted])
 
 
-def load_params(path: str | os.PathLike, like: Any = None) -> Any:
+def load_params_file(path: str | os.PathLike, like: Any = None) -> Any:
     """The parameters stored at ``path``: in the structure of ``like`` (see
     ``arrange``), or without it as nested dicts (``{"a": {"b": x}}`` for
     ``a.b``), in their stored dtypes.
 
     Raises:
-      DataError: as ``read_params`` and ``arrange`` say.
+      DataError: as ``read_params_file`` and ``arrange`` say.
     """
-    flat = read_params(path)
+    flat = read_params_file(path)
     if like is not None:
         return arrange(flat, like, f"init_params {Path(path).name}")
     return nest(flat)

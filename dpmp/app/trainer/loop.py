@@ -79,7 +79,7 @@ from dpmp.data._dataset import Dataset, as_dataset, fingerprint
 from dpmp.data._preprocess import FeatureStats
 from dpmp.models._adapters import as_model, model_signature
 from dpmp.models._model import count_params
-from dpmp.models._params_file import load_params
+from dpmp.models._params_file import load_params_file
 
 __all__ = ["RunInterrupted", "train"]
 
@@ -207,7 +207,7 @@ def train(
         the run is not private); with ``model.lora_rank`` the frozen base of
         the adapters. A path is read as a ``.safetensors`` file or an orbax
         checkpoint directory of them, each named by its path in the params
-        pytree joined by ``.`` (``dpmp.models.save_params`` writes both). A
+        pytree joined by ``.`` (``dpmp.models.save_params_file`` writes both). A
         ``[pretrain]`` section makes them instead.
 
     Returns:
@@ -223,7 +223,7 @@ def train(
     config = Config() if config is None else config
     init_from = None
     if isinstance(init_params, str | os.PathLike):  # read before anything is written
-        init_from, init_params = os.fspath(init_params), load_params(init_params)
+        init_from, init_params = os.fspath(init_params), load_params_file(init_params)
     # one writer per run directory, before anything changes (process 0 of several)
     with locked(out_dir) if is_primary() else contextlib.nullcontext():
         with _Interrupts() as interrupts:

@@ -46,7 +46,7 @@ from dpmp.data._dataset import Dataset
 from dpmp.data._preprocess import FeatureStats, standardize
 from dpmp.models._lora import lora_model
 from dpmp.models._model import Model, count_bytes, count_params
-from dpmp.models._params_file import arrange, load_params, param_names
+from dpmp.models._params_file import arrange, load_params_file, param_names
 from dpmp.precision._loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -476,7 +476,7 @@ def _arranged(params: Any, like: Any) -> Any:
     orbax checkpoint directory) read, a tree of other containers (a file's nested
     dicts) rearranged by parameter name, or ``params`` as they are."""
     if isinstance(params, str | os.PathLike):
-        return load_params(params, like)
+        return load_params_file(params, like)
     if jax.tree.structure(params) != jax.tree.structure(like):
         return arrange(param_names(params), like)
     return params
