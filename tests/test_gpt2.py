@@ -277,3 +277,33 @@ def test_sampling_uses_the_key_and_stays_in_the_vocabulary(tmp_path):
         generate(loaded.model, loaded.params, [2], max_new_tokens=2, temperature=1.0)
     with pytest.raises(ValueError, match="n_positions 8"):
         generate(loaded.model, loaded.params, [2, 3], max_new_tokens=7)
+
+
+@pytest.mark.slow  # two private steps of LoRA through dpmp.train, ~30 s
+def test_private_lora_on_a_loaded_checkpoint_through_train(tmp_path):
+    from dpmp.app.config import load_config
+    from dpmp.app.trainer import train
+    from dpmp.data._dataset import Dataset
+    from dpmp.models import save_params_file
+
+    loaded = load_gpt2(_write(tmp_path / "ckpt", _tensors(np.random.default_rng(11))), "bf16")
+    rng = np.random.default_rng(12)
+    x = np.full((120, 8), 1, np.int32)  # <pad> after each record
+    for i in range(120):
+        ids = encode_text(loaded.tokenizer, " ".join(rng.choice(WORDS[2:], rng.integers(2, 9))))
+        x[i, : len(ids)] = ids[:8]
+    y = (x != 1).sum(1).astype(np.int32)
+    data = Dataset(
+        x_train=x[:100], y_train=y[:100], x_test=x[100:], y_test=y[100:], num_classes=12,
+        input_shape=(8,), description="tiny records", task="next_token",
+    )  # fmt: skip
+    base = save_params_file(tmp_path / "base.safetensors", loaded.params)
+    config = load_config(
+        None, ["training.steps=2", "training.expected_batch_size=16", "model.lora_rank=2"]
+    )
+    report = train(
+        config, out_dir=tmp_path / "run", model=loaded.model, init_params=base, data=data,
+        progress=False,
+    )  # fmt: skip
+    assert report["starting_point"]["source"] == f"init_params read from {base}"
+    assert np.isfinite(report["test_perplexity"])
