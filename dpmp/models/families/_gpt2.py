@@ -208,7 +208,8 @@ def gpt2_model(
         metrics=metrics,
         description=(
             f"GPT-2: vocabulary {c.vocab_size}, context {c.n_positions}, width {c.n_embd}, "
-            f"{c.n_layer} pre-LN blocks with {c.n_head}-head causal attention and gelu_new "
+            f"{c.n_layer} pre-LN block{'s' * (c.n_layer != 1)} with {c.n_head}-head causal "
+            "attention and gelu_new "
             f"MLP {4 * c.n_embd}, head tied to the token embedding"
         ),
     )
