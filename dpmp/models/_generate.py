@@ -17,6 +17,7 @@ with a loaded checkpoint's tokenizer.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -26,6 +27,20 @@ import numpy as np
 from dpmp.models._model import Model
 
 __all__ = ["generate", "generate_text"]
+
+# model -> its compiled "logits at position i", kept while the model lives
+_LOGITS_AT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _logits_at(model: Model):
+    if model not in _LOGITS_AT:
+        predict = model.predict  # not the model itself: the cache must not keep it alive
+
+        def logits_at(params, tokens, i):
+            return predict(params, tokens)[0, i].astype(jnp.float32)
+
+        _LOGITS_AT[model] = jax.jit(logits_at)
+    return _LOGITS_AT[model]
 
 
 def generate(
@@ -69,7 +84,7 @@ def generate(
     n = prompt.size
     tokens = np.zeros((1, n + max_new_tokens), np.int32)
     tokens[0, :n] = prompt
-    logits_at = jax.jit(lambda p, t, i: model.predict(p, t)[0, i].astype(jnp.float32))
+    logits_at = _logits_at(model)
     for i in range(n, n + max_new_tokens):
         logits = logits_at(params, tokens, i - 1)
         if temperature > 0:
