@@ -170,10 +170,10 @@ def test_the_loss_is_the_mean_next_token_cross_entropy_of_a_record(tmp_path):
     want = np.mean([reference(r, t) for r, t in zip(TOKENS, pad_targets)])
     batch = {"x": TOKENS, "y": np.array([7, 3])}
     np.testing.assert_allclose(loss_fn(loaded.params, batch), want, rtol=1e-5)
-    # per-token labels: a prompt's tokens masked with -100
-    labels = TOKENS.copy()
-    labels[:, :4] = -100
-    want = np.mean([reference(r, t) for r, t in zip(TOKENS, labels)])
+    # per-token labels: y[:, t] is what position t predicts; a prompt's labels -1
+    labels = np.full_like(TOKENS, -1)
+    labels[:, 3:-1] = TOKENS[:, 4:]
+    want = np.mean([reference(r, np.concatenate([[-1], t[:-1]])) for r, t in zip(TOKENS, labels)])
     batch = {"x": TOKENS, "y": labels}
     np.testing.assert_allclose(loss_fn(loaded.params, batch), want, rtol=1e-5)
     grads = jax.jit(jax.grad(loaded.model.loss_fn))(loaded.params, batch)

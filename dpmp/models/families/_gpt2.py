@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from dpmp.models._model import Model, next_token_losses
 from dpmp.models._params_file import nest
@@ -158,15 +159,30 @@ def gpt2_forward(config: GPT2Config, params: Params, tokens: jax.Array, compute)
     return _layer_norm(params["ln_f"], x, eps) @ wte.T
 
 
-def _targets(batch: dict, pad_id: int | None) -> tuple[jax.Array, int]:
-    """``(tokens, pad)`` for ``next_token_losses``: per-token labels ``y`` (the shape
-    of ``x``, negative ones ignored) if the batch has them, else ``x`` itself
-    with ``pad_id`` ignored."""
+def _labelled_losses(logits: jax.Array, labels: jax.Array):
+    """Per record: the summed float32 cross-entropy of ``logits [B, T, V]`` at the
+    per-token ``labels [B, T]`` (negative: no label), the correct predictions
+    and the number of labelled positions."""
+    real = labels >= 0
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), jnp.where(real, labels, 0)
+    )
+    correct = (jnp.argmax(logits, -1) == labels) & real
+    return (
+        jnp.where(real, ce, 0.0).sum(-1),
+        correct.sum(-1, dtype=jnp.int32),
+        real.sum(-1, dtype=jnp.int32),
+    )
+
+
+def _record_losses(logits: jax.Array, batch: dict, pad_id: int | None):
+    """``(losses, correct, counts)`` per record: at the per-token labels ``y`` if the
+    batch has them (the shape of ``x``), else of predicting ``x[:, 1:]`` less
+    ``pad_id``."""
     x, y = jnp.asarray(batch["x"]), batch.get("y")
     if y is not None and jnp.shape(y) == x.shape:
-        y = jnp.asarray(y)
-        return jnp.where(y < 0, -1, y), -1
-    return x, -1 if pad_id is None else pad_id
+        return _labelled_losses(logits, jnp.asarray(y))
+    return next_token_losses(logits, x, -1 if pad_id is None else pad_id)
 
 
 def gpt2_model(
@@ -177,11 +193,11 @@ def gpt2_model(
     ``init(key)`` draws fresh float32 parameters (``gpt2_init``); to start from a
     checkpoint, pass its parameters as ``init_params``. The batch is ``x``:
     token ids ``[B, T]``, and either ``y``: per-token labels of the same shape
-    (``y[:, t]`` is predicted from the tokens up to ``t - 1``; negative labels
-    are ignored) or anything else (a record's token count), when the targets
-    are ``x[:, 1:]`` less those equal to ``pad_id``. The loss of a record, one
-    example, is its mean next-token cross-entropy over the targets it has
-    (``next_token_losses``); a record with none contributes 0.
+    (``y[:, t]`` is the token position ``t`` predicts, from the tokens up to
+    ``t``; negative labels are ignored) or anything else (a record's token
+    count), when the targets are ``x[:, 1:]`` less those equal to ``pad_id``.
+    The loss of a record, one example, is its mean cross-entropy over the
+    targets it has; a record with none contributes 0.
     """
     policy = Policy.parse(policy)
 
@@ -190,8 +206,7 @@ def gpt2_model(
         return logits.astype(policy.output)
 
     def metrics(params, batch):
-        tokens, pad = _targets(batch, pad_id)
-        return next_token_losses(predict(params, batch["x"]), tokens, pad)
+        return _record_losses(predict(params, batch["x"]), batch, pad_id)
 
     def loss_fn(params, batch):
         loss, _, count = metrics(params, batch)
