@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import re
 import signal
@@ -78,6 +79,7 @@ from dpmp.data._dataset import Dataset, as_dataset, fingerprint
 from dpmp.data._preprocess import FeatureStats
 from dpmp.models._adapters import as_model, model_signature
 from dpmp.models._model import count_params
+from dpmp.models._params_file import load_params_file
 
 __all__ = ["RunInterrupted", "train"]
 
@@ -203,7 +205,10 @@ def train(
       init_params: parameters to start from, in the structure of the model's
         own (pre-trained ones: they must not come from the private data, or
         the run is not private); with ``model.lora_rank`` the frozen base of
-        the adapters. A ``[pretrain]`` section makes them instead.
+        the adapters. A path is read as a ``.safetensors`` file or an orbax
+        checkpoint directory of them, each named by its path in the params
+        pytree joined by ``.`` (``dpmp.models.save_params_file`` writes both). A
+        ``[pretrain]`` section makes them instead.
 
     Returns:
       The report dict (see ``report.json``).
@@ -216,6 +221,9 @@ def train(
         different data or from other starting parameters.
     """
     config = Config() if config is None else config
+    init_from = None
+    if isinstance(init_params, str | os.PathLike):  # read before anything is written
+        init_from, init_params = os.fspath(init_params), load_params_file(init_params)
     # one writer per run directory, before anything changes (process 0 of several)
     with locked(out_dir) if is_primary() else contextlib.nullcontext():
         with _Interrupts() as interrupts:
@@ -230,6 +238,7 @@ def train(
                 data=data,
                 callback=callback,
                 init_params=init_params,
+                init_from=init_from,
             )
 
 
@@ -245,8 +254,10 @@ def _train(
     data: Any,
     callback: Callable | None,
     init_params: Any,
+    init_from: str | None,
 ) -> dict[str, Any]:
-    """:func:`train` once the run directory is locked (arguments as there)."""
+    """:func:`train` once the run directory is locked (arguments as there;
+    ``init_from``: the file ``init_params`` were read from)."""
     started = time.perf_counter()
     progress = progress and is_primary()  # one progress bar for a run of several processes
     run_dir, found = _open_run_dir(config, out_dir, resume=resume, progress=progress)
@@ -265,7 +276,9 @@ def _train(
     if fixed and config.pretrain.enabled:  # refuse a too-small sigma before pre-training
         exact = noise_plan(config, num_train=data.num_train, params_shape=None)
         _check_fixed_noise(config, exact.budget)
-    init_params, start = _starting_point(config, run_dir, model, init_params, progress, told)
+    init_params, start = _starting_point(
+        config, run_dir, model, init_params, progress, told, init_from
+    )
     step = _build_step(
         config, data, model=model, loss=loss, feature_stats=saved_stats, init_params=init_params
     )
@@ -320,6 +333,7 @@ def _starting_point(
     init_params: Any,
     progress: bool,
     told: list[str],
+    init_from: str | None = None,
 ) -> tuple[Any, dict[str, Any] | None]:
     """The parameters the run starts from (or adapts, with LoRA) and what the
     report says of them: pre-trained on public text, given, or (None) the model's
@@ -346,7 +360,9 @@ def _starting_point(
                 "init_params= to dpmp.train), or set model.lora_rank = 0 to train every parameter"
             )
         return None, None
-    source = "init_params given to dpmp.train"
+    source = (
+        f"init_params read from {init_from}" if init_from else "init_params given to dpmp.train"
+    )
     return init_params, {"source": source, "params_sha256": params_digest(init_params)}
 
 
