@@ -209,3 +209,56 @@ def test_linen_dropout_is_said_to_be_off_or_refused():
     assert "dropout" not in as_model(LinenLinear(), (IN,), K, "fp32").name
     with pytest.raises(ValueError, match="Dropout_0 asks for a 'dropout' random stream"):
         as_model(WithDropout(train=True), (IN,), K, "fp32")
+
+
+class _NnxDropout(nnx.Module):
+    def __init__(self, rngs, *, holds_rngs: bool):
+        self.dense = nnx.Linear(IN, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs if holds_rngs else None)
+        self.head = nnx.Linear(8, K, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.drop(self.dense(x)))
+
+
+class _EqxDropout(eqx.Module):
+    dense: eqx.nn.Linear
+    drop: eqx.nn.Dropout
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.dense, self.drop = eqx.nn.Linear(IN, 8, key=k1), eqx.nn.Dropout(0.5)
+        self.head = eqx.nn.Linear(8, K, key=k2)
+
+    def __call__(self, x, key=None):
+        return self.head(self.drop(self.dense(x), key=key))
+
+
+@pytest.mark.parametrize("holds_rngs", [True, False])
+def test_nnx_dropout_is_switched_off_and_said_to_be(holds_rngs):
+    """An nnx.Dropout holding rngs applied one stored mask at every step (no word of
+    it); without rngs the model failed. Now it is deterministic and named."""
+    module = _NnxDropout(nnx.Rngs(0), holds_rngs=holds_rngs)
+    model = as_model(module, (IN,), K, "fp32")
+    assert model.name.endswith("(dropout off)") and "dropout off (drop:" in model.description
+    x = jax.random.normal(jax.random.key(1), (5, IN))
+    params = model.init(jax.random.key(0))
+    plain = module.head(module.dense(x))  # the reference: the layers without dropout
+    np.testing.assert_allclose(model.predict(params, x), plain, rtol=1e-6, atol=1e-6)
+    assert module.drop.deterministic is False  # the user's module is not changed
+
+
+def test_equinox_dropout_is_switched_off_and_said_to_be():
+    """eqx.nn.Dropout called with no key raised "Dropout requires a key"; the model
+    is now used in inference mode, and its description says so."""
+    module = _EqxDropout(jax.random.key(0))
+    model = as_model(module, (IN,), K, "fp32")
+    assert model.name.endswith("(dropout off)") and "dropout off (drop:" in model.description
+    x = jax.random.normal(jax.random.key(1), (5, IN))
+    plain = jax.vmap(lambda v: module.head(module.dense(v)))(x)
+    np.testing.assert_allclose(model.predict(model.init(None), x), plain, rtol=1e-6, atol=1e-6)
+    assert (
+        "dropout"
+        not in as_model(eqx.nn.Linear(IN, K, key=jax.random.key(0)), (IN,), K, "fp32").name
+    )

@@ -213,6 +213,27 @@ def test_console_entry_point_exit_status():
     assert (old.returncode, old.stdout, old.stderr) == (2, "", out.stderr)
 
 
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["train", "--set", "model.dimm=3", "--out"], "unknown key model.dimm; allowed: kind, "),
+        (["audit", "--set", "privcy.delta=1e-6", "--out"], "unknown section 'privcy'"),
+        (["compare", "--config", "no/such.toml"], "config: no such file 'no/such.toml'"),
+    ],
+)
+def test_a_config_typo_is_named_before_jax_is_imported(argv, needle, tmp_path):
+    """The key check reads names only, so it answers before the libraries load."""
+    code = (
+        "import sys; from dpmp.app.cli.entry import main; "
+        f"status = main({argv + [str(tmp_path / 'run')] * (argv[-1] == '--out')!r}); "
+        "print(status, 'jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+    assert needle in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
 def _toy_arguments(p):
     p.add_argument("--times", type=int, default=1, help="how many greetings")
 
@@ -983,6 +1004,59 @@ def test_a_full_disk_names_the_checkpoint_leaves_no_temporary_file_and_says_how_
         "and run again in the same directory to resume",
     )
     assert sorted(p.name for p in ckpt.iterdir()) == ["checkpoint_00000002.npz"]
+
+
+def _disk_full_for(monkeypatch, file: Path, after: int):
+    """Writes to ``file`` (or its temporary twin) fail with ENOSPC, a real one from
+    /dev/full, once ``after`` writes of it have succeeded."""
+    from dpmp.app import run_dir
+
+    create, opened = run_dir._create, []
+
+    def create_on_a_disk_that_fills(path, flags, secret):
+        fd = create(path, flags, secret)
+        twin = path.parent == file.parent and path.name.startswith(f".{file.name}.tmp-")
+        if path == file or twin:
+            opened.append(path)
+            if len(opened) > after:
+                full = os.open("/dev/full", os.O_WRONLY)
+                os.dup2(full, fd)
+                os.close(full)
+        return fd
+
+    monkeypatch.setattr(run_dir, "_create", create_on_a_disk_that_fills)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, after, folder",
+    [("metrics.jsonl", 2, ""), ("report.json", 0, ""), ("diagnostics.json", 0, "private")],
+)
+def test_a_full_disk_while_writing_run_files_names_the_file_and_resumes(
+    name, after, folder, capsys, tmp_path, monkeypatch
+):
+    """ENOSPC on a run file: one line naming it, the checkpoint kept and how to go on;
+    no temporary file is left, and the run started again finishes with whole files."""
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--quiet", "--set", "training.steps=4"]
+    argv += ["--set", "training.checkpoint_every=2", "--set", "training.log_every=1"]
+    with monkeypatch.context() as patch:
+        _disk_full_for(patch, out / folder / name, after)
+        assert cli.main(argv) == 2
+    newest = 2 if name == "metrics.jsonl" else 4
+    ckpt = out / "checkpoints" / f"checkpoint_{newest:08d}.npz"
+    assert_one_line_error(
+        capsys,
+        "train",
+        f"{out / folder / name}: cannot write the file: No space left on device; the newest "
+        f"checkpoint is of step {newest} ({ckpt}): free space and run again in the same "
+        "directory to resume",
+    )
+    assert not list(out.rglob(".*.tmp-*"))
+    assert cli.main(argv) == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()  # no torn line is left
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    assert json.loads((out / "report.json").read_text())["steps"] == 4
 
 
 def test_a_finished_run_run_again_says_it_is_finished_and_how_to_start_afresh(capsys, tmp_path):

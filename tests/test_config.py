@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from dpmp.app import config as config_lib
+from dpmp.app import config_reference as reference
 from dpmp.app.config import Config, ConfigError, load_config
 from dpmp.models.families import FAMILIES
 
@@ -26,7 +27,7 @@ def _readme_block() -> str:
 
 
 def test_every_config_field_has_a_documented_row():
-    rows = config_lib.config_reference()
+    rows = reference.config_reference()
     assert len(rows) == len(ALL_KEYS) and {r["key"] for r in rows} == ALL_KEYS
     for row in rows:  # each field needs a "name: meaning" entry in its class docstring
         assert row["meaning"] and row["allowed"] and row["default"], row
@@ -36,20 +37,20 @@ def test_readme_key_table_is_the_generated_one():
     block = _readme_block()
     listed = set(re.findall(r"^\| `([\w.]+)` \|", block, re.M))
     assert listed == ALL_KEYS, f"missing {ALL_KEYS - listed}, stale {listed - ALL_KEYS}"
-    assert block == config_lib.markdown_table(), (
+    assert block == reference.markdown_table(), (
         "docs/cli.md's config key table is out of date: paste the output of "
-        "`python -m dpmp.app.config` between its config-keys markers"
+        "`python -m dpmp.app.config_reference` between its config-keys markers"
     )
 
 
 def test_table_defaults_are_the_dataclass_defaults():
-    rows = {r["key"]: r["default"] for r in config_lib.config_reference()}
+    rows = {r["key"]: r["default"] for r in reference.config_reference()}
     assert rows["training.steps"] == str(Config().training.steps)
     assert rows["privacy.delta"] == "1e-5" and rows["privacy.noise_multiplier"] == "unset"
     assert rows["model.hidden"] == "[256]" and rows["data.standardize"] == '"none"'
     assert rows["privacy.reproducible_noise"] == "false"
     assert rows["policy"] == '"bf16"'
-    choices = {r["key"]: r["allowed"] for r in config_lib.config_reference()}
+    choices = {r["key"]: r["allowed"] for r in reference.config_reference()}
     assert choices["model.kind"].startswith(", ".join(f'"{k}"' for k in FAMILIES.names()))
     assert "package.module:factory" in choices["model.kind"]
     assert choices["privacy.clip_method"] == ", ".join(f'"{k}"' for k in config_lib.CLIP_METHODS)
@@ -166,7 +167,7 @@ _HUGE_IS_FINE = {
 
 
 def _numeric_keys():
-    from dpmp.app.config import config_reference
+    from dpmp.app.config_reference import config_reference
 
     return [
         row["key"]

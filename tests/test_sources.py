@@ -9,8 +9,8 @@ import sys
 import pytest
 
 import dpmp
-from dpmp.app import config as config_lib
 from dpmp.app.config import ConfigError, load_config
+from dpmp.app.config_reference import config_reference
 from dpmp.app.inputs import load_data, model_from_config
 from dpmp.data import DataError, load_dataset
 from dpmp.data.sources import PUBLIC_TEXT, SOURCES
@@ -105,7 +105,7 @@ def test_a_registered_source_trains_through_dpmp_train(toy_modules, tmp_path):
 
 
 def test_registered_names_are_choices_while_registered(toy_modules):
-    allowed = {r["key"]: r["allowed"] for r in config_lib.config_reference()}
+    allowed = {r["key"]: r["allowed"] for r in config_reference()}
     assert '"toy_blobs"' in allowed["data.dataset"]
     assert allowed["model.kind"].startswith('"mlp", "nnx_mlp", "linear", "vit", "lm", ')
     assert '"toy_logistic"' in allowed["model.kind"]

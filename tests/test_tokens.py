@@ -223,6 +223,9 @@ def test_a_model_smaller_than_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match="embedding tokens has 4 rows, fewer than .* 9 token"):
         as_model(WideHead(), (4,), 9, "fp32", input_dtype=jnp.int32)
     as_model(WideHead(), (4,), 4, "fp32", input_dtype=jnp.int32)  # positions: not token ids
+    built = as_model(TinyLM(5), (4,), 5, "fp32", input_dtype=jnp.int32)  # a dpmp Model
+    with pytest.raises(ValueError, match="gives 5 logits per token, fewer than .* 9 token ids"):
+        as_model(built, (4,), 9, "fp32", input_dtype=jnp.int32)
 
 
 def _cli_text(tmp_path, tokenizer, *extra):

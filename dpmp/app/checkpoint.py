@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpmp.app.run_dir import _create, _fsync_dir, secret_dir, to_jsonable
+from dpmp.app.run_dir import _create, _fsync_dir, naming, secret_dir, to_jsonable
 
 __all__ = [
     "CheckpointError",
@@ -119,17 +119,12 @@ def save_checkpoint(
     for stale in directory.glob(f"{_TMP_PREFIX}*"):
         stale.unlink(missing_ok=True)  # a temp file left by a killed save
     tmp = directory / f"{_TMP_PREFIX}{int(step):08d}.npz.tmp-{os.getpid()}"
-    try:
+    with naming(final, "the checkpoint", tmp=tmp):  # a full disk: no half-written file
         with os.fdopen(_create(tmp, os.O_TRUNC, True), "wb") as f:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    except OSError as e:  # a full disk: no half-written file is left, the file is named
-        tmp.unlink(missing_ok=True)
-        error = OSError(f"{final}: cannot write the checkpoint: {e.strerror or e}")
-        error.errno = e.errno
-        raise error from e
     _fsync_dir(directory)
     for _, old in list_checkpoints(directory)[: -max(int(keep), 1)]:
         old.unlink(missing_ok=True)

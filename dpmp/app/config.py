@@ -32,14 +32,14 @@ import math
 import tomllib
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpmp.accounting._registry import accountant_names
 from dpmp.app.config_text import check_tokenizer
-from dpmp.data.sources import PUBLIC_TEXT, SOURCES
-from dpmp.models.families import FAMILIES
 from dpmp.noise._registry import sampler_names
-from dpmp.precision._policy import Policy
+
+if TYPE_CHECKING:
+    from dpmp.precision._policy import Policy
 
 __all__ = [
     "Config",
@@ -66,40 +66,38 @@ ACCOUNTANTS = tuple(sorted(accountant_names()))
 SAMPLINGS = ("poisson", "shuffle")
 CLIP_METHODS = ("vmap", "ghost", "auto")
 NOISE_SAMPLERS = sampler_names()
+
+
+# The data sources, public texts, model families and the policy parser import
+# JAX: they are loaded when a value is checked, so that reading a config and
+# naming a mistyped key does not (`dpmp train` reports a typo before JAX starts).
+def _sources():
+    from dpmp.data.sources import SOURCES
+
+    return SOURCES
+
+
+def _public_text():
+    from dpmp.data.sources import PUBLIC_TEXT
+
+    return PUBLIC_TEXT
+
+
+def _families():
+    from dpmp.models.families import FAMILIES
+
+    return FAMILIES
+
+
+def _parse_policy(text: str) -> Policy:
+    from dpmp.precision._policy import Policy
+
+    return Policy.parse(text)
+
+
 OPTIMIZERS = ("adam", "sgd", "momentum")
 LOSS_SCALE_KINDS = ("none", "static", "private_dynamic", "nonprivate_dynamic")
 STANDARDIZE_MODES = ("none", "private", "nonprivate")
-
-# What the other keys accept, in words (for the key table; validation is in
-# each section's ``__post_init__``). A key missing here is described by its type.
-_ALLOWED = {
-    "policy": 'preset fp32, bf16 or fp16, then optional key=dtype overrides, e.g. "bf16,grad=f32"',
-    "data.path": (
-        "path to a .npz file (npz), a folder of .npy files (npy), or a .txt or .jsonl file (text)"
-    ),
-    "training.physical_batch_size": "integer > 0, or unset",
-    "training.devices": 'integer in [1, 65536], or "all"',
-    "data.test_fraction": "number in (0, 1)",
-    "model.hidden": "list of integers in [1, 2^20] (may be empty)",
-    "model.heads": "integer in [1, 1024] dividing model.dim",
-    "model.lora_rank": "integer >= 0",
-    "pretrain.path": "path to a .txt or .jsonl file (text)",
-    "privacy.delta": "number in (0, 1)",
-    "training.seed": "integer in [0, 2^32 - 1]",
-    "pretrain.seed": "integer in [0, 2^32 - 1]",
-    "pretrain.steps": "integer in [1, 10^6]",
-    "pretrain.batch_size": "integer in [1, 65536]",
-    "model.depth": "integer in [1, 128]",
-    "model.dim": "integer in [1, 65536]",
-    "model.patch": "integer in [1, 1024]",
-    "privacy.target_epsilon": "number in (0, 100]",
-    "privacy.noise_multiplier": "number in [1e-6, 1e6], or unset (calibrated)",
-    "loss_scale.count_noise_stddev": "number in [1e-6, 1e6]",
-    "data.standardize_noise_multiplier": "number in [1e-6, 1e6]",
-    "training.steps": "integer in [1, 10^6]",
-    "loss_scale.factor": "number > 1",
-    "loss_scale.min_scale": "number > 0, at most max_scale",
-}
 
 
 def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -206,13 +204,13 @@ class DataConfig:
     standardize_noise_multiplier: float = 50.0
 
     def __post_init__(self):
-        _choice("data.dataset", self.dataset, SOURCES.names())
+        _choice("data.dataset", self.dataset, _sources().names())
         if self.path is not None and not isinstance(self.path, str):
             raise ConfigError(f"data.path: must be a string (a .npz file), got {self.path!r}")
         _positive("data.seq_len", self.seq_len, integer=True)
         if self.seq_len > 4096:
             raise ConfigError(f"data.seq_len: at most 4096, got {self.seq_len}")
-        if SOURCES.get(self.dataset).needs_path and not self.path:
+        if _sources().get(self.dataset).needs_path and not self.path:
             raise ConfigError(f'data.path: required when data.dataset = "{self.dataset}"')
         check_tokenizer(self.dataset, self.tokenizer)
         if isinstance(self.standardize, bool):
@@ -267,10 +265,10 @@ class ModelConfig:
 
     def __post_init__(self):
         if not (isinstance(self.kind, str) and _is_factory(self.kind)):
-            if self.kind not in FAMILIES:
+            if self.kind not in _families():
                 raise ConfigError(
                     f"model.kind: {self.kind!r} is not allowed; allowed: "
-                    f"{', '.join(FAMILIES.names())}, or your own as 'package.module:factory'"
+                    f"{', '.join(_families().names())}, or your own as 'package.module:factory'"
                 )
         hidden = self.hidden
         if isinstance(hidden, int):
@@ -510,7 +508,7 @@ class PretrainConfig:
         _choice("pretrain.dataset", self.dataset, _pretrain_datasets())
         if self.path is not None and not isinstance(self.path, str):
             raise ConfigError(f"pretrain.path: must be a string (a text file), got {self.path!r}")
-        if self.enabled and PUBLIC_TEXT.get(self.dataset).needs_path and not self.path:
+        if self.enabled and _public_text().get(self.dataset).needs_path and not self.path:
             raise ConfigError(f'pretrain.path: required when pretrain.dataset = "{self.dataset}"')
         _positive("pretrain.steps", self.steps, integer=True, at_most=10**6)
         _positive("pretrain.batch_size", self.batch_size, integer=True, at_most=65536)
@@ -523,11 +521,11 @@ class PretrainConfig:
 
 
 def _pretrain_datasets() -> tuple[str, ...]:
-    return ("none", *PUBLIC_TEXT.names())
+    return ("none", *_public_text().names())
 
 
 def _model_kinds() -> str:
-    kinds = ", ".join(f'"{k}"' for k in FAMILIES.names())
+    kinds = ", ".join(f'"{k}"' for k in _families().names())
     return f'{kinds}, or "package.module:factory"'
 
 
@@ -559,7 +557,7 @@ class Config:
 
     def __post_init__(self):
         try:
-            policy = Policy.parse(self.policy)
+            policy = _parse_policy(self.policy)
         except ValueError as e:
             raise ConfigError(str(e)) from e
         object.__setattr__(self, "policy", str(policy))
@@ -571,7 +569,7 @@ class Config:
 
     @property
     def precision(self) -> Policy:
-        return Policy.parse(self.policy)
+        return _parse_policy(self.policy)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -581,145 +579,32 @@ class Config:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Config:
         """Builds a config from nested dicts; unknown sections or keys are errors."""
-        if not isinstance(raw, dict):
-            raise ConfigError("config: expected a table of sections")
-        kwargs: dict[str, Any] = {}
-        for key, value in raw.items():
-            if key == "policy":
-                kwargs["policy"] = value
-                continue
-            if key not in _SECTIONS:
-                raise ConfigError(
-                    f"unknown section {key!r}; allowed: policy, {', '.join(_SECTIONS)}"
-                )
-            if not isinstance(value, dict):
-                raise ConfigError(f"{key}: expected a table of keys, got {value!r}")
-            section = _SECTIONS[key]
-            names = [f.name for f in dataclasses.fields(section)]
-            for k in value:
-                if k not in names:
-                    raise ConfigError(f"unknown key {key}.{k}; allowed: {', '.join(names)}")
-            try:
-                kwargs[key] = section(**value)
-            except TypeError as e:  # pragma: no cover - keys are checked above
-                raise ConfigError(f"{key}: {e}") from e
+        check_keys(raw)
+        kwargs: dict[str, Any] = {
+            key: value if key == "policy" else _SECTIONS[key](**value) for key, value in raw.items()
+        }
         return cls(**kwargs)
 
 
-# A tuple, or a function giving the registered names when the table is made.
-_CHOICES = {
-    "data.dataset": SOURCES.names,
-    "privacy.accountant": ACCOUNTANTS,
-    "privacy.sampling": SAMPLINGS,
-    "privacy.clip_method": CLIP_METHODS,
-    "privacy.noise_sampler": NOISE_SAMPLERS,
-    "training.optimizer": OPTIMIZERS,
-    "loss_scale.kind": LOSS_SCALE_KINDS,
-    "data.standardize": STANDARDIZE_MODES,
-    "pretrain.dataset": _pretrain_datasets,
-}
+def check_keys(raw: Any) -> None:
+    """Raises ``ConfigError`` for a section or key that ``Config`` does not have.
 
-
-def _field_docs(cls) -> dict[str, str]:
-    """``name: text`` entries of a section's docstring (continuation lines indented)."""
-    import inspect
-
-    docs: dict[str, str] = {}
-    name = None
-    for line in inspect.cleandoc(cls.__doc__ or "").splitlines()[1:]:
-        head, sep, text = line.partition(": ")
-        if sep and line[:1].strip() and head.isidentifier():
-            name = head
-            docs[name] = text.strip()
-        elif name and line.startswith("  ") and line.strip():
-            docs[name] += " " + line.strip()
-        else:
-            name = None
-    return {k: v.replace("``", "`") for k, v in docs.items()}
-
-
-def _toml_literal(value: Any) -> str:
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, tuple | list):
-        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
-    if isinstance(value, float):
-        text = repr(value)
-        mantissa, e, exponent = text.partition("e")
-        return f"{mantissa}e{int(exponent)}" if e else text
-    return str(value)
-
-
-def _type_words(hint: Any) -> str:
-    text = str(hint)
-    if "tuple" in text or "list" in text:
-        return "list"
-    for word, name in (("bool", "true or false"), ("int", "integer"), ("float", "number")):
-        if word in text:
-            return name + (", or unset" if "None" in text else "")
-    return "string" + (", or unset" if "None" in text else "")
-
-
-def config_reference() -> list[dict[str, str]]:
-    """Every config key with its default, meaning and allowed values.
-
-    Read from the config dataclasses (defaults, types), their docstrings
-    (meanings) and the choice tuples the validation uses, so that the docs' key table
-    (docs/cli.md) can be generated and checked: ``python -m dpmp.app.config``
-    prints it as Markdown.
+    It looks at names only (no value is checked, nothing but the standard
+    library is imported), so a mistyped key is named before any work starts.
     """
-    rows = [
-        {
-            "key": "policy",
-            "default": _toml_literal(Config.__dataclass_fields__["policy"].default),
-            "meaning": _field_docs(Config)["policy"],
-            "allowed": _ALLOWED["policy"],
-        }
-    ]
-    for section, cls in _SECTIONS.items():
-        docs = _field_docs(cls)
-        hints = typing.get_type_hints(cls)
-        defaults = cls()
-        for f in dataclasses.fields(cls):
-            key = f"{section}.{f.name}"
-            choices = _CHOICES.get(key)
-            if key == "model.kind":
-                allowed = _model_kinds()
-            elif choices is not None:
-                choices = choices() if callable(choices) else choices
-                allowed = ", ".join(f'"{c}"' for c in choices)
-            else:
-                allowed = _ALLOWED.get(key) or _positive_words(key, hints[f.name])
-            rows.append(
-                {
-                    "key": key,
-                    "default": _toml_literal(getattr(defaults, f.name)),
-                    "meaning": docs.get(f.name, ""),
-                    "allowed": allowed,
-                }
-            )
-    return rows
-
-
-def _positive_words(key: str, hint: Any) -> str:
-    words = _type_words(hint)
-    if words.startswith(("integer", "number")):
-        bound = ">= 0" if key.endswith("_every") else "> 0"
-        return words.replace("integer", f"integer {bound}").replace("number", f"number {bound}")
-    return words
-
-
-def markdown_table() -> str:
-    """The docs' config key table (docs/cli.md) (``config_reference`` as Markdown)."""
-    lines = ["| key | default | meaning | allowed |", "| --- | --- | --- | --- |"]
-    for row in config_reference():
-        cells = [f"`{row['key']}`", f"`{row['default']}`", row["meaning"], row["allowed"]]
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+    if not isinstance(raw, dict):
+        raise ConfigError("config: expected a table of sections")
+    for key, value in raw.items():
+        if key == "policy":
+            continue
+        if key not in _SECTIONS:
+            raise ConfigError(f"unknown section {key!r}; allowed: policy, {', '.join(_SECTIONS)}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table of keys, got {value!r}")
+        names = [f.name for f in dataclasses.fields(_SECTIONS[key])]
+        for k in value:
+            if k not in names:
+                raise ConfigError(f"unknown key {key}.{k}; allowed: {', '.join(names)}")
 
 
 def _parse_value(text: str) -> Any:
@@ -745,6 +630,12 @@ def _coerce(section, key: str, value: Any) -> Any:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
     """Reads a TOML config (or the defaults) and applies ``section.key=value`` overrides."""
+    return Config.from_dict(raw_config(path, overrides))
+
+
+def raw_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> dict:
+    """The TOML of ``path`` with the ``overrides`` applied, its keys checked (``check_keys``)
+    and its values not: what ``load_config`` builds a ``Config`` from."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -785,8 +676,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         if isinstance(table, dict):  # anything else: Config.from_dict names the section
             for name, value in list(table.items()):
                 table[name] = _coerce(cls, name, value)
-    return Config.from_dict(raw)
-
-
-if __name__ == "__main__":  # python -m dpmp.app.config: the docs' key table
-    print(markdown_table(), end="")
+    check_keys(raw)
+    return raw

@@ -1,15 +1,15 @@
 """Checks of the config's text keys: ``data.tokenizer``.
 
-``check_tokenizer`` is called by ``DataConfig`` when a config is made; the
-file itself is read, and its errors raised, when the data is loaded
-(``dpmp.data._tokenizer.load_tokenizer``), before anything is written.
+``check_tokenizer`` is called by ``DataConfig`` when a config is made (it
+imports the data sources only when the key is set, so that a config without
+it is checked before JAX is imported); the file itself is read, and its
+errors raised, when the data is loaded (``dpmp.data._tokenizer.load_tokenizer``),
+before anything is written.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from dpmp.data.sources import SOURCES, TextSource
 
 __all__ = ["check_tokenizer"]
 
@@ -20,10 +20,11 @@ def check_tokenizer(dataset: str, tokenizer: Any) -> None:
     Raises:
       ConfigError: it is not a string, or the data set is not text.
     """
-    from dpmp.app.config import ConfigError
-
     if tokenizer is None:
         return
+    from dpmp.app.config import ConfigError
+    from dpmp.data.sources import SOURCES, TextSource  # JAX only when a tokenizer is set
+
     if not isinstance(tokenizer, str) or not tokenizer:
         raise ConfigError(
             f"data.tokenizer: must be the path of a tokenizer.json, got {tokenizer!r}"

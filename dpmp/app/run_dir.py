@@ -114,6 +114,20 @@ def _create(path: Path, flags: int, secret: bool) -> int:
     return fd
 
 
+@contextlib.contextmanager
+def naming(path: Path, what: str = "", tmp: Path | None = None) -> Iterator[None]:
+    """An ``OSError`` while writing ``path`` (a full disk: ``[Errno 28]`` names no
+    file) is raised again naming it; ``tmp``, a half-written file, is removed."""
+    try:
+        yield
+    except OSError as e:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        error = OSError(f"{path}: cannot write {what or 'the file'}: {e.strerror or e}")
+        error.errno = e.errno
+        raise error from e
+
+
 def secret_dir(path: str | Path) -> Path:
     """``path`` created if needed, readable by its owner only (0700)."""
     path = Path(path)
@@ -127,11 +141,12 @@ def atomic_write_text(path: str | Path, text: str, *, secret: bool = False) -> N
     (``secret``: the file is 0600)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with os.fdopen(_create(tmp, os.O_TRUNC, secret), "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with naming(path, tmp=tmp):
+        with os.fdopen(_create(tmp, os.O_TRUNC, secret), "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     _fsync_dir(path.parent)
 
 
@@ -156,7 +171,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def _append_line(path: Path, record: dict[str, Any], *, secret: bool = False) -> None:
     line = json.dumps(to_jsonable(record), allow_nan=False)
-    with os.fdopen(_create(path, os.O_APPEND, secret), "a") as f:
+    # a torn last line (a full disk) is skipped by read_metrics and dropped on resume
+    with naming(path), os.fdopen(_create(path, os.O_APPEND, secret), "a") as f:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -332,7 +348,7 @@ class RunDir:
 
     def log(self, message: str, *, echo: bool | None = None) -> None:
         """A line of ``train.log`` (public: no timestamp), echoed on stderr."""
-        with open(self.log_path, "a") as f:
+        with naming(self.log_path), open(self.log_path, "a") as f:
             f.write(f"{message}\n")
         if self.echo if echo is None else echo:
             print(f"dpmp: {message}", file=sys.stderr, flush=True)

@@ -27,9 +27,13 @@ alone: a model with batch statistics (BatchNorm's ``batch_stats``, nnx
 ``BatchStat``) is refused with a message saying so.
 
 Models are called with no dropout randomness and no train flag, so dropout is
-off: a linen module's dropout layers are named in its ``name`` and
-``description`` ("dropout off"), and one that needs a ``"dropout"`` random
-stream is refused (a random mask per example would need its own analysis).
+off, and the model's ``name`` and ``description`` say so, naming the dropout
+layers ("dropout off"). An nnx module's ``nnx.Dropout`` layers are made
+deterministic (one that holds ``rngs`` would otherwise apply the same stored
+mask at every step) and an Equinox module is put in inference mode
+(``eqx.nn.inference_mode``); a linen module cannot be switched, so one that
+needs a ``"dropout"`` random stream is refused (a random mask per example would
+need its own privacy analysis).
 """
 
 from __future__ import annotations
@@ -77,21 +81,20 @@ def as_model(
         linen token embedding) are fewer than the vocabulary.
     """
     policy = Policy.parse(policy)
+    input_shape = tuple(int(d) for d in input_shape)
     if isinstance(obj, Model):
         if loss is not None:
             raise ValueError("loss: a dpmp Model carries its own loss; pass loss=None")
+        if jnp.issubdtype(input_dtype, jnp.integer):  # a loaded GPT-2, say
+            _check_vocabulary(obj.init, obj.predict, input_shape, num_classes)
         return obj
-    input_shape = tuple(int(d) for d in input_shape)
-    framework, init, forward = _form(obj, input_shape, jnp.dtype(input_dtype))
+    framework, init, forward, dropout = _form(obj, input_shape, jnp.dtype(input_dtype))
 
     def forward_in_compute(params, x):
         return forward(cast_tree(params, policy.compute), x)
 
     loss_fn, predict, metrics = wrap_forward(forward_in_compute, policy, loss)
     name = type(obj).__name__ if framework != "jax" else getattr(obj[1], "__name__", "apply")
-    dropout = ""
-    if framework == "flax.linen":
-        dropout = _linen_dropout(init, forward, input_shape, jnp.dtype(input_dtype))
     if jnp.issubdtype(input_dtype, jnp.integer):
         linen = forward if framework == "flax.linen" else None
         _check_vocabulary(init, predict, input_shape, num_classes, linen_forward=linen)
@@ -111,20 +114,25 @@ def as_model(
     )
 
 
-def _form(obj: Any, input_shape: tuple[int, ...], dtype) -> tuple[str, Callable, Callable]:
-    """``(framework, init(key) -> params, forward(params, x) -> outputs)``."""
+def _form(obj: Any, input_shape: tuple[int, ...], dtype) -> tuple[str, Callable, Callable, str]:
+    """``(framework, init(key) -> params, forward(params, x) -> outputs, dropout)`` for
+    inputs of ``dtype``; ``dropout`` is ``", dropout off (...)"`` naming the dropout
+    layers, or ``""``."""
     import equinox as eqx
     import flax.linen as nn
     from flax import nnx
 
     if isinstance(obj, nn.Module):
-        return ("flax.linen", *_linen(obj, input_shape, dtype))
+        init, forward = _linen(obj, input_shape, dtype)
+        return "flax.linen", init, forward, _linen_dropout(init, forward, input_shape, dtype)
     if isinstance(obj, nnx.Module):
-        return ("flax.nnx", *_nnx(obj))
+        obj, dropout = _nnx_without_dropout(obj)
+        return ("flax.nnx", *_nnx(obj), dropout)
     if isinstance(obj, eqx.Module):
-        return ("equinox", *_eqx(obj))
+        obj, dropout = _eqx_without_dropout(obj)
+        return ("equinox", *_eqx(obj), dropout)
     if isinstance(obj, tuple | list) and len(obj) == 2 and all(map(callable, obj)):
-        return ("jax", obj[0], obj[1])
+        return "jax", obj[0], obj[1], ""
     raise TypeError(
         f"model: expected a flax linen or nnx module, an Equinox module or an (init, apply) "
         f"pair of functions, got {type(obj).__name__}"
@@ -176,9 +184,40 @@ def _linen_dropout(init, forward, input_shape, dtype) -> str:
             "stream; dpmp calls models with none (a random mask per example would need its "
             "own privacy analysis): make it deterministic or remove it"
         ) from e
-    if not found:
+    return _dropout_off(found)
+
+
+def _dropout_off(names: list[str]) -> str:
+    if not names:
         return ""
-    return f", dropout off ({', '.join(sorted(set(found)))}: no dropout randomness is passed)"
+    return f", dropout off ({', '.join(sorted(set(names)))}: no dropout randomness is passed)"
+
+
+def _nnx_without_dropout(module):
+    """A copy of ``module`` with every ``nnx.Dropout`` deterministic, and the words."""
+    from flax import nnx
+
+    module = nnx.clone(module)
+    found = []
+    for path, sub in nnx.iter_modules(module):
+        if isinstance(sub, nnx.Dropout):
+            sub.deterministic = True
+            found.append(".".join(map(str, path)) or type(sub).__name__)
+    return module, _dropout_off(found)
+
+
+def _eqx_without_dropout(module):
+    """``module`` in inference mode if it holds an ``eqx.nn.Dropout``, and the words."""
+    import equinox as eqx
+
+    def is_dropout(x):
+        return isinstance(x, eqx.nn.Dropout)
+
+    leaves = jax.tree_util.tree_flatten_with_path(module, is_leaf=is_dropout)[0]
+    found = [jax.tree_util.keystr(path).lstrip(".") for path, x in leaves if is_dropout(x)]
+    if found:
+        module = eqx.nn.inference_mode(module, True)
+    return module, _dropout_off(found)
 
 
 def _check_vocabulary(init, predict, input_shape, vocab: int, *, linen_forward=None) -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "LibraryChoices",
     "UsageError",
     "add_config_args",
+    "check_config_args",
     "integer",
     "config_from_args",
 ]
@@ -130,17 +131,31 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
         help="train on your own arrays: a .npz with x, y (and optionally x_test, y_test), or "
         "a folder of x_train.npy, y_train.npy, x_test.npy, y_test.npy (memory-mapped)",
     )
+    # run by `dpmp.app.cli.entry` before the command's libraries load
+    p.set_defaults(precheck=check_config_args)
+
+
+def check_config_args(args: argparse.Namespace) -> None:
+    """Names a missing config file or a mistyped section or key before JAX is imported
+    (``dpmp.app.config.raw_config`` reads names only; the values are checked later)."""
+    from dpmp.app.config import raw_config
+
+    raw_config(args.config, _overrides(args))
 
 
 def config_from_args(args: argparse.Namespace):
     """The :class:`dpmp.Config` that ``--config``, ``--set`` and ``--data`` describe."""
     from dpmp.app.config import load_config
 
+    return load_config(args.config, _overrides(args))
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.overrides)
     if getattr(args, "data", None):
         kind = _data_kind(args.data)
         overrides += [f"data.dataset={kind}", f"data.path={json.dumps(str(Path(args.data)))}"]
-    return load_config(args.config, overrides)
+    return overrides
 
 
 def _data_kind(data: str) -> str:

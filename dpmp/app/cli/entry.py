@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None, *, commands: Sequence[Command] = COMMAND
     previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None
     try:
         distributed = None if command.distributed is None else command.distributed(args)
+        if getattr(args, "precheck", None) is not None:
+            args.precheck(args)  # a config typo is named before JAX starts
         _import_all(command.imports, distributed)
         return command.run(args)
     except KeyboardInterrupt as e:

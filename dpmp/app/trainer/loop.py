@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import re
 import signal
@@ -78,6 +79,7 @@ from dpmp.data._dataset import Dataset, as_dataset, fingerprint
 from dpmp.data._preprocess import FeatureStats
 from dpmp.models._adapters import as_model, model_signature
 from dpmp.models._model import count_params
+from dpmp.models._params_file import load_params_file
 
 __all__ = ["RunInterrupted", "train"]
 
@@ -206,7 +208,10 @@ def train(
       init_params: parameters to start from, in the structure of the model's
         own (pre-trained ones: they must not come from the private data, or
         the run is not private); with ``model.lora_rank`` the frozen base of
-        the adapters. A ``[pretrain]`` section makes them instead.
+        the adapters. A path is read as a ``.safetensors`` file or an orbax
+        checkpoint directory of them, each named by its path in the params
+        pytree joined by ``.`` (``dpmp.models.save_params_file`` writes both). A
+        ``[pretrain]`` section makes them instead.
 
     Returns:
       The report dict (see ``report.json``).
@@ -219,6 +224,9 @@ def train(
         different data or from other starting parameters.
     """
     config = Config() if config is None else config
+    init_from = None
+    if isinstance(init_params, str | os.PathLike):  # read before anything is written
+        init_from, init_params = os.fspath(init_params), load_params_file(init_params)
     # one writer per run directory, before anything changes (process 0 of several)
     with locked(out_dir) if is_primary() else contextlib.nullcontext():
         with _Interrupts() as interrupts:
@@ -233,6 +241,7 @@ def train(
                 data=data,
                 callback=callback,
                 init_params=init_params,
+                init_from=init_from,
             )
 
 
@@ -248,8 +257,10 @@ def _train(
     data: Any,
     callback: Callable | None,
     init_params: Any,
+    init_from: str | None,
 ) -> dict[str, Any]:
-    """:func:`train` once the run directory is locked (arguments as there)."""
+    """:func:`train` once the run directory is locked (arguments as there;
+    ``init_from``: the file ``init_params`` were read from)."""
     started = time.perf_counter()
     progress = progress and is_primary()  # one progress bar for a run of several processes
     run_dir, found = _open_run_dir(config, out_dir, resume=resume, progress=progress)
@@ -268,7 +279,9 @@ def _train(
     if fixed and config.pretrain.enabled:  # refuse a too-small sigma before pre-training
         exact = noise_plan(config, num_train=data.num_train, params_shape=None)
         _check_fixed_noise(config, exact.budget)
-    init_params, start = _starting_point(config, run_dir, model, init_params, progress, told)
+    init_params, start = _starting_point(
+        config, run_dir, model, init_params, progress, told, init_from
+    )
     step = _build_step(
         config, data, model=model, loss=loss, feature_stats=saved_stats, init_params=init_params
     )
@@ -323,6 +336,7 @@ def _starting_point(
     init_params: Any,
     progress: bool,
     told: list[str],
+    init_from: str | None = None,
 ) -> tuple[Any, dict[str, Any] | None]:
     """The parameters the run starts from (or adapts, with LoRA) and what the
     report says of them: pre-trained on public text, given, or (None) the model's
@@ -349,7 +363,9 @@ def _starting_point(
                 "init_params= to dpmp.train), or set model.lora_rank = 0 to train every parameter"
             )
         return None, None
-    source = "init_params given to dpmp.train"
+    source = (
+        f"init_params read from {init_from}" if init_from else "init_params given to dpmp.train"
+    )
     return init_params, {"source": source, "params_sha256": params_digest(init_params)}
 
 
@@ -467,6 +483,10 @@ class _Interrupts:
             sys.unraisablehook = self._previous_hook
 
 
+class _Resumable(OSError):
+    """A file could not be written; the message says what was kept and how to go on."""
+
+
 class _Run:
     """A run in progress: the state, and what a checkpoint keeps beside it (the
     sampler, the budget tracker, running totals, the loss-scale history, the last
@@ -581,8 +601,9 @@ class _Run:
             stats, eps, new_scale = self._advance()
             self.totals["elapsed_s"] = self.elapsed_before + (time.perf_counter() - session_start)
             end = StepEnd(self.completed, stats, eps, new_scale, started=tic)
-            for action in actions:  # budget stop, evaluation, logs, progress, checkpoint
-                action(self, end)
+            with self.resumable():
+                for action in actions:  # budget stop, evaluation, logs, progress, checkpoint
+                    action(self, end)
         bar.close()
 
     def _advance(self):
@@ -688,16 +709,25 @@ class _Run:
             "finished": finished,
             "stopped_early": self.stopped,
         }
-        try:
+        with self.resumable():
             save_checkpoint(self.ckpt_dir, step=self.completed, state=state, meta=meta)
-        except OSError as e:  # a full disk: say what was kept and how to go on
+
+    @contextlib.contextmanager
+    def resumable(self):
+        """A file that cannot be written (a full disk) stops the run with one line
+        that names it, says which checkpoint is kept and how to go on."""
+        try:
+            yield
+        except _Resumable:
+            raise  # said already
+        except OSError as e:
             saved = list_checkpoints(self.ckpt_dir)
             kept = (
                 f"the newest checkpoint is of step {saved[-1][0]} ({saved[-1][1]})"
                 if saved
                 else "no checkpoint was saved"
             )
-            raise OSError(
+            raise _Resumable(
                 f"{e}; {kept}: free space and run again in the same directory to "
                 + ("resume" if saved else "start")
             ) from e
@@ -732,20 +762,25 @@ class _Run:
             num_params=count_params(params),
             starting_point=self.start_info,
         )
-        self.run_dir.write_report(report)
-        self.run_dir.write_private_diagnostics(
-            release.private_diagnostics(
-                totals=self.totals,
-                sampler=self.sampler,
-                evaluation=self.last_eval,
-                wall_time_s=time.perf_counter() - started + self.elapsed_before,
+        with self.resumable():  # a finished run started again writes its report again
+            self.run_dir.write_report(report)
+            self.run_dir.write_private_diagnostics(
+                release.private_diagnostics(
+                    totals=self.totals,
+                    sampler=self.sampler,
+                    evaluation=self.last_eval,
+                    wall_time_s=time.perf_counter() - started + self.elapsed_before,
+                )
             )
-        )
-        self.run_dir.log(
-            f"done: {self.completed} steps, test accuracy "
-            f"{self.last_eval['test_accuracy']:.4f}, "
-            f"epsilon {release.epsilon_text(report['epsilon'])} at delta "
-            f"{self.config.privacy.delta:g}"
-            + ("" if report["private"] else "; NOT differentially private (see privacy_warnings)")
-        )
+            self.run_dir.log(
+                f"done: {self.completed} steps, test accuracy "
+                f"{self.last_eval['test_accuracy']:.4f}, "
+                f"epsilon {release.epsilon_text(report['epsilon'])} at delta "
+                f"{self.config.privacy.delta:g}"
+                + (
+                    ""
+                    if report["private"]
+                    else "; NOT differentially private (see privacy_warnings)"
+                )
+            )
         return report

@@ -46,6 +46,7 @@ from dpmp.data._dataset import Dataset
 from dpmp.data._preprocess import FeatureStats, standardize
 from dpmp.models._lora import lora_model
 from dpmp.models._model import Model, count_bytes, count_params
+from dpmp.models._params_file import arrange, load_params_file, param_names
 from dpmp.precision._loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -245,7 +246,9 @@ def build_private_step(
       feature_stats: standardisation statistics to reuse (a resumed run's);
         default: computed as ``data.standardize`` says.
       init_params: parameters to start from (pre-trained ones, in the
-        structure of the model's ``init``) instead of its initialisation; with
+        structure of the model's ``init``, or the path of a ``.safetensors``
+        file or an orbax checkpoint directory of them, named by their paths
+        joined by ``.``) instead of its initialisation; with
         ``model.lora_rank`` the frozen base the adapters adapt (default: the
         model's initialisation).
     """
@@ -451,6 +454,7 @@ def _starting_point(config: Config, model: Model, init_params: Any, like: Any, i
     """``model`` starting from ``init_params``, or adapting them frozen (LoRA);
     ``like``: the shapes of ``model.init``."""
     if init_params is not None:
+        init_params = _arranged(init_params, like)
         _check_like(init_params, like)
         # in the dtypes of the model's own parameters (float32 masters)
         init_params = jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), init_params, like)
@@ -465,6 +469,17 @@ def _starting_point(config: Config, model: Model, init_params: Any, like: Any, i
     if init_params is None:
         return model
     return dataclasses.replace(model, init=lambda key: init_params)
+
+
+def _arranged(params: Any, like: Any) -> Any:
+    """``params`` in the structure of ``like``: a path (a ``.safetensors`` file or an
+    orbax checkpoint directory) read, a tree of other containers (a file's nested
+    dicts) rearranged by parameter name, or ``params`` as they are."""
+    if isinstance(params, str | os.PathLike):
+        return load_params_file(params, like)
+    if jax.tree.structure(params) != jax.tree.structure(like):
+        return arrange(param_names(params), like)
+    return params
 
 
 def _check_like(params: Any, like: Any) -> None:
