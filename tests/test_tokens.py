@@ -323,3 +323,23 @@ def test_the_builtin_lm_on_per_token_labels_clips_the_same_by_ghost_and_vmap():
         sums["vmap"].grads,
         sums["ghost"].grads,
     )
+
+
+def test_a_loaded_gpt2_is_refused_for_a_tokenizer_with_more_ids_than_its_logits(tmp_path):
+    from tests.test_gpt2 import WORDS, _tensors, _write
+
+    loaded = dpmp.models.load_gpt2(_write(tmp_path / "ckpt", _tensors(np.random.default_rng(1))))
+    path = _word_tokenizer(tmp_path, WORDS + [f"w{i}" for i in range(10)])  # 20 ids; GPT-2: 12
+    (tmp_path / "t.txt").write_text("\n".join(f"the cat sat {i}" for i in range(20)))
+    config = load_config(
+        None,
+        [
+            'data.dataset="text"',
+            f'data.path="{tmp_path / "t.txt"}"',
+            f'data.tokenizer="{path}"',
+            "data.seq_len=8",
+        ],
+    )
+    with pytest.raises(ValueError, match="gives 12 logits per token, fewer than .* 20 token ids"):
+        dpmp.train(config, out_dir=tmp_path / "run", model=loaded.model, progress=False)
+    assert not (tmp_path / "run").exists()
