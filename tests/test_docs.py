@@ -42,6 +42,7 @@ SLOW_PYTHON = {
     "README.md",  # one step: noise calibrated, ghost clipping compiled (15-40 s)
     "docs/quickstart.md",  # the same step (15-40 s)
     "docs/own-model.md",  # trains the default config through dpmp.train (~30 s)
+    "docs/language-models.md",  # trains a tiny language model through dpmp.train (~15 s)
 }
 # What `dpmp train` in a bash block runs instead of its config's full length.
 SHORT_RUN = "dpmp train --set training.steps=2 --set training.eval_every=0 --set pretrain.steps=2"

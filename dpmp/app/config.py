@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpmp.accounting._registry import accountant_names
+from dpmp.app.config_text import check_tokenizer
 from dpmp.noise._registry import sampler_names
 
 if TYPE_CHECKING:
@@ -171,8 +172,11 @@ class DataConfig:
       file, one record per line, or a ``.jsonl`` file of ``{"text": ...}``
       objects, one record each). A record is the privacy unit.
     path: the ``.npz`` file, the folder of ``.npy`` files, or the text file.
-    seq_len: text: bytes per record (UTF-8; longer records are cut, shorter
-      ones padded; padding contributes nothing to the loss).
+    tokenizer: text: a ``tokenizer.json`` (Hugging Face ``tokenizers``) whose
+      tokens replace the bytes; each record is still one example.
+    seq_len: text: bytes per record (UTF-8), or with a ``tokenizer`` predicted
+      tokens per record (longer records are cut, shorter ones padded; padding
+      contributes nothing to the loss).
     test_fraction: share held out for testing when the data has no test split.
     standardize: scale features by a mean and std of the training set:
       ``"none"`` (no statistic of the training data is computed; the digits use
@@ -192,6 +196,7 @@ class DataConfig:
 
     dataset: str = "digits"
     path: str | None = None
+    tokenizer: str | None = None
     test_fraction: float = 0.2
     seq_len: int = 64
     standardize: str = "none"
@@ -207,6 +212,7 @@ class DataConfig:
             raise ConfigError(f"data.seq_len: at most 4096, got {self.seq_len}")
         if _sources().get(self.dataset).needs_path and not self.path:
             raise ConfigError(f'data.path: required when data.dataset = "{self.dataset}"')
+        check_tokenizer(self.dataset, self.tokenizer)
         if isinstance(self.standardize, bool):
             raise ConfigError(
                 f"data.standardize: {str(self.standardize).lower()} is no longer allowed; "

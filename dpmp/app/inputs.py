@@ -15,6 +15,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from dpmp.app.config import ConfigError, DataConfig, ModelConfig
 from dpmp.data._dataset import Dataset
 from dpmp.data.sources import load_dataset
@@ -44,6 +46,7 @@ def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
         test_fraction=config.test_fraction,
         seq_len=config.seq_len,
         seed=seed,
+        tokenizer=config.tokenizer,
     )
 
 
@@ -66,7 +69,9 @@ def model_from_config(config: ModelConfig, data_info: Any, policy: Policy | str)
     shape = tuple(int(d) for d in data_info.input_shape)
     made = load_factory(config.kind)(shape, int(data_info.num_classes))
     try:
-        model = as_model(made, shape, data_info.num_classes, policy)
+        tokens = getattr(data_info, "task", "classify") == "next_token"
+        dtype = np.int32 if tokens else np.float32
+        model = as_model(made, shape, data_info.num_classes, policy, input_dtype=dtype)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"model.kind: {config.kind} returned an unusable model: {e}") from None
     return dataclasses.replace(

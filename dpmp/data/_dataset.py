@@ -65,16 +65,22 @@ class Dataset:
       x_train, x_test: features, ``[n, *input_shape]``: float32 arrays in
         memory, or anything indexed by rows (a memory-mapped ``.npy`` of any
         numeric dtype, a ``RecordColumn``); batches are cast to float32.
-      y_train, y_test: int32 labels in ``[0, num_classes)``, in memory.
-      num_classes: K; the training labels are exactly 0..K-1 (``_check_classes``).
+      y_train, y_test: int32 labels in ``[0, num_classes)``, in memory: ``[n]``,
+        or ``[n, T]`` per-token labels where -1 marks no label (see ``task``).
+      num_classes: K; the training labels are exactly 0..K-1 (``_check_classes``);
+        for next-token data the vocabulary.
       input_shape: shape of one example (``(8, 8, 1)`` for digits).
       description: one line saying where the data came from.
       standardize: how the features were standardised: ``"none"``,
         ``"private"`` or ``"nonprivate"`` (see ``dpmp.data._preprocess``).
-      task: ``"classify"`` (``y`` are class labels) or ``"next_token"``
-        (``x`` are int32 byte tokens ``[n, seq_len + 1]``: BOS, the record's
-        UTF-8 bytes, PAD after its end; ``y`` is the record's token count;
-        ``num_classes`` is the vocabulary, ``VOCAB``).
+      task: ``"classify"`` (``y`` are class labels) or ``"next_token"``, in
+        one of two forms: byte tokens (``x`` int32 ``[n, seq_len + 1]``: BOS,
+        the record's UTF-8 bytes, PAD after its end; ``y`` the record's token
+        count; ``num_classes`` the vocabulary, ``VOCAB``), or token ids with
+        per-token labels (``x`` and ``y`` int32 ``[n, T]``, ``y[i, t]`` the
+        token after ``x[i, t]`` or -1 for no loss; ``num_classes`` the
+        vocabulary: ``from_tokens``, a ``tokenizer.json``; see
+        ``dpmp.data._tokens``). Either way one record is one example.
     """
 
     x_train: np.ndarray
@@ -128,6 +134,25 @@ class Dataset:
         x_train, y_train = _columns("train", train)
         x_test, y_test = _columns("test", test)
         return _assemble(x_train, y_train, x_test, y_test, description or "user sources")
+
+    @classmethod
+    def from_tokens(
+        cls,
+        train: tuple[Any, Any],
+        test: tuple[Any, Any],
+        *,
+        vocab_size: int,
+        description: str | None = None,
+    ) -> Dataset:
+        """A next-token dataset of ``train = (x, y)`` and ``test = (x, y)``: integer
+        token ids ``x [n, T]`` in ``[0, vocab_size)`` and per-token labels ``y [n, T]``
+        (the token each position predicts, or -1 where it predicts none: padding,
+        no loss). Each row is one record, the privacy unit. Raises ``DataError``
+        naming the array at fault (an id or label outside the vocabulary among them).
+        """
+        from dpmp.data._tokens import tokens_dataset
+
+        return tokens_dataset(train, test, vocab_size=vocab_size, description=description)
 
     def summary(self) -> dict[str, Any]:
         """JSON-serialisable description (for the run report)."""
@@ -358,7 +383,7 @@ def _labels(name: str, y: np.ndarray) -> np.ndarray:
     if y.ndim != 1:
         raise DataError(
             f"{name}: must be a 1-D array of integer class labels, got shape {y.shape} "
-            "(one-hot labels? store their argmax)"
+            "(one-hot labels? store their argmax; per-token labels: dpmp.Dataset.from_tokens)"
         )
     if y.dtype.kind == "b" or y.dtype.kind not in "iuf":
         raise DataError(f"{name}: labels must be integers >= 0, got dtype {y.dtype}")

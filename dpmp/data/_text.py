@@ -26,6 +26,7 @@ __all__ = [
     "distinct_lines",
     "encode_records",
     "read_text_file",
+    "split_records",
     "text_dataset",
 ]
 
@@ -45,15 +46,8 @@ def text_dataset(
     count, ``num_classes`` the vocabulary (``VOCAB``); ``source`` says where
     the records came from.
     """
-    if len(records) < MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES:
-        raise DataError(
-            f"data: {len(records)} records of text; need at least "
-            f"{MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES}"
-        )
+    train, test = split_records(len(records), test_fraction, seed)
     tokens, counts = encode_records(records, seq_len)
-    order = np.random.default_rng(seed).permutation(len(records))
-    n_test = max(MIN_TEST_EXAMPLES, int(np.ceil(test_fraction * len(records))))
-    test, train = order[:n_test], order[n_test:]
     return Dataset(
         x_train=tokens[train],
         y_train=counts[train],
@@ -68,6 +62,22 @@ def text_dataset(
         ),
         task="next_token",
     )
+
+
+def split_records(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(train rows, test rows)`` of ``n`` records: a random split, ``test_fraction``
+    (at least one record) held out.
+
+    Raises:
+      DataError: too few records to train and test on.
+    """
+    if n < MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES:
+        raise DataError(
+            f"data: {n} records of text; need at least {MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES}"
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    n_test = max(MIN_TEST_EXAMPLES, int(np.ceil(test_fraction * n)))
+    return order[n_test:], order[:n_test]
 
 
 def distinct_lines(texts: Iterable[str]) -> list[str]:

@@ -64,27 +64,40 @@ def as_model(
     policy: Policy | str,
     *,
     loss: Callable | None = None,
+    input_dtype: Any = jnp.float32,
 ) -> Model:
     """A ``Model`` of a flax linen or nnx module, an Equinox module, an ``(init,
     apply)`` pair or a ``Model`` (returned as it is; ``loss`` must then be None).
 
+    ``input_dtype`` is what the inputs are: float32 features, or integer token
+    ids (a linen module is initialised on them); a language model on token ids
+    must give logits ``[B, T, V]`` with ``V`` at least the vocabulary
+    ``num_classes``, and a linen ``nn.Embed`` applied to the token ids must
+    have as many rows.
+
     Raises:
       TypeError: ``obj`` is none of these forms.
-      ValueError: the model keeps batch statistics.
+      ValueError: the model keeps batch statistics, or its logits (or its
+        linen token embedding) are fewer than the vocabulary.
     """
     policy = Policy.parse(policy)
+    input_shape = tuple(int(d) for d in input_shape)
     if isinstance(obj, Model):
         if loss is not None:
             raise ValueError("loss: a dpmp Model carries its own loss; pass loss=None")
+        if jnp.issubdtype(input_dtype, jnp.integer):  # a loaded GPT-2, say
+            _check_vocabulary(obj.init, obj.predict, input_shape, num_classes)
         return obj
-    input_shape = tuple(int(d) for d in input_shape)
-    framework, init, forward, dropout = _form(obj, input_shape)
+    framework, init, forward, dropout = _form(obj, input_shape, jnp.dtype(input_dtype))
 
     def forward_in_compute(params, x):
         return forward(cast_tree(params, policy.compute), x)
 
     loss_fn, predict, metrics = wrap_forward(forward_in_compute, policy, loss)
     name = type(obj).__name__ if framework != "jax" else getattr(obj[1], "__name__", "apply")
+    if jnp.issubdtype(input_dtype, jnp.integer):
+        linen = forward if framework == "flax.linen" else None
+        _check_vocabulary(init, predict, input_shape, num_classes, linen_forward=linen)
     return Model(
         kind="custom",
         framework=framework,
@@ -101,16 +114,17 @@ def as_model(
     )
 
 
-def _form(obj: Any, input_shape: tuple[int, ...]) -> tuple[str, Callable, Callable, str]:
-    """``(framework, init(key) -> params, forward(params, x) -> outputs, dropout)``;
-    ``dropout`` is ``", dropout off (...)"`` naming the dropout layers, or ``""``."""
+def _form(obj: Any, input_shape: tuple[int, ...], dtype) -> tuple[str, Callable, Callable, str]:
+    """``(framework, init(key) -> params, forward(params, x) -> outputs, dropout)`` for
+    inputs of ``dtype``; ``dropout`` is ``", dropout off (...)"`` naming the dropout
+    layers, or ``""``."""
     import equinox as eqx
     import flax.linen as nn
     from flax import nnx
 
     if isinstance(obj, nn.Module):
-        init, forward = _linen(obj, input_shape)
-        return "flax.linen", init, forward, _linen_dropout(init, forward, input_shape)
+        init, forward = _linen(obj, input_shape, dtype)
+        return "flax.linen", init, forward, _linen_dropout(init, forward, input_shape, dtype)
     if isinstance(obj, nnx.Module):
         obj, dropout = _nnx_without_dropout(obj)
         return ("flax.nnx", *_nnx(obj), dropout)
@@ -125,8 +139,8 @@ def _form(obj: Any, input_shape: tuple[int, ...]) -> tuple[str, Callable, Callab
     )
 
 
-def _linen(module, input_shape):
-    example = jnp.zeros((1, *input_shape), jnp.float32)
+def _linen(module, input_shape, dtype):
+    example = jnp.zeros((1, *input_shape), dtype)
     collections = set(jax.eval_shape(module.init, jax.random.key(0), example))
     if collections - {"params"}:
         raise ValueError(
@@ -143,7 +157,7 @@ def _linen(module, input_shape):
     return init, forward
 
 
-def _linen_dropout(init, forward, input_shape) -> str:
+def _linen_dropout(init, forward, input_shape, dtype) -> str:
     """``", dropout off (...)"`` naming the module's dropout layers, or ``""``.
 
     Raises:
@@ -160,7 +174,7 @@ def _linen_dropout(init, forward, input_shape) -> str:
         return next_fun(*args, **kwargs)
 
     params = jax.eval_shape(init, jax.random.key(0))
-    example = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
+    example = jax.ShapeDtypeStruct((1, *input_shape), dtype)
     try:
         with nn.intercept_methods(spy):
             jax.eval_shape(forward, params, example)
@@ -204,6 +218,53 @@ def _eqx_without_dropout(module):
     if found:
         module = eqx.nn.inference_mode(module, True)
     return module, _dropout_off(found)
+
+
+def _check_vocabulary(init, predict, input_shape, vocab: int, *, linen_forward=None) -> None:
+    """A language model on token ids gives logits ``[1, T, V]`` with ``V >= vocab``, and
+    (linen) every ``nn.Embed`` that reads the token ids themselves has ``vocab`` rows."""
+    params = jax.eval_shape(init, jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((1, *input_shape), jnp.int32)
+    shape = tuple(jax.eval_shape(predict, params, tokens).shape)
+    if len(shape) != 3 or shape[:2] != (1, *input_shape):
+        raise ValueError(
+            f"model: on token ids [B, {', '.join(map(str, input_shape))}] it must give logits "
+            f"[B, T, vocab], got shape {shape} for B = 1"
+        )
+    if shape[2] < int(vocab):
+        raise ValueError(
+            f"model: gives {shape[2]} logits per token, fewer than the data's vocabulary of "
+            f"{int(vocab)} token ids (the tokenizer's is larger than the model's embedding)"
+        )
+    if linen_forward is not None:
+        for name, rows in _linen_token_embeddings(linen_forward, params, input_shape):
+            if rows < int(vocab):
+                raise ValueError(
+                    f"model: its embedding {name} has {rows} rows, fewer than the data's "
+                    f"vocabulary of {int(vocab)} token ids (the tokenizer's is larger than "
+                    "the model's embedding)"
+                )
+
+
+def _linen_token_embeddings(forward, params, input_shape) -> list[tuple[str, int]]:
+    """``(name, rows)`` of each linen ``nn.Embed`` called on the model's input itself."""
+    import flax.linen as nn
+
+    found: list[tuple[str, int]] = []
+
+    def run(p, tokens):
+        def spy(next_fun, args, kwargs, context):
+            module = context.module
+            if isinstance(module, nn.Embed) and context.method_name == "__call__":
+                if args and args[0] is tokens:  # not positions or other derived ids
+                    found.append((str(module.name), int(module.num_embeddings)))
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(spy):
+            return forward(p, tokens)
+
+    jax.eval_shape(run, params, jax.ShapeDtypeStruct((1, *input_shape), jnp.int32))
+    return found
 
 
 def _nnx(module):

@@ -157,16 +157,14 @@ def load_tokenizer(folder: str | Path, vocab_size: int | None = None):
       DataError: not a tokenizer file, or it has more tokens than ``vocab_size``
         (the rows of the model's embedding).
     """
-    from tokenizers import Tokenizer
+    from dpmp.data._tokenizer import load_tokenizer as load_file
+    from dpmp.data._tokenizer import vocab_size as id_bound
 
     path = Path(folder) / TOKENIZER
     if not path.is_file():
         return None
-    try:
-        tokenizer = Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception on a bad file
-        raise DataError(f"checkpoint: {path} is not a tokenizer file ({e})") from None
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    tokenizer = load_file(path, field="checkpoint")
+    size = id_bound(tokenizer)  # one more than its largest token id
     if vocab_size is not None and size > vocab_size:
         raise DataError(
             f"{path}: {size} tokens, more than the model's vocab_size {vocab_size} "

@@ -39,6 +39,8 @@ __all__ = [
     "count_params",
     "cross_entropy",
     "next_token_losses",
+    "token_cross_entropy",
+    "token_losses",
     "wrap_forward",
 ]
 
@@ -82,11 +84,14 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 def wrap_forward(forward: Callable, policy: Policy, loss: Callable | None = None):
     """``(loss_fn, predict, metrics)`` around ``forward(params, x) -> outputs``.
 
-    ``x`` is cast to ``policy.compute`` and the outputs to ``policy.output``;
-    ``loss(outputs, labels)`` gives per-example losses (default
-    ``cross_entropy``), averaged in float32 by ``loss_fn``.
+    Floating ``x`` is cast to ``policy.compute`` and the outputs to
+    ``policy.output``; ``loss(outputs, labels)`` gives per-example losses
+    ``[B]``, averaged in float32 by ``loss_fn``. Its default is
+    ``cross_entropy`` for class labels ``[B]`` and ``token_cross_entropy`` for
+    per-token labels ``[B, T]`` (outputs: logits ``[B, T, V]``). ``metrics``
+    of per-token labels are ``token_losses`` (the held-out loss per token,
+    whatever loss trains).
     """
-    loss = cross_entropy if loss is None else loss
 
     def predict(params, x):
         x = jnp.asarray(x)
@@ -95,10 +100,12 @@ def wrap_forward(forward: Callable, policy: Policy, loss: Callable | None = None
         return forward(params, x).astype(policy.output)
 
     def example_losses(outputs, labels):
-        losses = jnp.asarray(loss(outputs, labels))
-        if losses.shape != labels.shape:
+        default = token_cross_entropy if labels.ndim == 2 else cross_entropy
+        losses = jnp.asarray((default if loss is None else loss)(outputs, labels))
+        if losses.shape != labels.shape[:1]:
             raise ValueError(
-                f"loss: must return one loss per example, shape {labels.shape}, got {losses.shape}"
+                f"loss: must return one loss per example, shape {labels.shape[:1]}, got "
+                f"{losses.shape}"
             )
         return losses.astype(jnp.float32)
 
@@ -107,6 +114,8 @@ def wrap_forward(forward: Callable, policy: Policy, loss: Callable | None = None
 
     def metrics(params, batch):
         outputs = predict(params, batch["x"])
+        if batch["y"].ndim == 2:
+            return token_losses(outputs, batch["y"])
         correct = (jnp.argmax(outputs, -1) == batch["y"]).astype(jnp.int32)
         return example_losses(outputs, batch["y"]), correct, jnp.ones_like(correct)
 
@@ -128,3 +137,30 @@ def next_token_losses(logits: jax.Array, tokens: jax.Array, pad: int):
         correct.sum(-1, dtype=jnp.int32),
         real.sum(-1, dtype=jnp.int32),
     )
+
+
+def token_losses(logits: jax.Array, labels: jax.Array):
+    """Per record: the summed float32 cross-entropy of ``logits [B, T, V]`` at the
+    per-token ``labels [B, T]`` (``-1``: no label, nothing counted), the correct
+    predictions and the number of labelled positions."""
+    real = labels >= 0
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"per-token labels {labels.shape} need logits [B, T, vocab], got {logits.shape}"
+        )
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), jnp.where(real, labels, 0)
+    )
+    correct = (jnp.argmax(logits, -1) == labels) & real
+    return (
+        jnp.where(real, ce, 0.0).sum(-1),
+        correct.sum(-1, dtype=jnp.int32),
+        real.sum(-1, dtype=jnp.int32),
+    )
+
+
+def token_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per record ``[B]``: the mean float32 cross-entropy over its labelled positions
+    (``labels >= 0``; 0 for a record with none), the default per-token loss."""
+    loss, _, count = token_losses(logits, labels)
+    return loss / jnp.maximum(count, 1).astype(jnp.float32)

@@ -188,7 +188,10 @@ def train(
         of functions of a params pytree, or a ``dpmp`` ``Model``
         (``dpmp.models._adapters.as_model`` says how each is used).
       loss: ``loss(outputs, labels) -> per-example losses [B]`` of a ``model``
-        given here (default: softmax cross-entropy on integer labels).
+        given here (default: softmax cross-entropy on integer labels; with
+        per-token labels ``[B, T]`` of ``Dataset.from_tokens`` or a
+        ``data.tokenizer``, the mean cross-entropy over each record's labelled
+        tokens, ``dpmp.models._model.token_cross_entropy``).
       data: the data to use instead of ``load_data(config.data)``: a
         ``dpmp.Dataset`` (arrays in memory or memory-mapped), or a
         ``(train, test)`` pair of random-access sources or ``(x, y)`` pairs
@@ -403,7 +406,14 @@ def _build_step(
             warnings.simplefilter("ignore", UserWarning)
         built = None
         if model is not None:
-            built = as_model(model, data.input_shape, data.num_classes, config.precision, loss=loss)
+            built = as_model(
+                model,
+                data.input_shape,
+                data.num_classes,
+                config.precision,
+                loss=loss,
+                input_dtype=input_dtype(data),
+            )
         return build_private_step(
             config, data, model=built, feature_stats=feature_stats, init_params=init_params
         )

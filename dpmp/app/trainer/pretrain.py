@@ -39,6 +39,7 @@ from dpmp.app.run_dir import ProgressBar
 from dpmp.app.trainer.evaluate import evaluator
 from dpmp.data._dataset import Dataset, fingerprint
 from dpmp.data._text import text_dataset
+from dpmp.data._tokens import token_dataset
 from dpmp.data.sources import PUBLIC_TEXT
 
 __all__ = ["Pretrained", "params_digest", "pretrain", "public_text"]
@@ -57,10 +58,20 @@ class Pretrained:
 
 
 def public_text(config: Config) -> Dataset:
-    """The public text of ``config.pretrain`` as a next-token ``Dataset``."""
-    p = config.pretrain
+    """The public text of ``config.pretrain`` as a next-token ``Dataset`` (encoded by
+    ``data.tokenizer`` when it is set, as the private text is)."""
+    p, d = config.pretrain, config.data
     records, source = PUBLIC_TEXT.get(p.dataset).records(p.path, "pretrain.path")
-    return text_dataset(records, source, config.data.seq_len, _TEST_FRACTION, p.seed)
+    if d.tokenizer is not None:
+        return token_dataset(
+            records,
+            source,
+            tokenizer=d.tokenizer,
+            seq_len=d.seq_len,
+            test_fraction=_TEST_FRACTION,
+            seed=p.seed,
+        )
+    return text_dataset(records, source, d.seq_len, _TEST_FRACTION, p.seed)
 
 
 def params_digest(params: Any) -> str:
@@ -154,9 +165,8 @@ def _train(config: Config, model, data: Dataset, *, progress: bool) -> Any:
     opt_state = optimizer.init(params)
 
     @jax.jit
-    def step(params, opt_state, x):
-        # the language model's loss reads the tokens only; "y" is there for the batch's form
-        loss, grads = jax.value_and_grad(model.loss_fn)(params, {"x": x, "y": x[:, 0]})
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(model.loss_fn)(params, {"x": x, "y": y})
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -165,7 +175,8 @@ def _train(config: Config, model, data: Dataset, *, progress: bool) -> Any:
     for i in range(1, p.steps + 1):
         rows = np.sort(rng.integers(0, data.num_train, p.batch_size))
         x = jnp.asarray(np.asarray(data.x_train[rows], np.int32))
-        params, opt_state, loss = step(params, opt_state, x)
+        y = jnp.asarray(np.asarray(data.y_train[rows], np.int32))
+        params, opt_state, loss = step(params, opt_state, x, y)
         due = i % 50 == 0 or i == p.steps
         if due or bar.tty:
             bar.update(i, {"public pre-training loss": f"{float(loss):.3f}"}, force=due)

@@ -26,9 +26,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, runtime_checkable
 
-from dpmp.data._dataset import Dataset
+from dpmp.data._dataset import DataError, Dataset
 from dpmp.data._registry import Registry
 from dpmp.data._text import text_dataset
+from dpmp.data._tokens import token_dataset
 
 __all__ = [
     "PUBLIC_TEXT",
@@ -50,14 +51,18 @@ class SourceOptions:
     Attributes:
       path: the file or folder to read (sources with ``needs_path``), else None.
       test_fraction: share held out for testing when the data has no test split.
-      seq_len: text: bytes per record (longer records are cut, shorter padded).
+      seq_len: text: bytes per record, or with a ``tokenizer`` predicted tokens
+        per record (longer records are cut, shorter padded).
       seed: seeds the train/test split.
+      tokenizer: text: a ``tokenizer.json`` to encode the records with, or None
+        for UTF-8 bytes.
     """
 
     path: str | None = None
     test_fraction: float = 0.2
     seq_len: int = 64
     seed: int = 0
+    tokenizer: str | None = None
 
 
 @runtime_checkable
@@ -103,7 +108,8 @@ class TextCorpus(Protocol):
 
 
 class TextSource:
-    """A text corpus as a next-token data source (byte tokens, split at random)."""
+    """A text corpus as a next-token data source (byte tokens, or the tokens of
+    ``options.tokenizer``; one record per example; split at random)."""
 
     task = "next_token"
 
@@ -114,6 +120,15 @@ class TextSource:
 
     def load(self, options: SourceOptions) -> Dataset:
         records, source = self.corpus.records(options.path, "data.path")
+        if options.tokenizer is not None:
+            return token_dataset(
+                records,
+                source,
+                tokenizer=options.tokenizer,
+                seq_len=options.seq_len,
+                test_fraction=options.test_fraction,
+                seed=options.seed,
+            )
         return text_dataset(records, source, options.seq_len, options.test_fraction, options.seed)
 
 
@@ -150,6 +165,7 @@ def load_dataset(
     test_fraction: float = 0.2,
     seq_len: int = 64,
     seed: int = 0,
+    tokenizer: str | None = None,
 ) -> Dataset:
     """Loads the data set of the source registered as ``name`` (no standardisation).
 
@@ -158,12 +174,18 @@ def load_dataset(
         it), ``"npz"``, ``"npy"``, ``"python_docs"``, ``"text"``, or your own.
       path: the file or folder the source reads.
       test_fraction: share held out for testing when the data has no test split.
-      seq_len: text: bytes per record.
+      seq_len: text: bytes (or with ``tokenizer``, predicted tokens) per record.
       seed: seeds the train/test split.
+      tokenizer: text: a ``tokenizer.json`` whose tokens replace the bytes.
 
     Raises:
       ValueError: no source is registered as ``name``.
       DataError: the source's data cannot be used.
     """
-    options = SourceOptions(path=path, test_fraction=test_fraction, seq_len=seq_len, seed=seed)
-    return SOURCES.get(name).load(options)
+    options = SourceOptions(
+        path=path, test_fraction=test_fraction, seq_len=seq_len, seed=seed, tokenizer=tokenizer
+    )
+    source = SOURCES.get(name)
+    if tokenizer is not None and not isinstance(source, TextSource):
+        raise DataError(f"data.tokenizer: encodes text; data.dataset {name!r} is not text")
+    return source.load(options)

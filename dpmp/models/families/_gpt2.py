@@ -33,9 +33,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from dpmp.models._model import Model, next_token_losses
+from dpmp.models._model import Model, next_token_losses, token_losses
 from dpmp.models._params_file import nest
 from dpmp.precision._policy import Policy
 
@@ -159,29 +158,13 @@ def gpt2_forward(config: GPT2Config, params: Params, tokens: jax.Array, compute)
     return _layer_norm(params["ln_f"], x, eps) @ wte.T
 
 
-def _labelled_losses(logits: jax.Array, labels: jax.Array):
-    """Per record: the summed float32 cross-entropy of ``logits [B, T, V]`` at the
-    per-token ``labels [B, T]`` (negative: no label), the correct predictions
-    and the number of labelled positions."""
-    real = labels >= 0
-    ce = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), jnp.where(real, labels, 0)
-    )
-    correct = (jnp.argmax(logits, -1) == labels) & real
-    return (
-        jnp.where(real, ce, 0.0).sum(-1),
-        correct.sum(-1, dtype=jnp.int32),
-        real.sum(-1, dtype=jnp.int32),
-    )
-
-
 def _record_losses(logits: jax.Array, batch: dict, pad_id: int | None):
     """``(losses, correct, counts)`` per record: at the per-token labels ``y`` if the
     batch has them (the shape of ``x``), else of predicting ``x[:, 1:]`` less
     ``pad_id``."""
     x, y = jnp.asarray(batch["x"]), batch.get("y")
     if y is not None and jnp.shape(y) == x.shape:
-        return _labelled_losses(logits, jnp.asarray(y))
+        return token_losses(logits, jnp.asarray(y))
     return next_token_losses(logits, x, -1 if pad_id is None else pad_id)
 
 

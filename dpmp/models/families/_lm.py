@@ -1,10 +1,12 @@
-"""``lm``: a small flax linen causal transformer over byte tokens (text data).
+"""``lm``: a small flax linen causal transformer over tokens (text data).
 
 Token and learned position embeddings, ``depth`` pre-LayerNorm blocks of
 causal multi-head self-attention and an MLP of width ``4 * dim``, a linear
 head over the vocabulary. Its loss is the mean next-token cross-entropy over
 a record's real tokens (padding contributes nothing); one record is one
-example, the privacy unit.
+example, the privacy unit. On byte tokens the targets are the record's next
+bytes (``PAD`` marks the padding); on the token ids of a ``tokenizer.json``
+they are the per-token labels ``y`` (``-1`` marks the padding).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dpmp.data._text import PAD
-from dpmp.models._model import Model, next_token_losses
+from dpmp.models._model import Model, next_token_losses, token_losses
 from dpmp.models.families._base import Architecture, register_family
 from dpmp.models.families._blocks import transformer_block
 from dpmp.precision._policy import Policy
@@ -58,12 +60,14 @@ class LMFamily:
         def predict(params, tokens):
             return module.apply({"params": params}, jnp.asarray(tokens)).astype(policy.output)
 
-        def loss_fn(params, batch):
-            loss, _, count = next_token_losses(predict(params, batch["x"]), batch["x"], PAD)
-            return (loss / jnp.maximum(count, 1).astype(jnp.float32)).mean()
-
         def metrics(params, batch):
+            if jnp.ndim(batch.get("y", 0)) == 2:  # token ids with per-token labels
+                return token_losses(predict(params, batch["x"]), batch["y"])
             return next_token_losses(predict(params, batch["x"]), batch["x"], PAD)
+
+        def loss_fn(params, batch):
+            loss, _, count = metrics(params, batch)
+            return (loss / jnp.maximum(count, 1).astype(jnp.float32)).mean()
 
         return Model(
             kind=self.name,
@@ -74,7 +78,7 @@ class LMFamily:
             predict=predict,
             metrics=metrics,
             description=(
-                f"flax linen causal transformer over {vocab} byte tokens, context {length - 1}: "
+                f"flax linen causal transformer over {vocab} tokens, context {length - 1}: "
                 f"dim {dim}, {depth} pre-LN blocks with {heads}-head causal attention and MLP "
                 f"{4 * dim}, learned positions"
             ),
