@@ -93,9 +93,11 @@ def test_ndtri_is_within_the_accounted_relative_error():
     p = np.concatenate(
         [np.ldexp(rng.uniform(1, 2, 1500), -exponents - 1), rng.uniform(0.02, 0.5, 500)]
     )
-    edges = [np.exp(-2.0), np.exp(-32.0), stats.norm.cdf(-8.0), 2.0**-78, 2.0**-77]
+    edges = [np.exp(-2.0), stats.norm.cdf(-8.0), 2.0**-78, 2.0**-77]
     edges = [np.nextafter(e, d) for e in edges for d in (0.0, 1.0)] + edges
-    p = np.append(p, [*edges, 2.0**-97, 2.0**-78 * (1 + 2.0**-52), 0.5 - 2.0**-53, 0.5])
+    z_is_8 = np.exp(-32.0) * (1 + np.arange(-32, 33) * 2.0**-52)  # its rounded z crosses 8
+    p = np.concatenate([p, edges, z_is_8, [2.0**-97, 2.0**-78 * (1 + 2.0**-52), 0.5 - 2.0**-53]])
+    p = np.append(p, 0.5)
     with jax.enable_x64(True):
         z = np.asarray(jax.jit(ndtri_lower)(jnp.asarray(p, jnp.float64)))
     mpmath.mp.dps = 40
