@@ -14,6 +14,12 @@ Measures in ONE process:
   of the mean loss, Adam) against its private step (``dpmp.private_grad`` with
   ghost clipping, the snapped noise, Adam): arguments + outputs + temporaries;
 * **the default run's private step** with either sampler (timed);
+* **dpmp's ndtri against JAX's** (``--only ndtri``): the snapped draw as it is
+  (``dpmp.noise._ndtri.ndtri_lower``, the snap by ``value * (1 / grid)``) against
+  the same draw with ``jax.scipy.special.ndtri`` and ``value / grid``, for the
+  whole ``snapped_gaussian`` and for the inverse CDF alone on float64 uniforms in
+  (0, 1/2], at ``--ndtri-sizes``: median wall time per coordinate over interleaved
+  rounds, and compiled temporary bytes; with the load average before and after;
 * **the accounted residual**: the epsilon the snapped noise adds to the exact
   Gaussian's (RDP, q 0.01, sigma 1, delta 1e-5), for 1M to 10B parameters and
   1k, 5k and 10k steps, beside the bound that summed every cell's (the
@@ -23,14 +29,17 @@ It prints tables and writes the raw numbers as JSON (``--json``).
 
     python benchmarks/noise.py --json benchmarks/results/cpu_2core_noise.json
     python benchmarks/noise.py --sizes 1000000 --step-params 16000000 --repeats 3
+    python benchmarks/noise.py --only ndtri --json benchmarks/results/cpu_2core_ndtri.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -43,6 +52,8 @@ import optax
 import dpmp
 from dpmp.app.config import load_config
 from dpmp.app.trainer import build_private_step
+from dpmp.noise import _snapped
+from dpmp.noise._ndtri import ndtri_lower
 from dpmp.noise._snapped import CONTRACT
 
 SAMPLERS = ("plain", "snapped")
@@ -58,17 +69,18 @@ def _calls_per_sample(fn, args) -> int:
     return max(1, min(200, round(MIN_SAMPLE_S / max(time.perf_counter() - t, 1e-6))))
 
 
-def time_interleaved(fns: dict, args: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per call of each function, sampled in interleaved rounds."""
+def time_interleaved(fns: dict, args: dict, repeats: int, clock=time.perf_counter) -> dict:
+    """Median seconds per call of each function, sampled in interleaved rounds
+    (``clock``: wall time, or ``time.process_time`` for the process's CPU time)."""
     calls = {k: _calls_per_sample(fns[k], args[k]) for k in fns}
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            t = time.perf_counter()
+            t = clock()
             for _ in range(calls[k]):
                 out = fn(*args[k])
             jax.block_until_ready(out)
-            times[k].append((time.perf_counter() - t) / calls[k])
+            times[k].append((clock() - t) / calls[k])
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -102,6 +114,72 @@ def noise_stage(size: int, repeats: int) -> dict:
         "ns_per_coordinate": {k: 1e9 * s / size for k, s in seconds.items()},
         "temp_bytes_per_coordinate": {k: b / size for k, b in temp.items()},
         "time_ratio": seconds["snapped"] / seconds["plain"],
+    }
+
+
+def _jax_snap_values(key_words, value, index, stddev):
+    """The snapped draw with ``jax.scipy.special.ndtri`` and ``value / grid``."""
+    grid = _snapped.snap_grid(stddev)
+    with jax.enable_x64(True):
+        u, negative = _snapped._half_uniform(_snapped._noise_words(key_words, index))
+        z = jax.scipy.special.ndtri(u)
+        z = jnp.where(negative, z, -z)
+        scaled = value.astype(jnp.float64) / grid
+        whole = jnp.round(scaled)
+        cells = whole + jnp.round((scaled - whole) + (stddev / grid) * z)
+        return (cells * grid).astype(value.dtype)
+
+
+@contextlib.contextmanager
+def _jax_ndtri_draw():
+    """Trace ``snapped_gaussian`` with ``_jax_snap_values`` as its per-piece draw."""
+    own = _snapped._snap_values
+    _snapped._snap_values = _jax_snap_values
+    try:
+        yield
+    finally:
+        _snapped._snap_values = own
+
+
+def _draw():
+    return lambda key, value: dpmp.snapped_gaussian(key, value, 1.0)
+
+
+def ndtri_stage(size: int, repeats: int) -> dict:
+    """dpmp's ndtri against JAX's: the whole draw and the inverse CDF alone."""
+    key = jax.random.key(0)
+    value = jnp.zeros(size, jnp.float32)
+    with jax.enable_x64(True):
+        u = jnp.linspace(0.5, 0.0, size, endpoint=False, dtype=jnp.float64) ** 4 * 8
+    fns, args = {}, {}
+    with _jax_ndtri_draw():  # a function of its own: jit caches traces by function
+        fns["draw_jax"] = jax.jit(_draw()).lower(key, value).compile()
+    fns["draw_dpmp"] = jax.jit(_draw()).lower(key, value).compile()
+    args["draw_jax"] = args["draw_dpmp"] = (key, value)
+    with jax.enable_x64(True):
+        fns["ndtri_jax"] = jax.jit(jax.scipy.special.ndtri).lower(u).compile()
+        fns["ndtri_dpmp"] = jax.jit(ndtri_lower).lower(u).compile()
+    args["ndtri_jax"] = args["ndtri_dpmp"] = (u,)
+    temp = {k: f.memory_analysis().temp_size_in_bytes for k, f in fns.items()}
+    load = os.getloadavg()
+    seconds = time_interleaved(fns, args, repeats)
+    cpu = time_interleaved(fns, args, repeats, clock=time.process_time)
+    return {
+        "size": size,
+        "seconds": seconds,
+        "ns_per_coordinate": {k: 1e9 * s / size for k, s in seconds.items()},
+        "cpu_ns_per_coordinate": {k: 1e9 * s / size for k, s in cpu.items()},
+        "temp_bytes": temp,
+        "speedup": {
+            "draw": seconds["draw_jax"] / seconds["draw_dpmp"],
+            "ndtri": seconds["ndtri_jax"] / seconds["ndtri_dpmp"],
+        },
+        "cpu_speedup": {
+            "draw": cpu["draw_jax"] / cpu["draw_dpmp"],
+            "ndtri": cpu["ndtri_jax"] / cpu["ndtri_dpmp"],
+        },
+        "loadavg_before": load,
+        "loadavg_after": os.getloadavg(),
     }
 
 
@@ -227,6 +305,29 @@ def residual_table() -> list[dict]:
     return rows
 
 
+def _print_ndtri(rows: list[dict]) -> None:
+    print(f"{'ns/coordinate, wall | CPU':<26} {'JAX ndtri':>15} {'dpmp ndtri':>15} {'speedup':>13}")
+    for r in rows:
+        ns, cpu, up, cup = (
+            r["ns_per_coordinate"],
+            r["cpu_ns_per_coordinate"],
+            r["speedup"],
+            r["cpu_speedup"],
+        )
+        for part in ("draw", "ndtri"):
+            cells = [
+                f"{ns[f'{part}_{k}']:6.2f} | {cpu[f'{part}_{k}']:6.2f}" for k in ("jax", "dpmp")
+            ]
+            print(
+                f"{r['size']:>13,} {part:<12} {cells[0]:>15} {cells[1]:>15} "
+                f"{up[part]:>5.2f}x|{cup[part]:>5.2f}x"
+            )
+        temp = ", ".join(f"{k} {b / 2**20:.1f}" for k, b in r["temp_bytes"].items())
+        print(f"{'':>14}temp MiB: {temp}")
+        load = ", ".join(f"{x:.2f}" for x in r["loadavg_before"] + r["loadavg_after"])
+        print(f"{'':>14}load average before, after: {load}")
+
+
 def _print(out: dict) -> None:
     print(f"{'noise stage':<26} {'plain':>22} {'snapped':>22} {'time ratio':>11}")
     for r in out["noise_stage"]:
@@ -265,21 +366,35 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--config", default=None, help="TOML config of the timed step (default run)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--only", choices=("all", "ndtri"), default="all", help="run one section")
+    ap.add_argument(
+        "--ndtri-sizes", type=int, nargs="+", default=[2_900_000, 100_000_000], metavar="N"
+    )
     ap.add_argument("--json", metavar="PATH", help="write the raw numbers here")
     args = ap.parse_args(argv)
     out = {
         "device": jax.devices()[0].device_kind,
         "platform": platform.platform(),
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
+    }
+    if args.only == "ndtri":
+        out["ndtri"] = [ndtri_stage(n, args.repeats) for n in args.ndtri_sizes]
+        _print_ndtri(out["ndtri"])
+        return _write(out, args.json)
+    out |= {
         "noise_stage": [noise_stage(n, args.repeats) for n in args.sizes],
         "step_memory": [step_memory(n, args.batch_size) for n in args.step_params],
         "private_step": private_step(args.config, args.repeats),
         "residual": residual_table(),
     }
     _print(out)
-    if args.json:
-        with open(args.json, "w") as f:
+    return _write(out, args.json)
+
+
+def _write(out: dict, path: str | None) -> int:
+    if path:
+        with open(path, "w") as f:
             json.dump(out, f, indent=1)
     return 0
 

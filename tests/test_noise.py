@@ -78,11 +78,14 @@ def test_bf16_normal_noise_takes_few_values_and_has_no_tail():
 
 
 def test_ndtri_is_within_the_accounted_relative_error():
-    """The float64 inverse normal CDF the sampler uses, against a 40-digit mpmath
-    reference from p = 2^-97 (its reach, |z| = 11.3) to 1/2: its relative error is
-    within the snapped contract's ndtri_rel_error, the bound noise_residual accounts."""
+    """The float64 inverse normal CDF the sampler uses (``ndtri_lower``), against a
+    40-digit mpmath reference from p = 2^-97 (its reach, |z| = 11.3) to 1/2, with
+    its branch points on both sides (exp(-2); exp(-32), where its z = 8; the
+    quantile -8) and the uniforms' extremes: its relative error is within the
+    snapped contract's ndtri_rel_error, the bound noise_residual accounts."""
     import mpmath
 
+    from dpmp.noise._ndtri import ndtri_lower
     from dpmp.noise._snapped import CONTRACT
 
     rng = np.random.default_rng(0)
@@ -90,9 +93,13 @@ def test_ndtri_is_within_the_accounted_relative_error():
     p = np.concatenate(
         [np.ldexp(rng.uniform(1, 2, 1500), -exponents - 1), rng.uniform(0.02, 0.5, 500)]
     )
-    p = np.append(p, [2.0**-97, 0.5 - 2.0**-53])
+    edges = [np.exp(-2.0), stats.norm.cdf(-8.0), 2.0**-78, 2.0**-77]
+    edges = [np.nextafter(e, d) for e in edges for d in (0.0, 1.0)] + edges
+    z_is_8 = np.exp(-32.0) * (1 + np.arange(-32, 33) * 2.0**-52)  # its rounded z crosses 8
+    p = np.concatenate([p, edges, z_is_8, [2.0**-97, 2.0**-78 * (1 + 2.0**-52), 0.5 - 2.0**-53]])
+    p = np.append(p, 0.5)
     with jax.enable_x64(True):
-        z = np.asarray(jax.jit(jax.scipy.special.ndtri)(jnp.asarray(p, jnp.float64)))
+        z = np.asarray(jax.jit(ndtri_lower)(jnp.asarray(p, jnp.float64)))
     mpmath.mp.dps = 40
     ref = np.array([float(mpmath.sqrt(2) * mpmath.erfinv(2 * mpmath.mpf(x) - 1)) for x in p])
     rel = np.abs(z - ref) / np.maximum(np.abs(ref), 1e-300)
@@ -100,6 +107,23 @@ def test_ndtri_is_within_the_accounted_relative_error():
     assert rel[np.abs(ref) <= core].max() <= kappa_core
     assert rel[np.abs(ref) <= tail].max() <= kappa_tail
     assert np.abs(ref).max() > tail  # the reach covers the accounted tail
+    assert z[-1] == 0.0
+
+
+def test_the_samplers_log_is_within_an_ulp():
+    """``ndtri_lower``'s own float64 log (fdlibm's), against NumPy's, over the
+    uniforms' range and its own z (2^-97 to 12), and at its reduction's edges."""
+    from dpmp.noise._ndtri import _log
+
+    rng = np.random.default_rng(1)
+    x = np.concatenate(
+        [np.ldexp(rng.uniform(1, 2, 20_000), rng.integers(-97, 4, 20_000)), [1.0, 0.5, 2.0]]
+    )
+    x = np.append(x, [np.nextafter(np.sqrt(2.0), d) for d in (0.0, 2.0)])
+    with jax.enable_x64(True):
+        mine = np.asarray(jax.jit(_log)(jnp.asarray(x)))
+    ref = np.log(x)
+    assert np.all(np.abs(mine - ref) <= np.spacing(np.maximum(np.abs(ref), 1e-300)))
 
 
 def test_half_uniform_reaches_2_to_the_minus_77_with_relative_resolution():

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmp.accounting import GridNoiseContract
+from dpmp.noise._ndtri import ndtri_lower
 
 if TYPE_CHECKING:
     from dpmp.noise._sharding import NoiseSharding
@@ -54,9 +55,10 @@ __all__ = [
 # tests/test_accounting.py measure each constant). Each coordinate's noisy value
 # is ``grid * K``, ``grid = 2**floor(log2(stddev / 32))``, so a grid cell is a
 # ``1 / r`` of the noise stddev with ``r = stddev / grid`` in [32, 64). The
-# relative error of the float64 inverse normal CDF (jax.scipy.special.ndtri) on
-# |z| <= 8 and on 8 < |z| <= 11: the largest measured against a 40-digit mpmath
-# reference are 6.2e-16 and 2.1e-14; the bounds are 6x and 5x that. The
+# relative error of the float64 inverse normal CDF (``_ndtri.ndtri_lower``, Cephes'
+# ndtri on (0, 1/2]) on |z| <= 8 and on 8 < |z| <= 11: the largest measured against
+# a 40-digit mpmath reference are 6.0e-16 and 4.0e-16 (jax.scipy.special.ndtri on
+# the same points: 6.4e-16 and 2.2e-16); the bounds are 4e-15 and 1e-13. The
 # uniforms are exact (to a relative 2^-51) down to 2^-77, |z| = 10.01; below,
 # the last 2^-77 of mass is drawn in [2^-78, 2^-77). Cells within the tail, 9.9
 # stddevs of the mean, are accurate; the rest of the mass is delta.
@@ -150,14 +152,15 @@ def _half_uniform(words):
 
 @jax.jit
 def snapped_normal_sample(w0, w1, w2, w3) -> jax.Array:
-    """Float64 standard normals, sign-symmetric ``ndtri`` of ``_half_uniform(words)``.
+    """Float64 standard normals, sign-symmetric ``ndtri`` of ``_half_uniform(words)``
+    (``ndtri_lower``: Cephes' ndtri on the uniforms' domain (0, 1/2]).
 
     A named jit so that the precision audit finds the noise sample by name
     (``dpmp.audit_precision`` records it as a ``noise_sample`` site).
     """
     with jax.enable_x64(True):
         u, negative = _half_uniform((w0, w1, w2, w3))
-        z = jax.scipy.special.ndtri(u)  # <= 0
+        z = ndtri_lower(u)  # <= 0
         return jnp.where(negative, z, -z)
 
 
@@ -167,11 +170,14 @@ def _snap_values(key_words, value: jax.Array, index: jax.Array, stddev: float) -
 
 
 def _snap_words(words, value: jax.Array, stddev: float) -> jax.Array:
-    """``value`` plus the snapped noise of the random ``words`` (``_half_uniform``'s)."""
+    """``value`` plus the snapped noise of the random ``words`` (``_half_uniform``'s).
+
+    The grid is a power of two: ``value * (1 / grid)`` is ``value / grid`` exactly,
+    without a division."""
     grid = snap_grid(stddev)
     z = snapped_normal_sample(*words)
     with jax.enable_x64(True):
-        scaled = value.astype(jnp.float64) / grid
+        scaled = value.astype(jnp.float64) * (1.0 / grid)
         whole = jnp.round(scaled)
         cells = whole + jnp.round((scaled - whole) + (stddev / grid) * z)
         return (cells * grid).astype(value.dtype)
