@@ -18,8 +18,13 @@ Because the private step differentiates the adapters only, per-example
 clipping, the noise, its sensitivity, the accounting and the audit cover
 exactly the trainable leaves, and the frozen ones come out of training bit
 for bit as they went in. The adapters are merged into the weights before the
-forward pass (``merge``), in float32 at full precision: the model then
-computes in its own policy as it would without adapters.
+forward pass (``merge``), one weight at a time, in float32 at full precision:
+the model then computes in its own policy as it would without adapters.
+
+The base is the model's ``frozen`` field (``dpmp.models._model.Model``):
+``loss_fn(adapters, batch, base)`` takes it as an argument, so a compiled
+step receives it as one, in the dtype it is stored in (a bfloat16 base stays
+bfloat16 in memory), and its program does not grow with the base.
 """
 
 from __future__ import annotations
@@ -97,8 +102,15 @@ def init_adapters(base: Any, rank: int, key: jax.Array) -> dict[str, dict[str, j
     return out
 
 
-def merge(base: Any, adapters: dict[str, dict[str, jax.Array]], alpha: float) -> Any:
+def merge(
+    base: Any, adapters: dict[str, dict[str, jax.Array]], alpha: float, *, wide: bool = False
+) -> Any:
     """``base`` with ``W + alpha / r * A @ B`` for every adapted weight matrix ``W``.
+
+    The sum is computed in float32 (or the weight's wider dtype) and rounded
+    to the weight's own dtype, or with ``wide`` to at least float32 (so that a
+    half-precision weight does not round away an update smaller than its
+    spacing); the leaves without adapters are ``base``'s own.
 
     Raises:
       ValueError: ``adapters`` does not match the weight matrices of ``base``.
@@ -116,10 +128,13 @@ def merge(base: Any, adapters: dict[str, dict[str, jax.Array]], alpha: float) ->
         if name not in adapters:
             return w
         a, b = adapters[name]["a"], adapters[name]["b"]
-        scale = jnp.float32(alpha / a.shape[1])
+        dtype = jnp.promote_types(a.dtype, jnp.float32)
+        scale = jnp.asarray(alpha / a.shape[1], dtype)
         # float32 at full precision: a TF32 matmul would round the update to 10 bits.
-        delta = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST) * scale
-        return (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+        delta = jnp.matmul(a.astype(dtype), b.astype(dtype), precision=jax.lax.Precision.HIGHEST)
+        out = jnp.promote_types(w.dtype, dtype)
+        total = w.astype(out) + (delta * scale).reshape(w.shape).astype(out)
+        return total if wide else total.astype(w.dtype)
 
     return jax.tree_util.tree_map_with_path(one, base)
 
@@ -128,7 +143,10 @@ def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
     """``model`` with ``base`` frozen and low-rank adapters as its only parameters.
 
     ``init(key)`` draws the adapters; ``loss_fn``, ``predict`` and ``metrics``
-    take the adapters and run ``model`` on ``merge(base, adapters, alpha)``.
+    take the adapters and, as their last argument, the frozen base (default:
+    ``base``, the returned model's ``frozen``), and run ``model`` on
+    ``merge(base, adapters, alpha)``, the adapted weights in float32 (or wider).
+    ``base`` keeps its dtypes.
     """
     base = jax.tree.map(jnp.asarray, base)
     # the shapes, and the errors before any work
@@ -138,19 +156,21 @@ def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
     def init(key):
         return init_adapters(base, rank, key)
 
-    def merged(adapters):
-        return merge(base, adapters, alpha)
+    def merged(adapters, frozen):
+        frozen = base if frozen is None else frozen
+        return merge(frozen, adapters, alpha, wide=True)
 
     return dataclasses.replace(
         model,
         name=f"{model.name} + LoRA rank {rank}",
         init=init,
-        loss_fn=lambda p, batch: model.loss_fn(merged(p), batch),
-        predict=lambda p, x: model.predict(merged(p), x),
-        metrics=lambda p, batch: model.metrics(merged(p), batch),
+        loss_fn=lambda p, batch, frozen=None: model.loss_fn(merged(p, frozen), batch),
+        predict=lambda p, x, frozen=None: model.predict(merged(p, frozen), x),
+        metrics=lambda p, batch, frozen=None: model.metrics(merged(p, frozen), batch),
         description=(
             f"{model.description}; LoRA: rank {rank} adapters (alpha {alpha:g}) on its "
             f"{len(adapted(base))} weight matrices train {trainable:,} parameters, its "
             f"{count_params(base):,} parameters are frozen"
         ),
+        frozen=base,
     )
