@@ -36,9 +36,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dpmp.models._lora_apply import merged_weight, unmerged
 from dpmp.models._model import Model, count_params
 
-__all__ = ["adapted", "init_adapters", "lora_model", "merge"]
+__all__ = ["adapted", "init_adapters", "lora_model", "merge", "names"]
 
 # Names of the weight matrices that get adapters (flax, Equinox).
 WEIGHT_NAMES = ("kernel", "weight")
@@ -102,6 +103,23 @@ def init_adapters(base: Any, rank: int, key: jax.Array) -> dict[str, dict[str, j
     return out
 
 
+def names(base: Any) -> list[str | None]:
+    """The adapter name of each leaf of ``base`` (None for a leaf without adapters)."""
+    leaves = jax.tree_util.tree_flatten_with_path(base)[0]
+    return [_name(path) if _is_weight(path, leaf) else None for path, leaf in leaves]
+
+
+def _check_names(base: Any, adapters: dict) -> None:
+    """A ``ValueError`` when ``adapters`` does not match the weight matrices of ``base``."""
+    expected = adapted(base)
+    if set(adapters) != set(expected):
+        missing, extra = set(expected) - set(adapters), set(adapters) - set(expected)
+        raise ValueError(
+            f"adapters do not match the model's weight matrices: missing {sorted(missing)}, "
+            f"unexpected {sorted(extra)}"
+        )
+
+
 def merge(
     base: Any, adapters: dict[str, dict[str, jax.Array]], alpha: float, *, wide: bool = False
 ) -> Any:
@@ -115,25 +133,13 @@ def merge(
     Raises:
       ValueError: ``adapters`` does not match the weight matrices of ``base``.
     """
-    expected = adapted(base)
-    if set(adapters) != set(expected):
-        missing, extra = set(expected) - set(adapters), set(adapters) - set(expected)
-        raise ValueError(
-            f"adapters do not match the model's weight matrices: missing {sorted(missing)}, "
-            f"unexpected {sorted(extra)}"
-        )
+    _check_names(base, adapters)
 
     def one(path, w):
         name = _name(path)
         if name not in adapters:
             return w
-        a, b = adapters[name]["a"], adapters[name]["b"]
-        dtype = jnp.promote_types(a.dtype, jnp.float32)
-        scale = jnp.asarray(alpha / a.shape[1], dtype)
-        # float32 at full precision: a TF32 matmul would round the update to 10 bits.
-        delta = jnp.matmul(a.astype(dtype), b.astype(dtype), precision=jax.lax.Precision.HIGHEST)
-        out = jnp.promote_types(w.dtype, dtype)
-        total = w.astype(out) + (delta * scale).reshape(w.shape).astype(out)
+        total = merged_weight(w, adapters[name], alpha)
         return total if wide else total.astype(w.dtype)
 
     return jax.tree_util.tree_map_with_path(one, base)
@@ -144,9 +150,10 @@ def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
 
     ``init(key)`` draws the adapters; ``loss_fn``, ``predict`` and ``metrics``
     take the adapters and, as their last argument, the frozen base (default:
-    ``base``, the returned model's ``frozen``), and run ``model`` on
-    ``merge(base, adapters, alpha)``, the adapted weights in float32 (or wider).
-    ``base`` keeps its dtypes.
+    ``base``, the returned model's ``frozen``), and run ``model`` as on
+    ``merge(base, adapters, alpha)``: a dense layer's adapters beside its weight,
+    ``x W + s (x A) B`` in the layer's own dtypes, any other adapted weight
+    merged in float32 (``dpmp.models._lora_apply``). ``base`` keeps its dtypes.
     """
     base = jax.tree.map(jnp.asarray, base)
     # the shapes, and the errors before any work
@@ -156,17 +163,23 @@ def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
     def init(key):
         return init_adapters(base, rank, key)
 
-    def merged(adapters, frozen):
-        frozen = base if frozen is None else frozen
-        return merge(frozen, adapters, alpha, wide=True)
+    def applied(fn):  # fn(base, x) -> fn(adapters, x, frozen=base)
+        run = unmerged(fn, alpha, names)
+
+        def adapted_fn(adapters, x, frozen=None):
+            frozen = base if frozen is None else frozen
+            _check_names(frozen, adapters)
+            return run(frozen, adapters, x)
+
+        return adapted_fn
 
     return dataclasses.replace(
         model,
         name=f"{model.name} + LoRA rank {rank}",
         init=init,
-        loss_fn=lambda p, batch, frozen=None: model.loss_fn(merged(p, frozen), batch),
-        predict=lambda p, x, frozen=None: model.predict(merged(p, frozen), x),
-        metrics=lambda p, batch, frozen=None: model.metrics(merged(p, frozen), batch),
+        loss_fn=applied(model.loss_fn),
+        predict=applied(model.predict),
+        metrics=applied(model.metrics),
         description=(
             f"{model.description}; LoRA: rank {rank} adapters (alpha {alpha:g}) on its "
             f"{len(adapted(base))} weight matrices train {trainable:,} parameters, its "

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -144,6 +145,7 @@ def _log_plan(run: RunDir, step: PrivateStep) -> None:
     run.log(
         f"per-example clipping: {clip['method']} (requested {clip['requested']}"
         + (f"; {clip['reason']}" if clip["reason"] and clip["requested"] != "vmap" else "")
+        + (f"; {_ghost_layers(clip['layers'])}" if clip["method"] == "ghost" else "")
         + ")"
     )
     warnings_ = release.privacy_warnings(config, step.data.num_train)
@@ -739,3 +741,12 @@ class _Run:
             + ("" if report["private"] else "; NOT differentially private (see privacy_warnings)")
         )
         return report
+
+
+def _ghost_layers(layers: list[dict[str, str]]) -> str:
+    """Why ghost clipping applies: every parameter leaf is in a layer with a rule
+    (``"every parameter in a layer with a ghost rule: 28 dense"``)."""
+    kinds = Counter(row["layer"] for row in layers)
+    return "every parameter in a layer with a ghost rule: " + ", ".join(
+        f"{n} {kind}" for kind, n in sorted(kinds.items())
+    )
