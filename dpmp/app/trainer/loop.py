@@ -476,7 +476,9 @@ class _Run:
         self.ckpt_dir = run_dir.path / "checkpoints"
         self.data_fingerprint = data_fingerprint
         self.signature = model_signature(step.init_state["params"])
-        self.evaluate_split = evaluator(step.model, input_dtype=input_dtype(step.data))
+        # evaluation calls hold no more rows than a step's (physical_batch_size)
+        chunk = step.config.training.physical_batch_size or 512
+        self.evaluate_split = evaluator(step.model, chunk, input_dtype=input_dtype(step.data))
         self.state = dict(step.init_state)
         self.sampler = step.sampler
         self.tracker = accounting.BudgetTracker(step.budget)
