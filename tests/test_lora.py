@@ -14,7 +14,7 @@ from dpmp.app.config import ConfigError, load_config
 from dpmp.app.inputs import load_data, model_from_config
 from dpmp.app.trainer import build_private_step, train
 from dpmp.models._lora import adapted, lora_model
-from dpmp.models._model import count_params
+from dpmp.models._model import Model, count_params, wrap_forward
 
 
 def _base():
@@ -226,3 +226,90 @@ def test_lora_over_a_randomly_initialised_base_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"model.lora_rank = 4: .*\[pretrain\].*init_params"):
         train(config, out_dir=tmp_path, progress=False)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "report.json").exists()
+
+
+def _lora_step(tmp_path, dim, *sets, base_dtype=jnp.float32):
+    """A LoRA step of the tiny language model of width ``dim`` over a random base."""
+    config = _lm_config(
+        tmp_path, "model.lora_rank=2", f"model.dim={dim}", "training.steps=2", *sets
+    )
+    data = load_data(config.data, 0)
+    model = model_from_config(config.model, data, config.precision)
+    base = jax.tree.map(lambda x: x.astype(base_dtype), jax.jit(model.init)(jax.random.key(3)))
+    return build_private_step(config, data, init_params=base), base
+
+
+def _largest_constant(text: str) -> int:
+    """Characters of the longest dense constant of a StableHLO module."""
+    sizes = [len(line) for line in text.splitlines() if "stablehlo.constant dense<" in line]
+    return max(sizes, default=0)
+
+
+@pytest.mark.slow  # two steps built and lowered, ~11 s
+def test_the_frozen_base_is_an_argument_of_the_compiled_step_not_a_constant(tmp_path):
+    texts = {}
+    for dim in (8, 32):
+        step, base = _lora_step(tmp_path, dim)
+        texts[dim] = step.step_fn.lower(*step.example_args).as_text()
+        # no constant as large as one of the base's weight matrices (dim x 4 dim floats)
+        assert _largest_constant(texts[dim]) < 2 * 4 * dim * dim, dim
+    # 16 times the base's weight matrices, hardly any more program
+    assert len(texts[32]) < 1.3 * len(texts[8])
+
+
+@pytest.mark.slow  # a step built, compiled and run, ~12 s
+def test_a_bfloat16_base_stays_bfloat16_and_bit_identical_through_training(tmp_path):
+    step, base = _lora_step(tmp_path, 8, base_dtype=jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(step.model.frozen)} == {jnp.dtype(jnp.bfloat16)}
+    text = step.step_fn.lower(*step.example_args).as_text()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert "xbf16>" in main  # the base is an argument, in bfloat16
+    params, batch, pad, opt_state, scale = step.example_args
+    for _ in range(2):
+        params, opt_state, scale, _ = step.step_fn(params, batch, pad, opt_state, scale)
+    assert any(np.any(np.asarray(v["b"]) != 0) for v in params.values())  # it trained
+    for before, after in zip(jax.tree.leaves(base), jax.tree.leaves(step.model.frozen)):
+        assert after.dtype == jnp.bfloat16
+        assert np.array_equal(np.asarray(before), np.asarray(after))
+
+
+def _tiny_model():
+    """A plain two-layer model (``dpmp.models._model.Model``) and its base."""
+    policy = dpmp.Policy.parse("f32")
+
+    def forward(p, x):
+        h = jnp.tanh(x @ p["dense"]["kernel"] + p["dense"]["bias"])
+        return h @ p["out"]["kernel"]
+
+    loss_fn, predict, metrics = wrap_forward(forward, policy)
+    model = Model("classifier", "jax", "tiny", None, loss_fn, predict, metrics, "tiny")
+    k = jax.random.split(jax.random.key(1), 2)
+    base = {
+        "dense": {"kernel": jax.random.normal(k[0], (6, 5)), "bias": jnp.arange(5.0) / 5},
+        "out": {"kernel": jax.random.normal(k[1], (5, 3))},
+    }
+    return model, base
+
+
+def test_the_base_as_an_argument_gives_the_gradients_of_the_base_closed_over():
+    model, base = _tiny_model()
+    lora = lora_model(model, base, rank=2, alpha=8.0)
+    adapters = jax.tree.map(lambda x: x + 0.1, lora.init(jax.random.key(4)))
+    x = jax.random.normal(jax.random.key(5), (8, 6))
+    batch = {"x": x, "y": jnp.arange(8) % 3}
+
+    def closed_over(p, b):  # the base a constant of the program, as a closure
+        return lora.loss_fn(p, b)
+
+    def merged(p, b):  # the model on the merged weights
+        return model.loss_fn(dpmp.merge_lora(base, p, alpha=8.0), b)
+
+    kw = {"l2_clip_norm": 0.5, "policy": "f32", "method": "vmap"}
+    got = jax.jit(dpmp.private_grad(lora.loss_fn, **kw))(adapters, batch, base)
+    want = jax.jit(dpmp.private_grad(closed_over, **kw))(adapters, batch)
+    close = jax.jit(dpmp.private_grad(merged, **kw))(adapters, batch)
+    for a, b, c in zip(*map(jax.tree.leaves, (got.grads, want.grads, close.grads))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+    assert jax.jit(lora.loss_fn)(adapters, batch, base) == jax.jit(closed_over)(adapters, batch)
+    assert lora.loss_fn(adapters, batch) == lora.loss_fn(adapters, batch, base)  # default base

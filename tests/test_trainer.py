@@ -228,8 +228,8 @@ def test_ghost_clip_method_trains_like_vmap(kind, digits, tmp_path):
     assert len(ghost["layers"]) == len(params["auto"])  # one rule per parameter leaf
     assert reports["vmap"]["clipping"]["method"] == "vmap"
     assert (
-        "per-example clipping: ghost (requested auto)"
-        in (tmp_path / "auto" / "train.log").read_text()
+        "per-example clipping: ghost (requested auto; every parameter in a layer with a "
+        "ghost rule: " in (tmp_path / "auto" / "train.log").read_text()
     )
     assert reports["auto"]["audit"]["ok"] is True, reports["auto"]["audit"]
     ref, got = (np.concatenate([x.ravel() for x in params[m]]) for m in ("vmap", "auto"))

@@ -302,7 +302,8 @@ def _train(step: PrivateStep, out: np.ndarray, progress: bool) -> Any:
 def _losses(step: PrivateStep, params: Any, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Per-canary float32 loss under ``params`` (``model.metrics``), in chunks."""
     chunk = 1024
-    fn = jax.jit(lambda p, xb, yb: step.model.metrics(p, {"x": xb, "y": yb})[0])
+    frozen = step.model.frozen_args()
+    fn = jax.jit(lambda p, xb, yb, *f: step.model.metrics(p, {"x": xb, "y": yb}, *f)[0])
     out = []
     for start in range(0, len(y), chunk):
         xb, yb = x[start : start + chunk], y[start : start + chunk]
@@ -310,7 +311,7 @@ def _losses(step: PrivateStep, params: Any, x: np.ndarray, y: np.ndarray) -> np.
         if n < chunk and len(y) > chunk:  # one compiled shape for every chunk
             xb = np.concatenate([xb, np.repeat(xb[:1], chunk - n, 0)])
             yb = np.concatenate([yb, np.repeat(yb[:1], chunk - n, 0)])
-        out.append(np.asarray(fn(params, xb, yb), np.float64)[:n])
+        out.append(np.asarray(fn(params, xb, yb, *frozen), np.float64)[:n])
     return np.concatenate(out)
 
 

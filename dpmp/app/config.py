@@ -364,7 +364,8 @@ class TrainingConfig:
       batch is processed in chunks of this size, their clipped sums added in
       the accumulate dtype, and noised once per step, so the compiled memory
       is that of one chunk (unset: the whole batch in one call). The padded
-      batch is rounded up to a multiple of it.
+      batch is rounded up to a multiple of it. Evaluation runs in calls of
+      this many rows too (unset: 512).
     eval_every: test accuracy and loss (public; train accuracy and loss go to
       ``private/``) every this many steps (0: only at the end); the default
       gives the run's accuracy-against-epsilon plot a curve. An evaluation

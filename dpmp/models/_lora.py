@@ -18,8 +18,13 @@ Because the private step differentiates the adapters only, per-example
 clipping, the noise, its sensitivity, the accounting and the audit cover
 exactly the trainable leaves, and the frozen ones come out of training bit
 for bit as they went in. The adapters are merged into the weights before the
-forward pass (``merge``), in float32 at full precision: the model then
-computes in its own policy as it would without adapters.
+forward pass (``merge``), one weight at a time, in float32 at full precision:
+the model then computes in its own policy as it would without adapters.
+
+The base is the model's ``frozen`` field (``dpmp.models._model.Model``):
+``loss_fn(adapters, batch, base)`` takes it as an argument, so a compiled
+step receives it as one, in the dtype it is stored in (a bfloat16 base stays
+bfloat16 in memory), and its program does not grow with the base.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dpmp.models._lora_apply import merged_weight, unmerged
 from dpmp.models._model import Model, count_params
 
-__all__ = ["adapted", "init_adapters", "lora_model", "merge"]
+__all__ = ["adapted", "init_adapters", "lora_model", "merge", "names"]
 
 # Names of the weight matrices that get adapters (flax, Equinox).
 WEIGHT_NAMES = ("kernel", "weight")
@@ -97,12 +103,14 @@ def init_adapters(base: Any, rank: int, key: jax.Array) -> dict[str, dict[str, j
     return out
 
 
-def merge(base: Any, adapters: dict[str, dict[str, jax.Array]], alpha: float) -> Any:
-    """``base`` with ``W + alpha / r * A @ B`` for every adapted weight matrix ``W``.
+def names(base: Any) -> list[str | None]:
+    """The adapter name of each leaf of ``base`` (None for a leaf without adapters)."""
+    leaves = jax.tree_util.tree_flatten_with_path(base)[0]
+    return [_name(path) if _is_weight(path, leaf) else None for path, leaf in leaves]
 
-    Raises:
-      ValueError: ``adapters`` does not match the weight matrices of ``base``.
-    """
+
+def _check_names(base: Any, adapters: dict) -> None:
+    """A ``ValueError`` when ``adapters`` does not match the weight matrices of ``base``."""
     expected = adapted(base)
     if set(adapters) != set(expected):
         missing, extra = set(expected) - set(adapters), set(adapters) - set(expected)
@@ -111,15 +119,28 @@ def merge(base: Any, adapters: dict[str, dict[str, jax.Array]], alpha: float) ->
             f"unexpected {sorted(extra)}"
         )
 
+
+def merge(
+    base: Any, adapters: dict[str, dict[str, jax.Array]], alpha: float, *, wide: bool = False
+) -> Any:
+    """``base`` with ``W + alpha / r * A @ B`` for every adapted weight matrix ``W``.
+
+    The sum is computed in float32 (or the weight's wider dtype) and rounded
+    to the weight's own dtype, or with ``wide`` to at least float32 (so that a
+    half-precision weight does not round away an update smaller than its
+    spacing); the leaves without adapters are ``base``'s own.
+
+    Raises:
+      ValueError: ``adapters`` does not match the weight matrices of ``base``.
+    """
+    _check_names(base, adapters)
+
     def one(path, w):
         name = _name(path)
         if name not in adapters:
             return w
-        a, b = adapters[name]["a"], adapters[name]["b"]
-        scale = jnp.float32(alpha / a.shape[1])
-        # float32 at full precision: a TF32 matmul would round the update to 10 bits.
-        delta = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST) * scale
-        return (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+        total = merged_weight(w, adapters[name], alpha)
+        return total if wide else total.astype(w.dtype)
 
     return jax.tree_util.tree_map_with_path(one, base)
 
@@ -128,7 +149,11 @@ def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
     """``model`` with ``base`` frozen and low-rank adapters as its only parameters.
 
     ``init(key)`` draws the adapters; ``loss_fn``, ``predict`` and ``metrics``
-    take the adapters and run ``model`` on ``merge(base, adapters, alpha)``.
+    take the adapters and, as their last argument, the frozen base (default:
+    ``base``, the returned model's ``frozen``), and run ``model`` as on
+    ``merge(base, adapters, alpha)``: a dense layer's adapters beside its weight,
+    ``x W + s (x A) B`` in the layer's own dtypes, any other adapted weight
+    merged in float32 (``dpmp.models._lora_apply``). ``base`` keeps its dtypes.
     """
     base = jax.tree.map(jnp.asarray, base)
     # the shapes, and the errors before any work
@@ -138,19 +163,27 @@ def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
     def init(key):
         return init_adapters(base, rank, key)
 
-    def merged(adapters):
-        return merge(base, adapters, alpha)
+    def applied(fn):  # fn(base, x) -> fn(adapters, x, frozen=base)
+        run = unmerged(fn, alpha, names)
+
+        def adapted_fn(adapters, x, frozen=None):
+            frozen = base if frozen is None else frozen
+            _check_names(frozen, adapters)
+            return run(frozen, adapters, x)
+
+        return adapted_fn
 
     return dataclasses.replace(
         model,
         name=f"{model.name} + LoRA rank {rank}",
         init=init,
-        loss_fn=lambda p, batch: model.loss_fn(merged(p), batch),
-        predict=lambda p, x: model.predict(merged(p), x),
-        metrics=lambda p, batch: model.metrics(merged(p), batch),
+        loss_fn=applied(model.loss_fn),
+        predict=applied(model.predict),
+        metrics=applied(model.metrics),
         description=(
             f"{model.description}; LoRA: rank {rank} adapters (alpha {alpha:g}) on its "
             f"{len(adapted(base))} weight matrices train {trainable:,} parameters, its "
             f"{count_params(base):,} parameters are frozen"
         ),
+        frozen=base,
     )

@@ -12,7 +12,15 @@ A :class:`Model` is a frozen record of functions:
   summed float32 loss, the number of correct predictions and the number of
   predictions (1 for a classifier, the real tokens of a record for a language
   model), for evaluation;
-* ``kind``, ``framework``, ``name`` and ``description``: what was built.
+* ``kind``, ``framework``, ``name`` and ``description``: what was built;
+* ``frozen``: arrays the three functions read but training never changes (a
+  LoRA model's base), or None. A model with frozen arrays takes them as an
+  optional last argument, ``loss_fn(params, batch, frozen)``,
+  ``predict(params, x, frozen)``, ``metrics(params, batch, frozen)``: a
+  compiled function passes ``model.frozen`` there (``frozen_args``), so that
+  they are an argument of the program, in their own dtype, never constants
+  folded into it. Called without it, the functions read ``model.frozen``
+  themselves (convenient outside ``jax.jit``).
 
 The built-in families (``dpmp.models.families``) and the adapters of your
 own models (``dpmp.models._adapters``) make one. ``dpmp.private_grad`` hands
@@ -57,6 +65,12 @@ class Model:
     predict: Callable[[Any, jax.Array], jax.Array]
     metrics: Callable[[Any, dict], tuple[jax.Array, jax.Array, jax.Array]]
     description: str
+    frozen: Any = None
+
+    def frozen_args(self) -> tuple:
+        """``(frozen,)``, the last argument a compiled function passes to ``loss_fn``,
+        ``predict`` and ``metrics``; ``()`` for a model without frozen arrays."""
+        return () if self.frozen is None else (self.frozen,)
 
     def summary(self, params=None) -> dict[str, Any]:
         out = {"kind": self.kind, "framework": self.framework, "name": self.name}

@@ -7,6 +7,7 @@ from dpmp.step._mesh import DataParallelMesh as DataParallelMesh
 from dpmp.step._step import Chunked as Chunked
 from dpmp.step._step import PrivateStepFn as PrivateStepFn
 from dpmp.step._step import StepState as StepState
+from dpmp.step._step import WithFrozen as WithFrozen
 from dpmp.step._step import physical_chunks as physical_chunks
 from dpmp.step._step import private_step as private_step
 
@@ -15,6 +16,7 @@ __all__ = [
     "DataParallelMesh",
     "PrivateStepFn",
     "StepState",
+    "WithFrozen",
     "physical_chunks",
     "private_step",
 ]

@@ -65,8 +65,10 @@ class DataParallelMesh:
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P(AXIS))
 
-    def summed(self, grad_fn, specs: Any = None):
-        """``sum_fn(params, batch, pad, scale) -> (grads, stats)``: each device clips its
+    def summed(self, grad_fn, specs: Any = None, frozen: int = 0):
+        """``sum_fn(params, batch, pad, scale, *frozen) -> (grads, stats)``, with
+        ``frozen`` trailing arguments (frozen arrays, replicated on every device,
+        given to ``grad_fn`` after the batch): each device clips its
         rows, the clipped sums are all-reduced (in their own dtype, the accumulate
         dtype), the statistics of the devices combined. ``scale`` must be static over
         the step (its adjustment needs the global overflow count).
@@ -87,19 +89,19 @@ class DataParallelMesh:
                 return jax.tree.map(lambda g: jax.lax.psum(g, AXIS), grads)
             return jax.tree.map(_scattered, grads, specs, is_leaf=_is_spec)
 
-        def per_device(params, batch, pad, scale):
-            out = grad_fn(gather(params), batch, loss_scale=scale, is_padding_example=pad)
+        def per_device(params, batch, pad, scale, *fixed):
+            out = grad_fn(gather(params), batch, *fixed, loss_scale=scale, is_padding_example=pad)
             return reduce(out.grads), jax.tree.map(lambda s: s[None], out.stats)
 
         sharded = jax.shard_map(
             per_device,
             mesh=self.mesh,
-            in_specs=(P() if specs is None else specs, P(AXIS), P(AXIS), P()),
+            in_specs=(P() if specs is None else specs, P(AXIS), P(AXIS), P()) + (P(),) * frozen,
             out_specs=(P() if specs is None else specs, P(AXIS)),
         )
 
-        def sum_fn(params, batch, pad, scale):
-            grads, stacked = sharded(params, batch, pad, scale)
+        def sum_fn(params, batch, pad, scale, *fixed):
+            grads, stacked = sharded(params, batch, pad, scale, *fixed)
             return grads, combine_stats(stacked)
 
         return sum_fn

@@ -58,7 +58,14 @@ from dpmp.noise._noise import NoiseSharding, private_optimizer
 from dpmp.precision._loss_scale import NoOpLossScale, StaticLossScale
 from dpmp.step._mesh import AXIS, DataParallelMesh
 
-__all__ = ["Chunked", "PrivateStepFn", "StepState", "physical_chunks", "private_step"]
+__all__ = [
+    "Chunked",
+    "PrivateStepFn",
+    "StepState",
+    "WithFrozen",
+    "physical_chunks",
+    "private_step",
+]
 
 
 class StepState(NamedTuple):
@@ -82,7 +89,8 @@ class Chunked(NamedTuple):
     Attributes:
       size: the physical batch size (rows per chunk).
       chunk_fn: jitted ``chunk_fn(params, chunk, is_padding, loss_scale, acc) ->
-        (acc, stats)``, adding one chunk's clipped sum to ``acc``.
+        (acc, stats)``, adding one chunk's clipped sum to ``acc`` (a
+        ``WithFrozen`` when the step has frozen arrays).
       apply_fn: jitted ``apply_fn(params, acc, opt_state, loss_scale,
         num_nonfinite) -> (params, opt_state, loss_scale, noised_count)``: the
         noise and the update from the whole batch's clipped sum.
@@ -96,6 +104,33 @@ class Chunked(NamedTuple):
     apply_fn: Callable
     chunks: Callable
     zeros: Callable
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WithFrozen:
+    """``fn(*args)`` is ``jitted(*args, frozen)``: a compiled function whose last
+    argument, the frozen arrays (a LoRA base), is bound. They are passed to the
+    program at every call, as an argument in their own dtype, never folded into
+    it as constants; ``lower(*args)`` lowers it the same way.
+
+    Attributes:
+      jitted: the ``jax.jit`` function, frozen arrays last.
+      frozen: the frozen arrays (a pytree).
+    """
+
+    jitted: Callable
+    frozen: Any
+
+    def __call__(self, *args):
+        return self.jitted(*args, self.frozen)
+
+    def lower(self, *args):
+        return self.jitted.lower(*args, self.frozen)
+
+
+def _bound(jitted: Callable, frozen: Any) -> Callable:
+    """``jitted`` with its last argument ``frozen`` bound; ``jitted`` itself without."""
+    return jitted if frozen is None else WithFrozen(jitted, frozen)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -123,6 +158,8 @@ class PrivateStepFn:
         (``put_batch`` lays them out). Jitted as a whole, or, with physical
         chunks, a Python loop over ``chunked.chunk_fn`` then ``chunked.apply_fn``
         (it can be traced, so the precision audit reads it as one function).
+        With frozen arrays, the jitted function takes them last and ``step_fn``
+        is it with them bound (``WithFrozen``).
       grad_fn: the ``dpmp.private_grad`` function inside ``step_fn``.
       optimizer: the private optimizer: noise, ``1 / expected_batch_size``, the
         optax update.
@@ -133,6 +170,7 @@ class PrivateStepFn:
       param_specs: on a mesh with sharded parameters, the ``PartitionSpec`` of
         each parameter; else None.
       chunked: the pieces of a step over physical chunks, or None.
+      frozen: the frozen arrays ``grad_fn`` is given after the batch, or None.
     """
 
     step_fn: Callable
@@ -142,6 +180,7 @@ class PrivateStepFn:
     mesh: DataParallelMesh | None = None
     param_specs: Any = None
     chunked: Chunked | None = None
+    frozen: Any = None
 
     def init(self, params: Any, loss_scale: Any = None) -> StepState:
         """The first ``StepState``: ``params``, the optimizer's initial state and
@@ -200,6 +239,7 @@ def private_step(
     physical_batch_size: int | None = None,
     mesh: DataParallelMesh | None = None,
     shard_params: bool = False,
+    frozen: Any = None,
 ) -> PrivateStepFn:
     """The private step of ``grad_fn`` and ``optimizer`` (see ``PrivateStepFn``).
 
@@ -223,6 +263,13 @@ def private_step(
       mesh: a ``DataParallelMesh`` to split every batch (or chunk) over; None for
         one device.
       shard_params: shard the parameters and optimizer state over ``mesh``.
+      frozen: arrays the loss reads but never trains (a LoRA model's base,
+        ``model.frozen``), or None. ``grad_fn`` is then called as
+        ``grad_fn(params, batch, frozen, ...)`` (its loss as ``loss_fn(params,
+        batch, frozen)``: not differentiated, not split over the batch, the
+        same for every example), and every compiled function of the step takes
+        them as an argument (``WithFrozen``), in their own dtype: the program
+        does not grow with them and they are not copied into it.
 
     Raises:
       ValueError: ``shard_params`` without a mesh, or a padded batch that the
@@ -237,7 +284,8 @@ def private_step(
         )
     specs = mesh.param_specs(params) if shard_params else None
     # tracing grad_fn once also tells it the model's shapes its sensitivity needs
-    acc_shapes = jax.eval_shape(lambda p, b: grad_fn(p, b).grads, params, batch)
+    extra = () if frozen is None else (frozen,)
+    acc_shapes = jax.eval_shape(lambda p, b, *f: grad_fn(p, b, *f).grads, params, batch, *extra)
     parts = (1 if size is None else padded_batch_size // size) * (mesh.size if mesh else 1)
     sensitivity = grad_fn.sensitivity_bound(batch_size=padded_batch_size, parts=parts)
     noised = private_optimizer(
@@ -251,11 +299,11 @@ def private_step(
         # on a mesh each device draws only its part of the noise (the same values)
         sharding=None if mesh is None else NoiseSharding(mesh.mesh, AXIS, specs),
     )
-    sum_fn = _summed(grad_fn) if mesh is None else mesh.summed(grad_fn, specs)
+    sum_fn = _summed(grad_fn) if mesh is None else mesh.summed(grad_fn, specs, len(extra))
     if size is None:
-        step_fn, chunked = _whole_step(sum_fn, noised), None
+        step_fn, chunked = _bound(_whole_step(sum_fn, noised), frozen), None
     else:
-        chunked = _chunked_parts(sum_fn, noised, mesh, specs, size, acc_shapes)
+        chunked = _chunked_parts(sum_fn, noised, mesh, specs, size, acc_shapes, frozen)
         step_fn = _chunked_step(chunked)
     return PrivateStepFn(
         step_fn=step_fn,
@@ -265,6 +313,7 @@ def private_step(
         mesh=mesh,
         param_specs=specs,
         chunked=chunked,
+        frozen=frozen,
     )
 
 
@@ -284,10 +333,11 @@ def physical_chunks(
 
 
 def _summed(grad_fn) -> Callable:
-    """``sum_fn(params, batch, pad, scale) -> (clipped sum, stats)`` on one device."""
+    """``sum_fn(params, batch, pad, scale, *frozen) -> (clipped sum, stats)`` on one
+    device."""
 
-    def sum_fn(params, batch, pad, scale):
-        out = grad_fn(params, batch, loss_scale=scale, is_padding_example=pad)
+    def sum_fn(params, batch, pad, scale, *frozen):
+        out = grad_fn(params, batch, *frozen, loss_scale=scale, is_padding_example=pad)
         return out.grads, out.stats
 
     return sum_fn
@@ -313,8 +363,8 @@ def _whole_step(sum_fn, optimizer) -> Callable:
     """A step over the whole batch in one call, with the scale adjusted after the sum
     (so that a mesh's devices see one scale, and the adjustment reads their total)."""
 
-    def private_step(params, batch, is_padding_example, opt_state, loss_scale):
-        grads, stats = sum_fn(params, batch, is_padding_example, _static(loss_scale))
+    def private_step(params, batch, is_padding_example, opt_state, loss_scale, *frozen):
+        grads, stats = sum_fn(params, batch, is_padding_example, _static(loss_scale), *frozen)
         params, opt_state, next_scale, noised = _apply(
             optimizer, params, grads, opt_state, loss_scale, stats.num_nonfinite
         )
@@ -323,9 +373,10 @@ def _whole_step(sum_fn, optimizer) -> Callable:
     return jax.jit(private_step)
 
 
-def _chunked_parts(sum_fn, optimizer, mesh, specs, size: int, acc_shapes) -> Chunked:
+def _chunked_parts(sum_fn, optimizer, mesh, specs, size: int, acc_shapes, frozen) -> Chunked:
     """The ``Chunked`` pieces over physical chunks of ``size`` rows, on one device or
-    a mesh (its parameters replicated, or sharded as ``specs`` say)."""
+    a mesh (its parameters replicated, or sharded as ``specs`` say); ``chunk_fn``
+    with the ``frozen`` arrays bound (``WithFrozen``) when there are some."""
     if mesh is None:
         chunks = functools.partial(physical_chunks, size=size)
         shardings = None
@@ -338,11 +389,12 @@ def _chunked_parts(sum_fn, optimizer, mesh, specs, size: int, acc_shapes) -> Chu
     )
 
     @jax.jit
-    def chunk_fn(params, chunk, is_padding, loss_scale, acc):
-        grads, stats = sum_fn(params, chunk, is_padding, loss_scale)
+    def chunk_fn(params, chunk, is_padding, loss_scale, acc, *frozen):
+        grads, stats = sum_fn(params, chunk, is_padding, loss_scale, *frozen)
         return jax.tree.map(jnp.add, acc, grads), stats
 
     apply_fn = jax.jit(functools.partial(_apply, optimizer))
+    chunk_fn = _bound(chunk_fn, frozen)
     return Chunked(size=size, chunk_fn=chunk_fn, apply_fn=apply_fn, chunks=chunks, zeros=zeros)
 
 

@@ -40,6 +40,7 @@ from dpmp.app.inputs import load_data
 from dpmp.app.trainer.step import _make_optimizer, build_private_step
 from dpmp.data._dataset import Dataset
 from dpmp.models._model import count_bytes
+from dpmp.step._step import WithFrozen
 
 __all__ = ["KINDS", "POLICIES", "compare", "format_table"]
 
@@ -51,9 +52,9 @@ _SAMPLE_S = 0.2  # a fast step is timed as the mean of enough calls to last this
 def _nonprivate_step(step, optimizer) -> Callable:
     policy, loss_fn = step.policy, step.model.loss_fn
 
-    def nonprivate_step(params, batch, is_padding_example, opt_state, loss_scale):
+    def nonprivate_step(params, batch, is_padding_example, opt_state, loss_scale, *frozen):
         def loss(p):
-            return loss_fn(policy.cast_to_grad(p), policy.cast_to_compute(batch))
+            return loss_fn(policy.cast_to_grad(p), policy.cast_to_compute(batch), *frozen)
 
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), jax.grad(loss)(params), params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -65,8 +66,10 @@ def _nonprivate_step(step, optimizer) -> Callable:
 def _clipped_step(step, optimizer) -> Callable:
     grad_fn = step.grad_fn
 
-    def clipped_step(params, batch, is_padding_example, opt_state, loss_scale):
-        out = grad_fn(params, batch, loss_scale=loss_scale, is_padding_example=is_padding_example)
+    def clipped_step(params, batch, is_padding_example, opt_state, loss_scale, *frozen):
+        out = grad_fn(
+            params, batch, *frozen, loss_scale=loss_scale, is_padding_example=is_padding_example
+        )
         updates, opt_state = optimizer.update(out.grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, out.stats
 
@@ -74,17 +77,25 @@ def _clipped_step(step, optimizer) -> Callable:
 
 
 def _steps(step) -> dict[str, tuple[Callable, tuple]]:
-    """Each kind's jitted function and its arguments."""
+    """Each kind's jitted function and its arguments (the model's frozen arrays, a
+    LoRA base, last: an argument of each program, not constants in it)."""
     params, batch, pad, opt_state, scale = step.example_args
     base = _make_optimizer(step.config)
     base_state = base.init(params)
+    frozen = step.model.frozen_args()
+    private = step.step_fn
+    if isinstance(private, WithFrozen):
+        private = private.jitted
     return {
         "non-private": (
             jax.jit(_nonprivate_step(step, base)),
-            (params, batch, pad, base_state, scale),
+            (params, batch, pad, base_state, scale, *frozen),
         ),
-        "clipped": (jax.jit(_clipped_step(step, base)), (params, batch, pad, base_state, scale)),
-        "private": (step.step_fn, step.example_args),
+        "clipped": (
+            jax.jit(_clipped_step(step, base)),
+            (params, batch, pad, base_state, scale, *frozen),
+        ),
+        "private": (private, (*step.example_args, *frozen)),
     }
 
 

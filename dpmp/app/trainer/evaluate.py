@@ -25,12 +25,13 @@ def evaluator(model: Model, chunk: int = 512, input_dtype=np.float32) -> Callabl
     ``model.metrics`` gives per example a summed loss, a number of correct
     predictions and a number of predictions (1, 0/1, 1 for a classifier; sums
     over the real tokens of a record for next-token prediction), so the mean
-    loss and the accuracy are per prediction.
+    loss and the accuracy are per prediction. The model's frozen arrays (a
+    LoRA base) are an argument of the compiled function, not constants in it.
     """
 
     @jax.jit
-    def sums(params, x, y, valid):
-        losses, correct, counts = model.metrics(params, {"x": x, "y": y})
+    def sums(params, x, y, valid, *frozen):
+        losses, correct, counts = model.metrics(params, {"x": x, "y": y}, *frozen)
         loss = jnp.where(valid, losses.astype(jnp.float32), 0.0).sum()
         return (
             loss,
@@ -49,7 +50,7 @@ def evaluator(model: Model, chunk: int = 512, input_dtype=np.float32) -> Callabl
                 fill = chunk - len(xb)
                 xb = np.concatenate([xb, np.repeat(xb[:1], fill, 0)])
                 yb = np.concatenate([yb, np.repeat(yb[:1], fill, 0)])
-            s_loss, s_correct, s_total = sums(params, xb, yb, valid)
+            s_loss, s_correct, s_total = sums(params, xb, yb, valid, *model.frozen_args())
             loss += float(s_loss)
             correct += int(s_correct)
             total += int(s_total)

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -146,6 +147,7 @@ def _log_plan(run: RunDir, step: PrivateStep) -> None:
     run.log(
         f"per-example clipping: {clip['method']} (requested {clip['requested']}"
         + (f"; {clip['reason']}" if clip["reason"] and clip["requested"] != "vmap" else "")
+        + (f"; {_ghost_layers(clip['layers'])}" if clip["method"] == "ghost" else "")
         + ")"
     )
     warnings_ = release.privacy_warnings(config, step.data.num_train)
@@ -504,7 +506,9 @@ class _Run:
         self.ckpt_dir = run_dir.path / "checkpoints"
         self.data_fingerprint = data_fingerprint
         self.signature = model_signature(step.init_state["params"])
-        self.evaluate_split = evaluator(step.model, input_dtype=input_dtype(step.data))
+        # evaluation calls hold no more rows than a step's (physical_batch_size)
+        chunk = step.config.training.physical_batch_size or 512
+        self.evaluate_split = evaluator(step.model, chunk, input_dtype=input_dtype(step.data))
         self.state = dict(step.init_state)
         self.sampler = step.sampler
         self.tracker = accounting.BudgetTracker(step.budget)
@@ -784,3 +788,12 @@ class _Run:
                 )
             )
         return report
+
+
+def _ghost_layers(layers: list[dict[str, str]]) -> str:
+    """Why ghost clipping applies: every parameter leaf is in a layer with a rule
+    (``"every parameter in a layer with a ghost rule: 28 dense"``)."""
+    kinds = Counter(row["layer"] for row in layers)
+    return "every parameter in a layer with a ghost rule: " + ", ".join(
+        f"{n} {kind}" for kind, n in sorted(kinds.items())
+    )

@@ -121,7 +121,9 @@ def pretrain(
     )
     started = time.perf_counter()
     params = _train(config, model, data, progress=progress)
-    accuracy, loss = evaluator(model, input_dtype=np.int32)(params, data.x_test, data.y_test)
+    # held-out calls of a training step's rows (pretrain.batch_size), not more
+    evaluate = evaluator(model, config.pretrain.batch_size, input_dtype=np.int32)
+    accuracy, loss = evaluate(params, data.x_test, data.y_test)
     info = {
         "dataset": config.pretrain.dataset,
         "description": data.description,

@@ -12,7 +12,8 @@ directly)::
                                  noise_key=keys.noise (OS entropy),
                                  padded_batch_size=sampler.padded_batch_size,
                                  physical_batch_size=training.physical_batch_size,
-                                 mesh=make_mesh(config) (training.devices), ...)
+                                 mesh=make_mesh(config) (training.devices),
+                                 frozen=model.frozen (a LoRA base, or None), ...)
     state    = fn.init(params, loss scale of [loss_scale])
 
 ``PrivateStep`` keeps that step with the parts the loop, the report and the
@@ -291,7 +292,7 @@ def build_private_step(
     # what one call of private_grad sees: a chunk, or a device's share of it
     per_call = (size or len(first.indices)) // devices
     explained_batch = jax.tree.map(lambda v: jnp.asarray(v[:per_call]), gather(data, first)[0])
-    clipping = _explain_clipping(grad_fn, params, explained_batch)
+    clipping = _explain_clipping(grad_fn, params, explained_batch, *model.frozen_args())
     fn = private_step(
         grad_fn,
         _make_optimizer(config),
@@ -305,6 +306,7 @@ def build_private_step(
         physical_batch_size=size,
         mesh=mesh,
         shard_params=t.shard_params,
+        frozen=model.frozen,  # an argument of the compiled step, never a constant in it
     )
     init_state = fn.init(params, _make_loss_scale(config, keys.loss_scale))._asdict()
     batch, pad = jax.tree.map(jnp.asarray, _step_batch(data, first, mesh, size))
@@ -452,12 +454,13 @@ def _check_fits(config: Config, shapes: Any, *, trainable: bool, shards: int = 1
 
 def _starting_point(config: Config, model: Model, init_params: Any, like: Any, init_key) -> Model:
     """``model`` starting from ``init_params``, or adapting them frozen (LoRA);
-    ``like``: the shapes of ``model.init``."""
+    ``like``: the shapes of ``model.init``. A frozen base keeps its own dtypes (a
+    bfloat16 base stays bfloat16); parameters that train become float32 masters."""
     if init_params is not None:
         init_params = _arranged(init_params, like)
         _check_like(init_params, like)
-        # in the dtypes of the model's own parameters (float32 masters)
-        init_params = jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), init_params, like)
+        if not config.model.lora_rank:  # in the dtypes of the model's own parameters
+            init_params = jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), init_params, like)
     if config.model.lora_rank:
         base = jax.jit(model.init)(init_key) if init_params is None else init_params
         try:
@@ -495,11 +498,11 @@ def _check_like(params: Any, like: Any) -> None:
             )
 
 
-def _explain_clipping(grad_fn, params, batch) -> dict[str, Any]:
+def _explain_clipping(grad_fn, params, batch, *frozen) -> dict[str, Any]:
     """Which clip method the step uses; ``method="ghost"`` on an unsupported model is a
     ``ConfigError`` naming the parameter (before any work)."""
     try:
-        return grad_fn.explain(params, batch)
+        return grad_fn.explain(params, batch, *frozen)
     except ValueError as e:
         raise ConfigError(f"privacy.clip_method: {e}") from None
 
