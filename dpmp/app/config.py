@@ -174,7 +174,8 @@ class DataConfig:
       objects, one record each). A record is the privacy unit.
     path: the ``.npz`` file, the folder of ``.npy`` files, or the text file.
     tokenizer: text: a ``tokenizer.json`` (Hugging Face ``tokenizers``) whose
-      tokens replace the bytes; each record is still one example.
+      tokens replace the bytes; each record is still one example. With
+      ``model.kind = "gpt2"``, unset means the checkpoint's own.
     seq_len: text: bytes per record (UTF-8), or with a ``tokenizer`` predicted
       tokens per record (longer records are cut, shorter ones padded; padding
       contributes nothing to the loss).
