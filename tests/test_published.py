@@ -148,3 +148,11 @@ def test_the_config_keys(overrides, needle):
         load_config(None, overrides)
     ok = load_config(None, ["model.kind=gpt2", 'model.checkpoint="some/folder"'])
     assert Config.from_dict(json.loads(json.dumps(ok.to_dict()))) == ok
+
+
+def test_data_tokenizer_of_a_folder_without_one_must_fit_the_embedding(tmp_path, capsys):
+    folder = _write(tmp_path / "ckpt", _tensors(np.random.default_rng(10)), words=None)
+    words = WORDS + [f"w{i}" for i in range(5)]  # 15 tokens, 12 rows
+    big = _write(tmp_path / "big", _tensors(np.random.default_rng(10)), words=words)
+    argv = _argv(tmp_path, folder, "--set", f'data.tokenizer="{big / "tokenizer.json"}"')
+    _refused(tmp_path, capsys, argv, "has 15 tokens, more than the checkpoint's vocab_size 12")
