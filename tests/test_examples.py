@@ -244,7 +244,7 @@ def test_gpt2_example_states_the_published_124m_counts():
     assert f"({total:,} parameters)" in doc and f"LoRA: {lora:,} trainable" in doc, doc
 
 
-@pytest.mark.slow  # a tiny checkpoint, three private steps and two generations, ~40 s
+@pytest.mark.slow  # a tiny checkpoint, three private steps and two generations, ~15-20 s
 def test_gpt2_example_fine_tunes_a_checkpoint_folder(tmp_path, capsys, monkeypatch):
     import jax
     import numpy as np

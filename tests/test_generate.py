@@ -77,7 +77,7 @@ def jax_tree_copy(tree):
     return {k: jax_tree_copy(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}
 
 
-@pytest.mark.slow  # a short private LoRA run through the CLI, ~40 s
+@pytest.mark.slow  # a short private LoRA run through the CLI, ~20 s
 def test_generation_uses_the_trained_adapters_before_and_after_export(tmp_path, capsys):
     folder = _write(tmp_path / "ckpt", _tensors(np.random.default_rng(2)))
     rng = np.random.default_rng(3)
