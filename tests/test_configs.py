@@ -62,7 +62,7 @@ def test_config_loads_validates_and_points_to_its_measurement(name):
     header = text.split("\n\n")[0]
     comments = [line for line in text.splitlines() if "#" in line]
     assert not [c for c in comments if FIGURE.search(c)], name
-    if config.model.kind == "lm":  # text: a language model's own measure
+    if config.model.kind in ("lm", "gpt2"):  # text: a language model's own measure
         assert "measured:" in header and "docs/language-models.md" in header, name
         assert f"configs/{name}" in (DOCS / "language-models.md").read_text()
         return
@@ -97,6 +97,27 @@ def test_the_configs_tables_epsilon_column_is_the_plans(name, digits):
         assert f"noise residual included: {shown})" in cell, cell
 
 
+def _checkpoint(name: str, folder: Path) -> list[str]:
+    """For a config of a checkpoint folder (``model.kind = "gpt2"``), overrides that
+    point it to a tiny random GPT-2 and a small text written to ``folder``."""
+    if tomllib.loads((CONFIGS / name).read_text()).get("model", {}).get("kind") != "gpt2":
+        return []
+    import numpy as np
+
+    from tests.test_gpt2 import WORDS, _tensors, _write
+
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(WORDS[2:], rng.integers(2, 7))) for _ in range(200)]
+    (folder / "t.txt").write_text("\n".join(lines) + "\n")
+    _write(folder / "ckpt", _tensors(rng))
+    return [
+        f'model.checkpoint="{folder / "ckpt"}"',
+        f'data.path="{folder / "t.txt"}"',
+        "data.seq_len=6",
+        "training.expected_batch_size=16",
+    ]
+
+
 @pytest.fixture(scope="module")
 def digits():
     return load_data(Config().data, seed=0)
@@ -107,10 +128,11 @@ def digits():
     # the default in the default suite; the others trace the same code paths
     [n if n == "default.toml" else pytest.param(n, marks=pytest.mark.slow) for n in NAMES],
 )
-def test_config_builds_and_traces_its_private_step(name, digits):
+def test_config_builds_and_traces_its_private_step(name, digits, tmp_path):
     """Model, sampler, noise calibration and the whole step, traced (not compiled)."""
-    config = load_config(CONFIGS / name, ["training.steps=2"])
-    step = build_private_step(config, None if config.model.kind == "lm" else digits)
+    config = load_config(CONFIGS / name, ["training.steps=2", *_checkpoint(name, tmp_path)])
+    text = config.model.kind in ("lm", "gpt2")
+    step = build_private_step(config, None if text else digits)
     assert step.model.kind == config.model.kind
     assert 0 < step.noise_multiplier < math.inf
     params, *_ = jax.eval_shape(step.step_fn, *step.example_args)
@@ -122,10 +144,9 @@ def test_config_builds_and_traces_its_private_step(name, digits):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_config_trains_two_steps(name, digits, tmp_path):
-    config = load_config(
-        CONFIGS / name, ["training.steps=2", "training.log_every=1", "pretrain.steps=2"]
-    )
-    data = None if config.model.kind == "lm" else digits
+    more = ["training.steps=2", "training.log_every=1", "pretrain.steps=2"]
+    config = load_config(CONFIGS / name, more + _checkpoint(name, tmp_path))
+    data = None if config.model.kind in ("lm", "gpt2") else digits
     report = train(config, out_dir=tmp_path, progress=False, data=data)
     assert report["steps"] == 2 and report["finite_params"]
     assert report["audit"]["ok"] is True, report["audit"]

@@ -28,6 +28,9 @@ LANGUAGE = {
     "lora_fine_tuning.py": ["--steps", "2", "--pretrain-steps", "3"],
 }
 
+# Examples that need a checkpoint folder: smoke-run on a tiny random one.
+CHECKPOINT = ("gpt2_lora.py",)
+
 # Arguments for a quick smoke run; an example not listed here runs without any.
 QUICK = {
     **{name: ["--steps", "10"] for name in TRAINING},
@@ -219,6 +222,60 @@ def test_language_examples_train_and_report(name, tmp_path, capsys, monkeypatch)
     assert _stated(name) in out, out
 
 
+def gpt2_parameters(*, vocab: int, positions: int, d: int, layers: int) -> int:
+    """GPT-2's parameters by hand: token and position embeddings; per block two
+    LayerNorms, ``c_attn`` (``d -> 3d``), ``c_proj`` (``d -> d``), ``c_fc``
+    (``d -> 4d``), ``c_proj`` (``4d -> d``), each with a bias; the final
+    LayerNorm; the head is the token embedding."""
+    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    return vocab * d + positions * d + layers * block + 2 * d
+
+
+def gpt2_lora_parameters(*, d: int, layers: int, rank: int) -> int:
+    """Adapters ``A (fan_in x r)``, ``B (r x fan_out)`` on the four weight matrices
+    of each block (the embeddings are not adapted): ``r (4d + 2d + 5d + 5d)``."""
+    return layers * rank * 16 * d
+
+
+def test_gpt2_example_states_the_published_124m_counts():
+    doc = ast.get_docstring(ast.parse((EXAMPLES / "gpt2_lora.py").read_text()))
+    total = gpt2_parameters(vocab=50257, positions=1024, d=768, layers=12)
+    lora = gpt2_lora_parameters(d=768, layers=12, rank=8)
+    assert f"({total:,} parameters)" in doc and f"LoRA: {lora:,} trainable" in doc, doc
+
+
+@pytest.mark.slow  # a tiny checkpoint, three private steps and two generations, ~15-20 s
+def test_gpt2_example_fine_tunes_a_checkpoint_folder(tmp_path, capsys, monkeypatch):
+    import jax
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dpmp.models import GPT2Config, save_gpt2
+    from dpmp.models.families._gpt2 import gpt2_init
+
+    words = ["[UNK]", "the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    sizes = {"vocab": 9, "positions": 16, "d": 8, "layers": 1}
+    config = GPT2Config(vocab_size=9, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    save_gpt2(tmp_path / "ckpt", gpt2_init(config, jax.random.key(0)), config, tokenizer)
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(words[1:], rng.integers(3, 10))) for _ in range(150)]
+    (tmp_path / "t.txt").write_text("\n".join(lines) + "\n")
+    args = ["--model", str(tmp_path / "ckpt"), "--text", str(tmp_path / "t.txt")]
+    args += ["--steps", "3", "--batch-size", "16", "--seq-len", "12", "--prompt", "the cat"]
+    out = run("gpt2_lora.py", *args, "--out", str(tmp_path / "run"), capsys=capsys,
+              monkeypatch=monkeypatch)  # fmt: skip
+    assert f"({gpt2_parameters(**sizes):,} parameters)" in out, out
+    lora = gpt2_lora_parameters(d=8, layers=1, rank=8)
+    m = re.search(r"LoRA: ([\d,]+) trainable .* epsilon ([\d.]+) \(delta 1e-05\)", out)
+    assert m and m[1] == f"{lora:,}" and 7.99 <= float(m[2]) <= 8.0005, out
+    m = re.search(r"held-out perplexity ([\d.]+) on (\d+) test records", out)
+    assert m and 1 < float(m[1]) < 9 and int(m[2]) == 30, out
+    assert re.search(r"^before: the cat", out, re.M) and re.search(r"^after: the cat", out, re.M)
+    assert (tmp_path / "run" / "report.json").is_file()
+
+
 def test_lora_example_compares_with_the_measured_run_of_its_settings():
     """The from-scratch figure it prints is the results file's at the same epsilon
     and steps, and no figure at all for settings never measured."""
@@ -235,7 +292,7 @@ def test_lora_example_compares_with_the_measured_run_of_its_settings():
     [
         n
         for n in NAMES
-        if n not in (*TRAINING, *TRAINER, *QUICK, *LANGUAGE, "mixed_precision_step.py")
+        if n not in (*TRAINING, *TRAINER, *QUICK, *LANGUAGE, *CHECKPOINT, "mixed_precision_step.py")
     ],
 )
 def test_other_examples_run(name, capsys, monkeypatch):

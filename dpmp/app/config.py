@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpmp.accounting._registry import accountant_names
+from dpmp.app.config_checkpoint import CHECKPOINT_KINDS, check_checkpoint
 from dpmp.app.config_text import check_tokenizer
 from dpmp.noise._registry import sampler_names
 
@@ -173,7 +174,8 @@ class DataConfig:
       objects, one record each). A record is the privacy unit.
     path: the ``.npz`` file, the folder of ``.npy`` files, or the text file.
     tokenizer: text: a ``tokenizer.json`` (Hugging Face ``tokenizers``) whose
-      tokens replace the bytes; each record is still one example.
+      tokens replace the bytes; each record is still one example. With
+      ``model.kind = "gpt2"``, unset means the checkpoint's own.
     seq_len: text: bytes per record (UTF-8), or with a ``tokenizer`` predicted
       tokens per record (longer records are cut, shorter ones padded; padding
       contributes nothing to the loss).
@@ -234,7 +236,8 @@ class ModelConfig:
       JAX function of a params dict), ``"vit"`` (a small flax linen vision
       transformer on square images), ``"lm"`` (a small flax linen causal
       transformer over bytes, for the text datasets; uses ``dim``, ``depth``
-      and ``heads``), or your own model as
+      and ``heads``), ``"gpt2"`` (the GPT-2 checkpoint folder ``checkpoint``,
+      whose parameters the run starts from), or your own model as
       ``"package.module:factory"``: ``factory(input_shape, num_classes)``
       returns a flax linen or nnx module, an Equinox module or an ``(init,
       apply)`` pair (the module must be importable: its folder on
@@ -252,6 +255,11 @@ class ModelConfig:
       parameters stay bit-identical. Needs pre-trained parameters (a
       ``[pretrain]`` section, or ``init_params`` of ``dpmp.train``): refused without.
     lora_alpha: the adapters' scale: the update is ``lora_alpha / lora_rank * A @ B``.
+    checkpoint: ``model.kind = "gpt2"``: a folder of ``config.json``,
+      ``model.safetensors`` and ``tokenizer.json`` in the layout GPT-2's
+      publishers use. Its parameters are the public pre-trained starting point
+      (LoRA may adapt them); its ``tokenizer.json`` encodes the text unless
+      ``data.tokenizer`` names a file of the same vocabulary.
     """
 
     kind: str = "mlp"
@@ -262,14 +270,17 @@ class ModelConfig:
     heads: int = 4
     lora_rank: int = 0
     lora_alpha: float = 8.0
+    checkpoint: str | None = None
 
     def __post_init__(self):
         if not (isinstance(self.kind, str) and _is_factory(self.kind)):
-            if self.kind not in _families():
+            if self.kind not in _families() and self.kind not in CHECKPOINT_KINDS:
                 raise ConfigError(
                     f"model.kind: {self.kind!r} is not allowed; allowed: "
-                    f"{', '.join(_families().names())}, or your own as 'package.module:factory'"
+                    f"{', '.join((*_families().names(), *CHECKPOINT_KINDS))}, "
+                    "or your own as 'package.module:factory'"
                 )
+        check_checkpoint(self.kind, self.checkpoint)
         hidden = self.hidden
         if isinstance(hidden, int):
             hidden = (hidden,)
@@ -526,7 +537,7 @@ def _pretrain_datasets() -> tuple[str, ...]:
 
 
 def _model_kinds() -> str:
-    kinds = ", ".join(f'"{k}"' for k in _families().names())
+    kinds = ", ".join(f'"{k}"' for k in (*_families().names(), *CHECKPOINT_KINDS))
     return f'{kinds}, or "package.module:factory"'
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dpmp.app.config import ConfigError, DataConfig, ModelConfig
+from dpmp.app.config_checkpoint import CHECKPOINT_KINDS
 from dpmp.data._dataset import Dataset
 from dpmp.data.sources import load_dataset
 from dpmp.models._adapters import as_model
@@ -63,7 +64,13 @@ def architecture(config: ModelConfig) -> Architecture:
 
 def model_from_config(config: ModelConfig, data_info: Any, policy: Policy | str) -> Model:
     """The configured model for data with ``input_shape`` and ``num_classes``: a
-    built-in family, or ``factory(input_shape, num_classes)`` of ``"module:factory"``."""
+    built-in family, a checkpoint's (``model.kind = "gpt2"``), or
+    ``factory(input_shape, num_classes)`` of ``"module:factory"``."""
+    if config.kind in CHECKPOINT_KINDS:  # its sizes are the checkpoint's
+        from dpmp.app.published import checkpoint_folder
+        from dpmp.models._gpt2_checkpoint import load_gpt2
+
+        return load_gpt2(checkpoint_folder(config.checkpoint), policy).model
     if ":" not in config.kind:
         return build_model(config.kind, data_info, policy, architecture(config))
     shape = tuple(int(d) for d in data_info.input_shape)

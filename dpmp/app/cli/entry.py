@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from dpmp.app.cli import audit, budget, compare, export, report, train
+from dpmp.app.cli import audit, budget, compare, export, generate, report, train
 from dpmp.app.cli.command import Command, UsageError
 
 __all__ = ["COMMANDS", "console", "main", "parser"]
@@ -29,6 +29,7 @@ COMMANDS: tuple[Command, ...] = (
     budget.COMMAND,
     report.COMMAND,
     export.COMMAND,
+    generate.COMMAND,
 )
 
 

@@ -54,7 +54,9 @@ from dpmp.app.checkpoint import (
     save_checkpoint,
 )
 from dpmp.app.config import Config, ConfigError
+from dpmp.app.config_checkpoint import CHECKPOINT_KINDS
 from dpmp.app.inputs import load_data
+from dpmp.app.published import start_from_checkpoint
 from dpmp.app.run_dir import ProgressBar, RunDir, SilentRunDir, locked
 from dpmp.app.trainer.actions import StepEnd, run_actions
 from dpmp.app.trainer.batches import input_dtype
@@ -188,7 +190,9 @@ def train(
       model: the model to train instead of ``config.model``: a flax linen
         module, a flax nnx module, an Equinox module, an ``(init, apply)`` pair
         of functions of a params pytree, or a ``dpmp`` ``Model``
-        (``dpmp.models._adapters.as_model`` says how each is used).
+        (``dpmp.models._adapters.as_model`` says how each is used). With
+        ``model.kind = "gpt2"`` the model, its parameters and the text's
+        tokenizer come from ``model.checkpoint`` (``dpmp.app.published``).
       loss: ``loss(outputs, labels) -> per-example losses [B]`` of a ``model``
         given here (default: softmax cross-entropy on integer labels; with
         per-token labels ``[B, T]`` of ``Dataset.from_tokens`` or a
@@ -228,7 +232,12 @@ def train(
     config = Config() if config is None else config
     init_from = None
     if isinstance(init_params, str | os.PathLike):  # read before anything is written
-        init_from, init_params = os.fspath(init_params), load_params_file(init_params)
+        init_from = f"init_params read from {os.fspath(init_params)}"
+        init_params = load_params_file(init_params)
+    if config.model.kind in CHECKPOINT_KINDS:  # read before anything is written
+        model, init_params, data, init_from = start_from_checkpoint(
+            config, model=model, init_params=init_params, data=data
+        )
     # one writer per run directory, before anything changes (process 0 of several)
     with locked(out_dir) if is_primary() else contextlib.nullcontext():
         with _Interrupts() as interrupts:
@@ -262,7 +271,7 @@ def _train(
     init_from: str | None,
 ) -> dict[str, Any]:
     """:func:`train` once the run directory is locked (arguments as there;
-    ``init_from``: the file ``init_params`` were read from)."""
+    ``init_from``: where ``init_params`` came from, as the report says it)."""
     started = time.perf_counter()
     progress = progress and is_primary()  # one progress bar for a run of several processes
     run_dir, found = _open_run_dir(config, out_dir, resume=resume, progress=progress)
@@ -365,9 +374,7 @@ def _starting_point(
                 "init_params= to dpmp.train), or set model.lora_rank = 0 to train every parameter"
             )
         return None, None
-    source = (
-        f"init_params read from {init_from}" if init_from else "init_params given to dpmp.train"
-    )
+    source = init_from or "init_params given to dpmp.train"
     return init_params, {"source": source, "params_sha256": params_digest(init_params)}
 
 

@@ -34,7 +34,9 @@ import jax.numpy as jnp
 import optax
 
 from dpmp.app.config import Config, ConfigError
+from dpmp.app.config_checkpoint import CHECKPOINT_KINDS
 from dpmp.app.inputs import load_data, model_from_config
+from dpmp.app.published import start_from_checkpoint
 from dpmp.app.trainer.batches import feature_stats as compute_feature_stats
 from dpmp.app.trainer.batches import gather, make_sampler
 from dpmp.app.trainer.mesh import make_mesh, shared_keys
@@ -241,7 +243,9 @@ def build_private_step(
       data: a ``Dataset`` (not standardised); default
         ``load_data(config.data, seed)``.
       model: a ``Model`` (``dpmp.models._adapters.as_model`` makes one of a flax,
-        Equinox or plain-JAX model); default ``model_from_config(config.model, ...)``.
+        Equinox or plain-JAX model); default ``model_from_config(config.model, ...)``,
+        or with ``model.kind = "gpt2"`` the checkpoint's model, parameters and
+        tokenizer (``dpmp.app.published.start_from_checkpoint``).
       keys: the run's noise keys and seeds; default ``run_keys(config)``
         (fresh OS entropy unless ``privacy.reproducible_noise``).
       feature_stats: standardisation statistics to reuse (a resumed run's);
@@ -255,6 +259,9 @@ def build_private_step(
     """
     policy = config.precision
     t = config.training
+    if config.model.kind in CHECKPOINT_KINDS and model is None and init_params is None:
+        start = start_from_checkpoint(config, model=None, init_params=None, data=data)
+        data, model, init_params = start.data, start.model, start.init_params
     if data is None:
         data = load_data(config.data, t.seed)
     keys = shared_keys(run_keys(config) if keys is None else keys)
