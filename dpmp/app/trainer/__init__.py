@@ -15,6 +15,8 @@ Its modules follow a run's stages:
 * ``resume``   -- which checkpoint a run may continue;
 * ``actions``  -- what runs between steps: the budget stop, evaluation, logs,
   progress, checkpoints; ``writers`` -- where public and private numbers go;
+* ``interrupts`` -- Ctrl-C and SIGTERM: the step in progress ends, a
+  checkpoint is saved, one line says how to resume;
 * ``loop``     -- ``train``: step, account, the actions, report.
 
 Secret randomness (``plan.run_keys``): the gradient-noise key, the

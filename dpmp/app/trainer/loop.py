@@ -32,7 +32,6 @@ import platform
 import re
 import signal
 import sys
-import threading
 import time
 import warnings
 from collections import Counter
@@ -61,6 +60,7 @@ from dpmp.app.run_dir import ProgressBar, RunDir, SilentRunDir, locked
 from dpmp.app.trainer.actions import StepEnd, run_actions
 from dpmp.app.trainer.batches import input_dtype
 from dpmp.app.trainer.evaluate import evaluator
+from dpmp.app.trainer.interrupts import Interrupts, RunInterrupted
 from dpmp.app.trainer.mesh import (
     is_primary,
     local,
@@ -240,7 +240,7 @@ def train(
         )
     # one writer per run directory, before anything changes (process 0 of several)
     with locked(out_dir) if is_primary() else contextlib.nullcontext():
-        with _Interrupts() as interrupts:
+        with Interrupts() as interrupts:
             return _train(
                 config,
                 out_dir,
@@ -259,7 +259,7 @@ def train(
 def _train(
     config: Config,
     out_dir: str | Path,
-    interrupts: _Interrupts,
+    interrupts: Interrupts,
     *,
     resume: bool,
     progress: bool,
@@ -428,70 +428,6 @@ def _build_step(
         )
 
 
-class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM stopped a run between two steps, after saving a checkpoint;
-    the message says how to resume, ``signum`` which signal it was."""
-
-    def __init__(self, message: str = "", signum: int = signal.SIGINT):
-        super().__init__(message)
-        self.signum = signum
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class _Interrupts:
-    """Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and ``timeout`` send
-    before they kill) during a run. It raises KeyboardInterrupt at once, except
-    inside ``held()`` (the loop), where the first is held until the step in
-    progress is done, so that the run stops at a whole state; a second interrupts
-    at once. Every one is remembered in ``requested``: Python ignores an exception
-    raised inside a garbage-collector callback (JAX registers one; it printed
-    "Exception ignored in: <function _xla_gc_callback ...>" and the run trained to
-    its end), so one swallowed before the loop stops the run before its first
-    step, and Python's "Exception ignored" traceback of it is not printed. Only
-    in the main thread (elsewhere Python delivers no signal)."""
-
-    def __init__(self):
-        self.requested = False
-        self.signum = signal.SIGINT  # the first signal received
-        self._holding = False
-        self._previous = None
-
-    def _handler(self, signum, frame):
-        again, self.requested = self.requested, True
-        if not again:
-            self.signum = signum
-        if again or not self._holding:
-            stop = KeyboardInterrupt()
-            stop.signum = signum  # the command's exit status is 128 + signum
-            raise stop
-
-    def _unraisable(self, info):
-        if not isinstance(info.exc_value, KeyboardInterrupt):  # remembered in requested
-            self._previous_hook(info)
-
-    @contextlib.contextmanager
-    def held(self):
-        self._holding = True
-        try:
-            yield self
-        finally:
-            self._holding = False
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handler) for s in _STOP_SIGNALS}
-            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
-        return self
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            for s, previous in self._previous.items():
-                signal.signal(s, previous)
-            sys.unraisablehook = self._previous_hook
-
-
 class _Resumable(OSError):
     """A file could not be written; the message says what was kept and how to go on."""
 
@@ -585,11 +521,11 @@ class _Run:
 
     # ---- the loop -------------------------------------------------------------
 
-    def loop(self, callback, *, progress: bool, interrupts: _Interrupts) -> None:
+    def loop(self, callback, *, progress: bool, interrupts: Interrupts) -> None:
         with interrupts.held():
             self._loop(callback, progress=progress, interrupts=interrupts)
 
-    def _loop(self, callback, *, progress: bool, interrupts: _Interrupts) -> None:
+    def _loop(self, callback, *, progress: bool, interrupts: Interrupts) -> None:
         t = self.config.training
         bar = ProgressBar(t.steps, enabled=progress)
         actions = run_actions(self.config, self.run_dir, bar, callback)
