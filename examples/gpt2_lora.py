@@ -89,7 +89,7 @@ def main():
         f"held-out perplexity {report['test_perplexity']:.2f} on "
         f"{report['data']['num_test']} test records"
     )
-    print(f"after: {continuation(load_trained(args.out), args.prompt)}")
+    print(f"after: {continuation(load_trained(args.out, args.model), args.prompt)}")
 
 
 if __name__ == "__main__":

@@ -93,11 +93,15 @@ def test_generation_uses_the_trained_adapters_before_and_after_export(tmp_path, 
     assert cli.main(argv) == 0
     report = json.loads((run / "report.json").read_text())
     assert report["starting_point"]["source"] == (
-        f"public pre-trained GPT-2 checkpoint {folder} (no epsilon)"
+        f"public pre-trained GPT-2 checkpoint {folder.name} (no epsilon)"
     )
+    assert str(tmp_path) not in (run / "report.json").read_text()  # no folder is published
+    capsys.readouterr()
+    assert cli.main(["generate", str(run), "--prompt", "the"]) == 2  # the folder is not known
+    assert "give the folder with --checkpoint DIR" in capsys.readouterr().err
     assert np.isfinite(report["test_perplexity"])
     capsys.readouterr()
-    ask = [str(run), "--prompt", "the cat", "--max-new-tokens", "5"]
+    ask = [str(run), "--prompt", "the cat", "--max-new-tokens", "5", "--checkpoint", str(folder)]
     assert cli.main(["generate", *ask]) == 0
     from_checkpoint = capsys.readouterr().out
     assert cli.main(["export", str(run), "--delete-secrets"]) == 0
@@ -111,4 +115,4 @@ def test_generation_uses_the_trained_adapters_before_and_after_export(tmp_path, 
     assert from_checkpoint.startswith("the cat")
     trained = merged["h"]["0"]["attn"]["c_attn"]["kernel"]
     assert np.abs(trained - loaded.params["h"]["0"]["attn"]["c_attn"]["kernel"]).max() > 0
-    _refused(capsys, [*ask[:3], "--max-new-tokens", "7"], "at most 6 new ones")
+    _refused(capsys, [*ask, "--max-new-tokens", "7"], "at most 6 new ones")

@@ -305,5 +305,5 @@ def test_private_lora_on_a_loaded_checkpoint_through_train(tmp_path):
         config, out_dir=tmp_path / "run", model=loaded.model, init_params=base, data=data,
         progress=False,
     )  # fmt: skip
-    assert report["starting_point"]["source"] == f"init_params read from {base}"
+    assert report["starting_point"]["source"] == f"init_params read from {base.name}"
     assert np.isfinite(report["test_perplexity"])

@@ -124,7 +124,7 @@ def test_the_data_is_encoded_by_the_checkpoint_tokenizer_or_an_equal_copy(tmp_pa
         )
         rows = [list(r[:2]) for r in np.concatenate([start.data.x_train, start.data.x_test])]
         assert [ids[w] for w in first[:2]] in rows  # some record starts with its words
-        assert start.source == f"public pre-trained GPT-2 checkpoint {folder} (no epsilon)"
+        assert start.source == f"public pre-trained GPT-2 checkpoint {folder.name} (no epsilon)"
         assert start.init_params["wte"]["embedding"].shape == (12, 8)
 
 

@@ -75,6 +75,12 @@ def load_trained(run_dir: str | Path, checkpoint: str | Path | None = None) -> G
             f"model.kind: the run trained {m.kind!r}; generation needs a run of "
             f"model.kind = {', '.join(map(repr, CHECKPOINT_KINDS))}"
         )
+    if checkpoint is None and not Path(m.checkpoint).is_dir():
+        raise ConfigError(
+            f"model.checkpoint: report.json names the checkpoint folder {m.checkpoint!r} "
+            "without its path (it publishes none of your folders): give the folder with "
+            "--checkpoint DIR"
+        )
     field = "model.checkpoint" if checkpoint is None else "checkpoint"
     folder = checkpoint_folder(m.checkpoint if checkpoint is None else checkpoint, field)
     loaded = load_gpt2(folder, config.precision)

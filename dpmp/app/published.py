@@ -81,7 +81,7 @@ def start_from_checkpoint(config: Config, *, model: Any, init_params: Any, data:
         data = _load_text(config, tokenizer)
     else:
         _check_length("data", int(data.input_shape[-1]), n_positions)
-    source = f"public pre-trained GPT-2 checkpoint {folder} (no epsilon)"
+    source = f"public pre-trained GPT-2 checkpoint {folder.name} (no epsilon)"  # no folders
     return Start(loaded.model, loaded.params, data, source)
 
 

@@ -539,14 +539,19 @@ def config_dict(config) -> dict[str, Any]:
 
 
 def public_config(config) -> dict[str, Any]:
-    """``config_dict`` as ``report.json`` publishes it: a data or pre-training path
-    by its file name only (a full path would publish the operator's folders)."""
+    """``config_dict`` as ``report.json`` publishes it: a data, pre-training,
+    tokenizer or checkpoint path by its file or folder name only (a full path
+    would publish the operator's folders)."""
     out = config_dict(config)
-    for section in ("data", "pretrain"):
-        path = out.get(section, {}).get("path")
+    for section, key in PATH_KEYS:
+        path = out.get(section, {}).get(key)
         if path:
-            out[section]["path"] = Path(path).name
+            out[section][key] = Path(path).name
     return out
+
+
+# The config keys that hold the operator's paths (published by name only).
+PATH_KEYS = (("data", "path"), ("data", "tokenizer"), ("pretrain", "path"), ("model", "checkpoint"))
 
 
 # ---- what `dpmp report` says about the files ---------------------------------------

@@ -232,7 +232,7 @@ def train(
     config = Config() if config is None else config
     init_from = None
     if isinstance(init_params, str | os.PathLike):  # read before anything is written
-        init_from = f"init_params read from {os.fspath(init_params)}"
+        init_from = f"init_params read from {Path(init_params).name}"  # published: no folders
         init_params = load_params_file(init_params)
     if config.model.kind in CHECKPOINT_KINDS:  # read before anything is written
         model, init_params, data, init_from = start_from_checkpoint(
