@@ -18,7 +18,7 @@ fresh and secret each run, so the last digits vary):
 
     public pre-training: 500 steps on 26051 records, held-out public perplexity 6.3
     private LoRA: 21,008 trainable parameters, the model's 137,538 frozen
-    epsilon 7.979 (delta 1e-05), held-out perplexity 5.7 (from scratch: 13.07)
+    epsilon 7.979 (delta 1e-05), held-out perplexity 5.7 (from scratch: 13.06)
 
 The from-scratch figure is the measured run at the same epsilon and steps in
 ``benchmarks/results/lm_lora.json``; other settings say none was measured.
