@@ -29,10 +29,16 @@ from typing import Any
 import numpy as np
 
 from dpmp.data._dataset import MIN_TRAIN_EXAMPLES, DataError, Dataset
-from dpmp.data._text import split_records
+from dpmp.data._text import split_records, text_dataset
 from dpmp.data._tokenizer import load_tokenizer, vocab_size
 
-__all__ = ["IGNORE", "encode_token_records", "token_dataset", "tokens_dataset"]
+__all__ = [
+    "IGNORE",
+    "encode_token_records",
+    "records_dataset",
+    "token_dataset",
+    "tokens_dataset",
+]
 
 # The label of a position that has no next token (padding): no loss.
 IGNORE = -1
@@ -51,6 +57,31 @@ def encode_token_records(
         x[i, : min(len(kept), seq_len)] = kept[:seq_len]
         y[i, : max(len(kept) - 1, 0)] = kept[1:]
     return x, y
+
+
+def records_dataset(
+    records: list[str],
+    source: str,
+    *,
+    tokenizer: str | None,
+    seq_len: int,
+    test_fraction: float,
+    seed: int,
+) -> Dataset:
+    """Text ``records`` as a next-token ``Dataset``: encoded by the ``tokenizer.json``
+    at ``tokenizer`` (``token_dataset``), or as UTF-8 bytes when it is None
+    (``text_dataset``). The private data and the public pre-training text both
+    come through here, so that they are encoded alike."""
+    if tokenizer is None:
+        return text_dataset(records, source, seq_len, test_fraction, seed)
+    return token_dataset(
+        records,
+        source,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        test_fraction=test_fraction,
+        seed=seed,
+    )
 
 
 def token_dataset(

@@ -38,8 +38,7 @@ from dpmp.app.inputs import model_from_config
 from dpmp.app.run_dir import ProgressBar
 from dpmp.app.trainer.evaluate import evaluator
 from dpmp.data._dataset import Dataset, fingerprint
-from dpmp.data._text import text_dataset
-from dpmp.data._tokens import token_dataset
+from dpmp.data._tokens import records_dataset
 from dpmp.data.sources import PUBLIC_TEXT
 
 __all__ = ["Pretrained", "params_digest", "pretrain", "public_text"]
@@ -62,16 +61,14 @@ def public_text(config: Config) -> Dataset:
     ``data.tokenizer`` when it is set, as the private text is)."""
     p, d = config.pretrain, config.data
     records, source = PUBLIC_TEXT.get(p.dataset).records(p.path, "pretrain.path")
-    if d.tokenizer is not None:
-        return token_dataset(
-            records,
-            source,
-            tokenizer=d.tokenizer,
-            seq_len=d.seq_len,
-            test_fraction=_TEST_FRACTION,
-            seed=p.seed,
-        )
-    return text_dataset(records, source, d.seq_len, _TEST_FRACTION, p.seed)
+    return records_dataset(
+        records,
+        source,
+        tokenizer=d.tokenizer,
+        seq_len=d.seq_len,
+        test_fraction=_TEST_FRACTION,
+        seed=p.seed,
+    )
 
 
 def params_digest(params: Any) -> str:

@@ -28,8 +28,7 @@ from typing import Protocol, runtime_checkable
 
 from dpmp.data._dataset import DataError, Dataset
 from dpmp.data._registry import Registry
-from dpmp.data._text import text_dataset
-from dpmp.data._tokens import token_dataset
+from dpmp.data._tokens import records_dataset
 
 __all__ = [
     "PUBLIC_TEXT",
@@ -120,16 +119,14 @@ class TextSource:
 
     def load(self, options: SourceOptions) -> Dataset:
         records, source = self.corpus.records(options.path, "data.path")
-        if options.tokenizer is not None:
-            return token_dataset(
-                records,
-                source,
-                tokenizer=options.tokenizer,
-                seq_len=options.seq_len,
-                test_fraction=options.test_fraction,
-                seed=options.seed,
-            )
-        return text_dataset(records, source, options.seq_len, options.test_fraction, options.seed)
+        return records_dataset(
+            records,
+            source,
+            tokenizer=options.tokenizer,
+            seq_len=options.seq_len,
+            test_fraction=options.test_fraction,
+            seed=options.seed,
+        )
 
 
 # ``data.dataset``: the private training data.
