@@ -196,9 +196,11 @@ def test_a_coordinates_noise_depends_on_its_index_alone():
     one_piece = np.asarray(jax.jit(noise._snap_values, static_argnums=3)(words, x, index, 0.7))
     np.testing.assert_array_equal(whole, one_piece)
     for chunk in (1_000, 4_096, 49_999):
-        chunked = jax.jit(noise._snap_flat, static_argnums=(2, 3, 4))(
-            words, x, 0.7, noise._as_index, chunk
-        )
+        chunked = jax.jit(
+            lambda w, x, chunk=chunk: noise._snap_flat(
+                x, 0.7, noise._words_by_index(w), chunk, w[0]
+            )
+        )(words, x)
         np.testing.assert_array_equal(np.asarray(chunked), whole)
     part = np.asarray(
         jax.jit(noise._snap_values, static_argnums=3)(words, x[777:2000], index[777:2000], 0.7)
@@ -206,6 +208,30 @@ def test_a_coordinates_noise_depends_on_its_index_alone():
     np.testing.assert_array_equal(part, whole[777:2000])
     reshaped = np.asarray(dpmp.snapped_gaussian(key, x.reshape(250, 200), 0.7))
     np.testing.assert_array_equal(reshaped.reshape(-1), whole)
+
+
+def test_small_leaves_drawn_together_get_their_own_leafs_noise():
+    """A tree's small leaves are drawn as one vector (one program for all of them);
+    each coordinate still gets exactly the noise of its own leaf's draw from
+    ``fold_in(key, i)``, whatever the sizes, dtypes and order of the leaves."""
+    from dpmp.noise import _snapped as noise
+
+    key = jax.random.key(5)
+    ramp = jnp.linspace(-2.0, 2.0, noise.GROUP_MAX + 3)  # one leaf past the group's size
+    tree = {
+        "a": ramp[:15].reshape(3, 5),
+        "b": ramp,
+        "c": ramp[:1],
+        "d": ramp[:6].astype(jnp.bfloat16).reshape(2, 3),
+        "e": ramp[:5000],
+        "f": ramp[: noise.GROUP_MAX],
+    }
+    drawn = jax.jit(lambda k, t: noise._snap_tree(k, t, 0.9))(key, tree)
+    leaves = jax.tree.leaves(tree)
+    for i, (got, leaf) in enumerate(zip(jax.tree.leaves(drawn), leaves, strict=True)):
+        own = noise.snapped_leaf(noise._key_words(jax.random.fold_in(key, i)), leaf, 0.9)
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(own))
 
 
 @pytest.mark.parametrize("size", [5_000, 100_000, 1_000_000, 16_777_216])

@@ -11,7 +11,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dpmp.noise._snapped import _as_index, _snap_flat, _snap_values, chunk_size, snapped_leaf
+from dpmp.noise._snapped import (
+    _as_index,
+    _snap_flat,
+    _snap_values,
+    _words_by_index,
+    chunk_size,
+    snapped_leaf,
+)
 
 __all__ = ["NoiseSharding"]
 
@@ -81,7 +88,8 @@ class NoiseSharding:
             return ((outer * shape[dim] + row) * inner + col).astype(jnp.uint32)
 
         def body(k, shard):
-            flat = _snap_flat(k, shard.reshape(-1), stddev, index_of, chunk_size(shard.size))
+            words_of = _words_by_index(k, index_of)
+            flat = _snap_flat(shard.reshape(-1), stddev, words_of, chunk_size(shard.size), k[0])
             return flat.reshape(shard.shape)
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=(P(), spec), out_specs=spec)(
@@ -100,9 +108,8 @@ class NoiseSharding:
             flat = whole.reshape(-1)
             start = jax.lax.axis_index(axis) * part
             mine = jax.lax.dynamic_slice(flat, (start,), (part,))
-            drawn = _snap_flat(
-                k, mine, stddev, lambda pos: _as_index(start + pos), chunk_size(part)
-            )
+            words_of = _words_by_index(k, lambda pos: _as_index(start + pos))
+            drawn = _snap_flat(mine, stddev, words_of, chunk_size(part), k[0])
             pieces = [jax.lax.all_gather(drawn, axis, tiled=True)]
             if n > part * devices:  # the rest, the same on every device
                 tail = flat[part * devices :]
