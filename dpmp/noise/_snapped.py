@@ -359,12 +359,14 @@ def _snap_small(key, ids: list[int], leaves: list, stddev: float) -> list:
         index = (positions - jnp.asarray(starts)[j]).astype(jnp.uint32)
         return _noise_words((table[j, 0], table[j, 1]), index)
 
-    flat = jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
-    drawn = _snap_flat(flat, stddev, words_of, chunk_size(flat.size), table[0, 0])
-    return [
-        part.reshape(leaf.shape)
-        for part, leaf in zip(jnp.split(drawn, starts[1:]), leaves, strict=True)
-    ]
+    n = sum(sizes)
+    pieces = -(-n // chunk_size(n))
+    chunk = -(-n // pieces // 128) * 128  # whole pieces: no second copy for a remainder
+    pad = jnp.zeros(pieces * chunk - n, leaves[0].dtype)  # drawn (as the last leaf's) and dropped
+    flat = jnp.concatenate([*(leaf.reshape(-1) for leaf in leaves), pad])
+    drawn = _snap_flat(flat, stddev, words_of, chunk, table[0, 0])
+    parts = jnp.split(drawn[:n], starts[1:])
+    return [part.reshape(leaf.shape) for part, leaf in zip(parts, leaves, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)
