@@ -24,7 +24,7 @@ from jax import lax
 
 from dpmp.clipping._replay import vary_like
 from dpmp.clipping._rounding import certified_sum_of_squares, sum_of_squares, wide
-from dpmp.clipping._weighted import after, kept_rows, weighted_example_dot, weighted_examples
+from dpmp.clipping._weighted import after, weighted_examples, weighted_kept_sum
 from dpmp.clipping.ghost._gram import cancellation_floor
 from dpmp.clipping.ghost._layers import example_layer, forward, layer_grad, replay_chain, site
 from dpmp.clipping.ghost._plan import GhostPlan, Tap
@@ -76,7 +76,7 @@ def ghost_clipped_sum(
     factor = jnp.where(keep, factor, jnp.zeros_like(factor))
 
     reads = _Reads(plan, acts32, grads_out, p32, formed, unscale, factor, keep)
-    sums = _clipped_sums(reads, len(params_leaves), finite, sum_dtype, out_dtype)
+    sums = _clipped_sums(reads, len(params_leaves), sum_dtype, out_dtype)
     for leaf in plan.unused:
         with wide(sum_dtype):
             sums[leaf] = jnp.zeros(jnp.shape(params_leaves[leaf]), sum_dtype)
@@ -200,7 +200,7 @@ class _Reads:
     keep: Any
 
 
-def _clipped_sums(reads: _Reads, n_leaves: int, finite, sum_dtype, out_dtype) -> list[Any]:
+def _clipped_sums(reads: _Reads, n_leaves: int, sum_dtype, out_dtype) -> list[Any]:
     """The clip-weighted sum of every used leaf, from the SAME activations and output
     gradients the norms were taken from: one contraction over examples (and tokens)
     per layer.
@@ -225,16 +225,13 @@ def _clipped_sums(reads: _Reads, n_leaves: int, finite, sum_dtype, out_dtype) ->
     compiled temp memory against the non-private step's 4,194,304 B; 5,265,112 B
     when a ``cond`` chose between the weights alone and zero-filled copies: a
     conditional's branches cannot overwrite its operands, so each branch added its
-    copies). The per-example gradients formed here (``after`` taps) likewise:
-    ``where(kept, g)``, their last reader, in place, then one contraction with
-    the weights as a vector (:func:`weighted_example_dot`). (Weighted inside a
-    ``cond`` as below, every such layer's code was in the program twice, and
-    the private LoRA step, whose adapters are all ``after`` taps, compiled 2.4x
-    longer than its non-private step; 1.3x without.) Per-example gradients from
-    the backward pass (``example`` taps: bias-like layers) are weighted inside a
-    ``cond`` (no copy), which zero-fills only when some squared norm is not
-    finite: a ``where`` there copied them (float64 sums of the ReLU MLP below:
-    2.03x the non-private step's temp memory instead of 1.53x).
+    copies). Per-example gradients (``example`` and ``after`` taps) likewise:
+    ``where(kept, g)`` and one contraction with the weights as a vector, or, summed
+    wider than they are (float64), one fused reduction of ``where(kept, c * g)``
+    (:func:`weighted_kept_sum`). (Weighted inside a ``cond`` that zero-filled
+    only when some squared norm was not finite, every such layer's code was in
+    the program twice: the private LoRA step, whose adapters are all such
+    layers, compiled 2.4x longer than its non-private step, 1.3x without.)
 
     Order. Layers are summed from the output back to the input (in the plan's
     equation order: a bias after its kernel's product comes first, so the
@@ -246,17 +243,16 @@ def _clipped_sums(reads: _Reads, n_leaves: int, finite, sum_dtype, out_dtype) ->
     8,177,360 B without the dependency).
     """
     taps = reads.plan.taps
-    all_finite = finite.all()
     with wide(sum_dtype):  # a 64-bit sum is formed here only
         sums = [None] * n_leaves
         before = None  # the sum done just before this one
         for k in sorted(range(len(taps)), key=lambda k: taps[k].eqn, reverse=True):
-            sums[taps[k].leaf] = _layer_sum(reads, k, before, all_finite, sum_dtype, out_dtype)
+            sums[taps[k].leaf] = _layer_sum(reads, k, before, sum_dtype, out_dtype)
             before = sums[taps[k].leaf]
     return sums
 
 
-def _layer_sum(reads: _Reads, k: int, before, all_finite, sum_dtype, out_dtype):
+def _layer_sum(reads: _Reads, k: int, before, sum_dtype, out_dtype):
     """The clip-weighted sum of tap ``k``'s parameter leaf (see :func:`_clipped_sums`)."""
     plan, tap = reads.plan, reads.plan.taps[k]
     g, a, p = reads.grads[k], reads.acts[k], reads.params[k]
@@ -268,26 +264,18 @@ def _layer_sum(reads: _Reads, k: int, before, all_finite, sum_dtype, out_dtype):
         _, pull = jax.vjp(lambda q: replay_chain(plan, tap, q), p.astype(summed.dtype))
         (out,) = pull(summed.astype(out_dtype))
         return out
-    clipped_sum = functools.partial(_weighted_layer_sum, reads, tap, p, sum_dtype)
-    if tap.mode == "after":  # formed here: dropped examples' rows set to 0 in place
-        return clipped_sum(None, kept_rows(reads.formed[k], after(reads.keep, before)))
-    if tap.mode == "example":
-        fast = all_finite
-        if before is not None and before.size:
-            fast = fast & jnp.isfinite(before.ravel()[0])
-        zero_filled = lambda *xs: clipped_sum(*map(_zero_filled, xs))  # noqa: E731
-        return lax.cond(fast, clipped_sum, zero_filled, None, g)
+    keep = after(reads.keep, before)
+    if tap.mode == "after":  # the per-example gradients the norm was taken from
+        return weighted_kept_sum(reads.formed[k], reads.factor, keep, sum_dtype)
+    if tap.mode == "example":  # g is the layer's per-example gradient
+        return weighted_kept_sum(reads.unscale(g), reads.factor, keep, sum_dtype)
     # Convolutions, embeddings and the like: non-finite entries set to 0.
-    return clipped_sum(*map(_zero_filled, (a, g)))
+    return _weighted_layer_sum(reads, tap, p, sum_dtype, *map(_zero_filled, (a, g)))
 
 
 def _weighted_layer_sum(reads: _Reads, tap: Tap, p, sum_dtype, a, g):
     """``sum_i factor_i`` (this layer's gradient from x_i, g_i); every entry finite."""
-    if tap.mode == "after":  # the per-example gradients the norm was taken from
-        return weighted_example_dot(g, reads.factor, sum_dtype)
     g = reads.unscale(g)
-    if tap.mode == "example":  # g is the layer's per-example gradient
-        return weighted_example_dot(g, reads.factor, sum_dtype)
     p = p.astype(sum_dtype)
     if is_float(a.dtype):
         a = a.astype(sum_dtype)
