@@ -313,3 +313,28 @@ def test_the_base_as_an_argument_gives_the_gradients_of_the_base_closed_over():
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
     assert jax.jit(lora.loss_fn)(adapters, batch, base) == jax.jit(closed_over)(adapters, batch)
     assert lora.loss_fn(adapters, batch) == lora.loss_fn(adapters, batch, base)  # default base
+
+
+def test_public_pretraining_in_chunks_gives_the_whole_batchs_mean_and_gradient():
+    """Pre-training batches run in chunks of at most ``training.physical_batch_size``
+    records (the largest divisor of the batch): the mean of the chunks' means is
+    the batch's mean loss and gradient (float64 reference: one pass)."""
+    from dpmp.app.trainer.pretrain import _chunk, _chunked_value_and_grad
+
+    assert [_chunk(64, p) for p in (None, 100, 64, 32, 30, 7, 1)] == [64, 64, 64, 32, 16, 4, 1]
+    rng = np.random.default_rng(0)
+    w = {"w": rng.normal(size=(5, 3)), "b": rng.normal(size=3)}
+    x, y = rng.normal(size=(12, 5)), rng.normal(size=(12, 3))
+
+    def loss_fn(params, batch):
+        out = jnp.tanh(batch["x"] @ params["w"] + params["b"])
+        return ((out - batch["y"]) ** 2).sum(-1).mean()
+
+    with jax.enable_x64(True):
+        w, x, y = jax.tree.map(jnp.asarray, (w, x, y))
+        assert x.dtype == jnp.float64
+        want = jax.value_and_grad(loss_fn)(w, {"x": x, "y": y})
+        for chunk in (12, 4, 3):
+            got = jax.jit(_chunked_value_and_grad(loss_fn, chunk))(w, x, y)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12)

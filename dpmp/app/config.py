@@ -376,7 +376,8 @@ class TrainingConfig:
       the accumulate dtype, and noised once per step, so the compiled memory
       is that of one chunk (unset: the whole batch in one call). The padded
       batch is rounded up to a multiple of it. Evaluation runs in calls of
-      this many rows too (unset: 512).
+      this many rows too (unset: 512), and the public pre-training's batches
+      in chunks of the largest divisor of ``pretrain.batch_size`` up to it.
     eval_every: test accuracy and loss (public; train accuracy and loss go to
       ``private/``) every this many steps (0: only at the end); the default
       gives the run's accuracy-against-epsilon plot a curve. An evaluation
