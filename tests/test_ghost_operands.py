@@ -1,6 +1,5 @@
 """Ghost contractions on half-precision operands: where they are read, and the bound."""
 
-import contextlib
 import re
 
 import jax
@@ -12,18 +11,19 @@ import dpmp
 from dpmp.clipping.ghost._operands import (
     HALF_ACCUMULATION_U,
     accumulation_roundoff,
-    float32_operands,
     half_operands,
+    operands,
 )
+from tests import test_ghost
 from tests.test_ghost import ADV_B, ADV_T, _adv_dense, _adv_embed, _crafted
 
 
-def _dots(policy, problem, ctx=None):
+def _dots(policy, problem, kind):
     """(operand dtypes, result dtype, HIGHEST) of every dot_general of the ghost step."""
     loss, params, batches = _crafted(problem, [1.0])
     batch = jax.tree.map(lambda x: x[0], batches)
     g = dpmp.private_grad(loss, l2_clip_norm=1.0, policy=policy, method="ghost")
-    with ctx() if ctx else contextlib.nullcontext():
+    with operands(kind):
         text = jax.jit(lambda p, b: g(p, b).grads).lower(params, batch).as_text()
     out = []
     for line in re.findall(r"stablehlo.dot_general.*", text):
@@ -34,13 +34,19 @@ def _dots(policy, problem, ctx=None):
 
 def test_half_operands_are_read_only_where_both_are_one_half_dtype():
     f32, bf16, f16, i32 = (jnp.dtype(d) for d in ("float32", "bfloat16", "float16", "int32"))
-    assert half_operands(bf16, bf16, f32) == bf16
-    assert half_operands(i32, f16, f32) == f16  # embedding ids and fp16 output gradients
-    assert half_operands(bf16, f32, f32) is None  # a float32 output gradient
-    assert half_operands(bf16, f16, f32) is None
-    assert half_operands(bf16, bf16, jnp.float64) is None  # only a float32 clip dtype
-    with float32_operands():
+    with operands("half"):
+        assert half_operands(bf16, bf16, f32) == bf16
+        assert half_operands(i32, f16, f32) == f16  # embedding ids and fp16 output gradients
+        assert half_operands(bf16, f32, f32) is None  # a float32 output gradient
+        assert half_operands(bf16, f16, f32) is None
+        assert half_operands(bf16, bf16, jnp.float64) is None  # only a float32 clip dtype
+    with operands("float32"):
         assert half_operands(bf16, bf16, f32) is None
+        assert half_operands(bf16, bf16, f32, anywhere=True) == bf16
+    with operands("auto"):  # the device's choice: float32 on CPU, where bf16 is emulated
+        assert (half_operands(bf16, bf16, f32) is None) == (jax.default_backend() == "cpu")
+    with pytest.raises(ValueError, match="operands: unknown 'bf16'; allowed: auto, half"):
+        operands("bf16").__enter__()
     assert accumulation_roundoff(f32, f32) == 2.0**-24
     assert accumulation_roundoff(bf16, f32) == HALF_ACCUMULATION_U == 2.0**-22
 
@@ -49,11 +55,13 @@ def test_bf16_gram_reads_bf16_and_the_float32_step_is_unchanged():
     """Under bf16 the two Gram matrices read bf16 with float32 results (no HIGHEST);
     the row dot products and the clip-weighted sum stay float32/float64 at HIGHEST.
     Under fp32 the lowered step is the same text with half operands switched off."""
-    _, dots = _dots("bf16", _adv_dense())
+    _, dots = _dots("bf16", _adv_dense(), "half")
     assert dots[:2] == [("bf16", "bf16", "f32", False)] * 2, dots
     assert all(d[0] in ("f32", "f64") and d[3] for d in dots[2:]), dots
-    on, _ = _dots("fp32", _adv_dense())
-    off, _ = _dots("fp32", _adv_dense(), float32_operands)
+    _, dots = _dots("bf16", _adv_dense(), "float32")
+    assert all(d[0] in ("f32", "f64") and d[3] for d in dots), dots
+    on, _ = _dots("fp32", _adv_dense(), "half")
+    off, _ = _dots("fp32", _adv_dense(), "float32")
     assert on == off
 
 
@@ -125,10 +133,20 @@ def test_certified_norm_is_never_below_the_float64_norm(kind, policy, scale):
         return jax.lax.map(lambda i: one(i).stats.norm_max, jnp.arange(ADV_B))
 
     batches = jax.tree.map(lambda *xs: np.stack(xs), *trials)
-    got = np.asarray(jax.jit(lambda bs: jax.lax.map(norms, bs))(batches), np.float64)
+    with operands("half"):
+        got = np.asarray(jax.jit(lambda bs: jax.lax.map(norms, bs))(batches), np.float64)
     exact = np.stack([_exact_norms(kind, b, policy, scale) for b in trials])
     assert np.isfinite(exact).all() and np.isfinite(got).all()
     assert (got >= exact * (1 - 2.0**-22)).all(), np.min(got / exact)
     # not vacuous: the cancelling examples are there, and ordinary tokens stay close
     assert np.max(got[exact > 0] / exact[exact > 0]) > 10
     np.testing.assert_allclose(got[:6, 1:], exact[:6, 1:], rtol=1e-3)  # ordinary examples
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp16"])
+@pytest.mark.parametrize("kind", sorted(test_ghost.ADVERSARIAL))
+def test_cancelling_tokens_bound_holds_on_half_operands(kind, policy):
+    """tests/test_ghost.py's crafted cancelling examples (the example alone and its
+    removal from the sum within C (1 + 1e-5), no NaN), with half operands read."""
+    with operands("half"):
+        test_ghost.test_ghost_bound_holds_on_cancelling_tokens(kind, policy)

@@ -57,7 +57,8 @@ class ConvRule:
         return _tkn(eqn)[0]
 
     def magnitude_ratio(self, eqn, pos, dtype, wide_dtype):
-        ops = half_operands(eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype, dtype)
+        act, out = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+        ops = half_operands(act, out, dtype, anywhere=True)  # the smaller ratio: either holds
         return gram_magnitude_ratio(*_tkn(eqn), dtype, ops)
 
     def sq_norms(self, eqn, pos, a, g, dtype, wide_dtype):

@@ -61,7 +61,8 @@ class DenseRule:
         return _tkn(eqn, pos)[0]
 
     def magnitude_ratio(self, eqn, pos, dtype, wide_dtype):
-        ops = half_operands(eqn.invars[1 - pos].aval.dtype, eqn.outvars[0].aval.dtype, dtype)
+        act, out = eqn.invars[1 - pos].aval.dtype, eqn.outvars[0].aval.dtype
+        ops = half_operands(act, out, dtype, anywhere=True)  # the smaller ratio: either holds
         return gram_magnitude_ratio(*_tkn(eqn, pos), dtype, ops)
 
     def sq_norms(self, eqn, pos, a, g, dtype, wide_dtype):

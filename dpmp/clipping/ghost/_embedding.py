@@ -55,7 +55,8 @@ class EmbeddingRule:
         u = unit_roundoff(dtype)
         vocab, dim = eqn.invars[0].aval.shape
         t = self.rows(eqn, pos)
-        ops = half_operands(eqn.invars[1].aval.dtype, eqn.outvars[0].aval.dtype, dtype)
+        ids, out = eqn.invars[1].aval.dtype, eqn.outvars[0].aval.dtype
+        ops = half_operands(ids, out, dtype, anywhere=True)  # the smaller ratio: either holds
         unscale = 1.0 if ops is None else (1 - u) ** 2
         if t * t <= vocab * dim:
             k_dim = keep(dim, dtype, accumulation_roundoff(ops, dtype))

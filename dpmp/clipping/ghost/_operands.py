@@ -25,6 +25,14 @@ of :mod:`dpmp.clipping.ghost._gram` therefore take ``u = 2^-22``
 operands, four times float32's unit roundoff; a float32 operand keeps ``u =
 2^-24`` and the contraction it enters is unchanged.
 
+Where they run. On GPUs and TPUs half operands are the default: their matrix
+units take them directly. On CPUs, where XLA emulates bf16 through float32,
+the contractions read float32 operands as before: measured side by side on 2
+CPU cores (benchmarks/ghost_operands.py), half operands gained nothing (MLP
+1.01x, ViT 1.00x the step time) and slowed the CNN's per-example kernel
+gradients (1.36x). :func:`operands` overrides the choice for what is traced
+inside it.
+
 A Gram bound grows like ``(T^2 + K + N) u`` on a cancelling example, so a
 layer whose half-operand bound would pass the 5% the plan allows reads
 float32 operands instead (:func:`dpmp.clipping.ghost._gram.gram_operands`).
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -49,36 +58,52 @@ __all__ = [
     "accumulation_roundoff",
     "contract",
     "dot_precision",
-    "float32_operands",
     "half_operands",
     "is_half",
+    "operands",
     "unscaled_norms",
 ]
 
 HALF_ACCUMULATION_U = 2.0**-22  # float32 accumulation of exact half products, any order
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_enabled = [True]
+_KINDS = ("auto", "half", "float32")
+_chosen = ["auto"]
 
 
 @contextlib.contextmanager
-def float32_operands():
-    """Within it, traced ghost contractions read float32 operands (as before half
-    operands were read): for measuring one against the other in one process."""
-    _enabled.append(False)
+def operands(kind: str):
+    """Within it, traced ghost contractions read ``"half"`` operands wherever they are
+    stored in half precision, ``"float32"`` ones always (as before half operands were
+    read), or (``"auto"``) whichever the device runs faster: half except on CPU.
+    For measuring one against the other in one process, and for checking the
+    half-operand bound on a CPU."""
+    if kind not in _KINDS:
+        raise ValueError(f"operands: unknown {kind!r}; allowed: {', '.join(_KINDS)}")
+    _chosen.append(kind)
     try:
         yield
     finally:
-        _enabled.pop()
+        _chosen.pop()
 
 
-def half_operands(act_dtype, out_dtype, dtype):
+def device_reads_half() -> bool:
+    """Whether traced contractions read stored half operands: ``operands(...)`` if
+    given, else half except on CPU (bf16 emulated there)."""
+    if _chosen[-1] != "auto":
+        return _chosen[-1] == "half"
+    return jax.default_backend() != "cpu"
+
+
+def half_operands(act_dtype, out_dtype, dtype, *, anywhere: bool = False):
     """The half dtype a layer's ghost contractions read, or ``None`` (they read ``dtype``).
 
     Half where ``dtype`` (the clip dtype) is float32 and the layer's floating
     operands (its activation, unless integer ids, and its output gradient) are
-    both in one half dtype (bf16 or fp16).
+    both in one half dtype (bf16 or fp16), on a device that reads them
+    (:func:`device_reads_half`), or on any with ``anywhere`` (for a bound that
+    must hold whichever was traced).
     """
-    if not _enabled[-1] or jnp.dtype(dtype) != jnp.dtype(jnp.float32):
+    if not (anywhere or device_reads_half()) or jnp.dtype(dtype) != jnp.dtype(jnp.float32):
         return None
     floats = {jnp.dtype(d) for d in (act_dtype, out_dtype) if jnp.issubdtype(d, jnp.floating)}
     if len(floats) != 1 or not floats <= set(_HALF):
