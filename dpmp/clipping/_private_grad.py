@@ -233,7 +233,9 @@ def private_grad(
         acc_dtype=acc_dtype,
         norm_dtype=norm_dtype,
     )
-    chooser = MethodChooser(method, setup.example_loss)
+    chooser = MethodChooser(
+        method, setup.example_loss, (policy.grad, setup.clip_dtype, setup.acc_dtype)
+    )
     return PrivateGradFn(
         functools.partial(_clipped_grad, setup, chooser),
         l2_norm_bound=clip_norm,

@@ -28,10 +28,15 @@ operands, four times float32's unit roundoff; a float32 operand keeps ``u =
 Where they run. On GPUs and TPUs half operands are the default: their matrix
 units take them directly. On CPUs, where XLA emulates bf16 through float32,
 the contractions read float32 operands as before: measured side by side on 2
-CPU cores (benchmarks/ghost_operands.py), half operands gained nothing (MLP
-1.01x, ViT 1.00x the step time) and slowed the CNN's per-example kernel
-gradients (1.36x). :func:`operands` overrides the choice for what is traced
-inside it.
+CPU cores (benchmarks/ghost_operands.py, bf16 ghost step), half operands took
+1.02x (MLP), 1.13x (CNN, its per-example kernel gradients), 1.03x (ViT), 1.01x
+(guide ViT) and 0.94x (lm) the time, with compiled temporary memory within
++7.5% and -3%. :func:`operands` overrides the choice for what is traced inside
+it.
+
+The larger ``u`` makes the certified norms of ordinary examples larger by about
+``(K + N + 2 T) (2^-22 - 2^-24)`` relative (mean norm 1.0008x on the guide ViT,
+1.001x on the lm of benchmarks/transformers.py): they are clipped that much harder.
 
 A Gram bound grows like ``(T^2 + K + N) u`` on a cancelling example, so a
 layer whose half-operand bound would pass the 5% the plan allows reads
