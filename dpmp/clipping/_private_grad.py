@@ -163,7 +163,8 @@ def private_grad(
         ghost norm carries a bound on its rounding error so that it is never
         below the exact norm, see ``dpmp.clipping.ghost``), or ``"auto"``: ghost
         where every parameter sits in a supported layer (dense/einsum,
-        convolution, embedding, bias, norm scale), else vmap. ``g.explain(params,
+        convolution, embedding, bias, norm scale) and its modelled cost on the
+        device is below vmap's (``dpmp.clipping._cost``), else vmap. ``g.explain(params,
         *args)`` says which was chosen and why; ``g.resolved_method`` is the
         last traced choice. ``"ghost"`` on an unsupported model raises. Ghost
         clipping measures overflow differently: it forms per-example weight
