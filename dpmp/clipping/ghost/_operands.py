@@ -10,8 +10,9 @@ fifteenth of the bf16 one).
 
 Such a contraction rounds only where it adds. A product of two bf16 values (8
 significant bits each) or two fp16 values (11) has at most 22 significant bits
-and is exact in float32 (bf16 products of magnitude beyond float32's range are
-inf or below its normal range, as are those of float32 operands). The sums
+and is exact in float32 (a bf16 product can still overflow float32 or fall
+below its normal range, as a product of float32 values can; these bounds, as
+the float32 ones before them, leave underflow out). The sums
 are the backend's, in an order and grouping it does not state: GPU tensor
 cores add a block of ``k`` products and the running sum at once, each term
 aligned to the largest and truncated, then normalise with truncation (Fasi,
