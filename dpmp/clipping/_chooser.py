@@ -1,4 +1,5 @@
-"""The choice between per-example gradients and ghost clipping, per argument shapes."""
+"""The choice between per-example gradients and ghost clipping, per argument shapes
+and device (:mod:`dpmp.clipping._cost`)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ import jax
 
 from dpmp.clipping import _replay as replay
 from dpmp.clipping import ghost as ghost_lib
+from dpmp.clipping._cost import modelled_choice
+from dpmp.clipping.ghost._operands import device_reads_half
 
 __all__ = ["MethodChooser"]
 
 
 class MethodChooser:
-    """Decides, per argument shapes, between per-example gradients and ghost clipping."""
+    """Decides, per argument shapes and device, between per-example gradients and ghost
+    clipping. ``dtypes``: ``(grad, clip, accumulate)``, the dtypes the modelled costs
+    of ``"auto"`` read (per-example gradients, Gram matrices, clip-weighted sums)."""
 
-    def __init__(self, method: str, example_loss: Callable):
+    def __init__(self, method: str, example_loss: Callable, dtypes: tuple):
         self.method = method
         self.example_loss = example_loss
+        self.dtypes = dtypes
         self.last: str | None = None
         self._cache: dict[Any, tuple[Any, str]] = {}
 
@@ -31,7 +37,8 @@ class MethodChooser:
                 (a.shape, str(a.dtype), str(getattr(a, "manual_axis_type", None))) for a in avals
             )
 
-        return sig(params), sig(others), sig(batch_args)
+        device = (jax.default_backend(), device_reads_half())
+        return sig(params), sig(others), sig(batch_args), device
 
     def _plan(self, params, others, batch_args):
         """``(plan or None, reason)`` for these shapes, cached."""
@@ -44,12 +51,24 @@ class MethodChooser:
             )
             try:
                 plan = ghost_lib.plan_ghost(self.example_loss, params, others, example)
-                self._cache[key] = (plan, "")
+                batch = jax.tree.leaves(batch_args)[0].shape[0]
+                self._cache[key] = self._by_cost(plan, batch)
             except ghost_lib.Unsupported as e:
                 if self.method == "ghost":
                     raise ValueError(f"method='ghost': {e}") from None
                 self._cache[key] = (None, str(e))
         return self._cache[key]
+
+    def _by_cost(self, plan, batch_size: int) -> tuple[Any, str]:
+        """``(plan, "")`` for ``method="ghost"``; for ``"auto"`` the plan or None (vmap),
+        whichever the modelled cost on this device prefers, and why."""
+        if self.method == "ghost":
+            return plan, ""
+        grad, clip, acc = self.dtypes
+        method, reason = modelled_choice(
+            plan, batch_size, grad_dtype=grad, clip_dtype=clip, acc_dtype=acc
+        )
+        return (plan if method == "ghost" else None), f"{method}: {reason}"
 
     def rounding(self, clip_dtype, norm_dtype) -> tuple[int, float] | None:
         """``(rows, cancellation)`` of the sums traced or explained so far (the largest

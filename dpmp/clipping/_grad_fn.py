@@ -52,8 +52,10 @@ class PrivateGradFn:
         """Which method computes ``g(params, *args)`` and why.
 
         Returns ``{"requested", "method", "reason", "layers"}``: ``method`` is
-        ``"vmap"`` or ``"ghost"``; ``reason`` says why ``"auto"`` fell back to
-        per-example gradients (empty when it did not); ``layers`` lists each
+        ``"vmap"`` or ``"ghost"``; ``reason`` says why ``"auto"`` chose it: the
+        model ghost clipping cannot handle, or the modelled cost of both on this
+        device and the term that decided (``dpmp.clipping._cost``); empty for a
+        method that was requested. ``layers`` lists each
         parameter leaf with the layer kind and the norm rule ghost clipping
         uses for it (``gram``, ``patch-gram``, ``id-gram`` or ``per-example``).
         Only shapes and dtypes of the arguments are used.

@@ -163,7 +163,8 @@ def private_grad(
         ghost norm carries a bound on its rounding error so that it is never
         below the exact norm, see ``dpmp.clipping.ghost``), or ``"auto"``: ghost
         where every parameter sits in a supported layer (dense/einsum,
-        convolution, embedding, bias, norm scale), else vmap. ``g.explain(params,
+        convolution, embedding, bias, norm scale) and its modelled cost on the
+        device is below vmap's (``dpmp.clipping._cost``), else vmap. ``g.explain(params,
         *args)`` says which was chosen and why; ``g.resolved_method`` is the
         last traced choice. ``"ghost"`` on an unsupported model raises. Ghost
         clipping measures overflow differently: it forms per-example weight
@@ -233,7 +234,9 @@ def private_grad(
         acc_dtype=acc_dtype,
         norm_dtype=norm_dtype,
     )
-    chooser = MethodChooser(method, setup.example_loss)
+    chooser = MethodChooser(
+        method, setup.example_loss, (policy.grad, setup.clip_dtype, setup.acc_dtype)
+    )
     return PrivateGradFn(
         functools.partial(_clipped_grad, setup, chooser),
         l2_norm_bound=clip_norm,

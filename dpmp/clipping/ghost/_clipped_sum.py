@@ -27,6 +27,7 @@ from dpmp.clipping._rounding import certified_sum_of_squares, sum_of_squares, wi
 from dpmp.clipping._weighted import after, weighted_examples, weighted_kept_sum
 from dpmp.clipping.ghost._gram import cancellation_floor
 from dpmp.clipping.ghost._layers import example_layer, forward, layer_grad, replay_chain, site
+from dpmp.clipping.ghost._operands import half_operands, unscaled_norms
 from dpmp.clipping.ghost._plan import GhostPlan, Tap
 from dpmp.clipping.ghost._rule import is_float
 
@@ -66,7 +67,9 @@ def ghost_clipped_sum(
     p32 = [params_leaves[t.leaf].astype(clip_dtype) for t in plan.taps]
     inv = (1 / scale.astype(clip_dtype)).astype(clip_dtype)
     unscale = functools.partial(_unscale, inv=inv, dtype=clip_dtype)
-    sq, formed = _squared_norms(plan, acts32, grads_out, p32, unscale, clip_dtype, norm_dtype)
+    sq, formed = _squared_norms(
+        plan, (acts, acts32), grads_out, p32, (unscale, inv), clip_dtype, norm_dtype
+    )
     finite = jnp.isfinite(sq)
     norms = jnp.sqrt(sq)
 
@@ -140,9 +143,11 @@ def _tapped_backward(plan, params_leaves, others_leaves, batch_leaves, scale, cl
     return losses, acts, grads_out
 
 
-def _squared_norms(plan, acts32, grads_out, p32, unscale, clip_dtype, norm_dtype):
+def _squared_norms(plan, acts, grads_out, p32, unscale, clip_dtype, norm_dtype):
     """``(sq, formed)``: per example, the certified squared norm of the whole unscaled
     gradient (clip dtype), and per ``after`` tap the per-example gradients formed here.
+    ``acts``: the stored operands as they are and cast to the clip dtype; ``unscale``:
+    the function dividing the loss scale out of a cotangent, and its ``1 / S``.
 
     Layer by layer, from (x_i, g_i) alone. A non-finite entry of x_i or g_i makes
     the squared norm inf or NaN under every rule (inf * 0 is NaN), so
@@ -158,7 +163,18 @@ def _squared_norms(plan, acts32, grads_out, p32, unscale, clip_dtype, norm_dtype
     """
     formed = {}  # tap index -> that layer's per-example gradients, unscaled
     parts, terms = [], 0
+    (stored, acts32), (unscale, inv) = acts, unscale
     for k, (tap, g, a, p) in enumerate(zip(plan.taps, grads_out, acts32, p32)):
+        if tap.mode == "ghost" and _reads_half(tap, stored[k], g, clip_dtype):
+            # The rule reads the stored half values; the scale leaves its results.
+            eqn = plan.eqn(tap)
+            ratio = tap.rule.magnitude_ratio(eqn, tap.pos, clip_dtype, norm_dtype)
+            with wide(norm_dtype):
+                sq_m = tap.rule.sq_norms(eqn, tap.pos, stored[k], g, clip_dtype, norm_dtype)
+                sq_m = unscaled_norms(*sq_m, inv, clip_dtype, ratio)
+                parts.append(cancellation_floor(*sq_m).astype(norm_dtype))
+            terms += 1
+            continue
         g = unscale(g)  # unscale first, in the clip dtype
         if tap.mode == "after":
             layer = site(plan, tap, clip_dtype)
@@ -179,6 +195,14 @@ def _squared_norms(plan, acts32, grads_out, p32, unscale, clip_dtype, norm_dtype
             sq = sq + part
         sq = certified_sum_of_squares(sq, terms, norm_dtype).astype(clip_dtype)
     return sq, formed
+
+
+def _reads_half(tap: Tap, a, g, clip_dtype) -> bool:
+    """Whether the ghost rule of ``tap`` reads its stored operands in their half dtype
+    (:mod:`dpmp.clipping.ghost._operands`), the loss scale still inside ``g``."""
+    if not getattr(tap.rule, "half_operands", False):
+        return False
+    return half_operands(a.dtype, g.dtype, clip_dtype) is not None
 
 
 @dataclasses.dataclass(frozen=True)

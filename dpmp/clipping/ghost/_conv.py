@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dpmp.clipping._rounding import HIGHEST
 from dpmp.clipping.ghost._gram import gram, gram_magnitude_ratio, gram_mode
+from dpmp.clipping.ghost._operands import contract as contract_dims
+from dpmp.clipping.ghost._operands import half_operands
 from dpmp.clipping.ghost._rule import Unsupported, is_float
 
 __all__ = ["ConvRule"]
@@ -37,6 +38,7 @@ class ConvRule:
     primitives = ("conv_general_dilated",)
     described = "convolution"
     norm = "patch-gram"
+    half_operands = True  # sq_norms and operand_grad read bf16/fp16 operands as they are
 
     def classify(self, eqn, pos, bijective, path):
         if pos != 1:
@@ -55,7 +57,9 @@ class ConvRule:
         return _tkn(eqn)[0]
 
     def magnitude_ratio(self, eqn, pos, dtype, wide_dtype):
-        return gram_magnitude_ratio(*_tkn(eqn), dtype)
+        act, out = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+        ops = half_operands(act, out, dtype, anywhere=True)  # the smaller ratio: either holds
+        return gram_magnitude_ratio(*_tkn(eqn), dtype, ops)
 
     def sq_norms(self, eqn, pos, a, g, dtype, wide_dtype):
         """Per example, the Gram form on image patches. Patches are kernel-size times
@@ -83,7 +87,8 @@ def _tkn(eqn) -> tuple[int, int, int]:
 
 
 def _sq_norm_conv(eqn, a, g, dtype, wide_dtype):
-    """A convolution's kernel gradient is patches^T g: the dense rule on image patches."""
+    """A convolution's kernel gradient is patches^T g: the dense rule on image patches
+    (in ``a``'s dtype: each patch entry is a copy of one entry of ``a``)."""
     p = eqn.params
     dn = p["dimension_numbers"]
     rhs_shape = eqn.invars[1].aval.shape
@@ -97,7 +102,7 @@ def _sq_norm_conv(eqn, a, g, dtype, wide_dtype):
         rhs_dilation=p["rhs_dilation"],
         dimension_numbers=dn,
         precision=lax.Precision.HIGHEST,
-        preferred_element_type=dtype,
+        preferred_element_type=a.dtype,
     )
     order = (dn.out_spec[0], *dn.out_spec[2:], dn.out_spec[1])  # batch, spatial..., feature
     pm = jnp.transpose(patches, order)
@@ -111,8 +116,9 @@ def _conv_kernel_grad(eqn, x, g, dtype):
     ``dW[o, i, k] = sum_{n, y} g[n, o, y] x_pad[n, i, y * stride + k * rhs_dilation]``
     (``x_pad``: ``x`` padded, ``lhs_dilation`` as interior padding): per kernel
     offset ``k``, one contraction of the input slice that offset reads with ``g``
-    over the example's batch and spatial dims, in ``dtype`` with
-    ``Precision.HIGHEST``. It is the sum the convolution's own transpose
+    over the example's batch and spatial dims, accumulated in ``dtype`` (``x``, ``g``
+    in ``dtype`` at ``Precision.HIGHEST``, or both in one half dtype, read as they
+    are). It is the sum the convolution's own transpose
     computes; but under ``vmap`` that transpose becomes a grouped convolution
     (``feature_group_count = B``), which XLA:CPU runs 1.5-3x slower than the
     batch's kernel gradient, while each offset here is one batched matrix
@@ -142,9 +148,7 @@ def _conv_kernel_grad(eqn, x, g, dtype):
 
     def contract(xs, lead=0):  # [lead dims..., I, O]
         dims = tuple(c + lead for c in x_c)
-        return lax.dot_general(
-            xs, g, ((dims, g_c), ((), ())), precision=HIGHEST, preferred_element_type=dtype
-        )
+        return contract_dims(xs, g, ((dims, g_c), ((), ())), dtype)
 
     def static_offset(start):  # start: the offset times the kernel dilation, per spatial dim
         begin = [0] * x.ndim

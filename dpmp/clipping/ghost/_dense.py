@@ -30,6 +30,7 @@ from jax import lax
 from dpmp.clipping._rounding import HIGHEST
 from dpmp.clipping._weighted import after, kept_rows, weighted_examples
 from dpmp.clipping.ghost._gram import gram, gram_magnitude_ratio, gram_mode
+from dpmp.clipping.ghost._operands import contract, half_operands
 from dpmp.clipping.ghost._rule import Unsupported, is_float
 
 __all__ = ["DenseRule", "dot_operands", "kn_to_operand"]
@@ -41,6 +42,7 @@ class DenseRule:
     primitives = ("dot_general",)
     described = "dense/einsum"
     norm = "gram"  # ||x||^2 ||g||^2 for one token, <X X^T, G G^T> for several
+    half_operands = True  # sq_norms and operand_grad read bf16/fp16 operands as they are
 
     def classify(self, eqn, pos, bijective, path):
         (_, _), (lb, rb) = eqn.params["dimension_numbers"]
@@ -59,7 +61,9 @@ class DenseRule:
         return _tkn(eqn, pos)[0]
 
     def magnitude_ratio(self, eqn, pos, dtype, wide_dtype):
-        return gram_magnitude_ratio(*_tkn(eqn, pos), dtype)
+        act, out = eqn.invars[1 - pos].aval.dtype, eqn.outvars[0].aval.dtype
+        ops = half_operands(act, out, dtype, anywhere=True)  # the smaller ratio: either holds
+        return gram_magnitude_ratio(*_tkn(eqn, pos), dtype, ops)
 
     def sq_norms(self, eqn, pos, a, g, dtype, wide_dtype):
         """Per example, certified ``||x_i^T g_i||^2`` and ``sum_t |x_t| |g_t|`` (:func:`gram`)."""
@@ -75,12 +79,12 @@ class DenseRule:
         (``[1, T, K]`` for a flax layer): under ``vmap`` XLA:CPU then copies one
         operand into another layout before a slower batched product (1.25x the
         batch gradient's time against 0.75x for this form, ViT of
-        benchmarks/clipping.py).
+        benchmarks/clipping.py). ``a``, ``g`` in ``dtype``, or both in one half dtype,
+        read as they are (float32 accumulation of exact products): the gradient
+        formed is the one normed and summed, so its rounding needs no bound.
         """
         am, gm = dot_operands(eqn, pos, a, g)
-        kn = lax.dot_general(
-            am, gm, (((0,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=dtype
-        )
+        kn = contract(am, gm, (((0,), (0,)), ((), ())), dtype)
         return kn_to_operand(eqn, pos, kn)
 
     def clipped_sum(self, eqn, pos, a, g, factor, keep, before, dtype, out_dtype):

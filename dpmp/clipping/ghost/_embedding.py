@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dpmp.clipping._rounding import HIGHEST, higham_gamma, sum_of_squares, unit_roundoff, wide
+from dpmp.clipping._rounding import higham_gamma, sum_of_squares, unit_roundoff, wide
 from dpmp.clipping.ghost._gram import gamma, keep, row_dot_sum
+from dpmp.clipping.ghost._operands import accumulation_roundoff, contract, half_operands
 from dpmp.clipping.ghost._rule import Unsupported
 
 __all__ = ["EmbeddingRule"]
@@ -27,6 +28,7 @@ class EmbeddingRule:
     primitives = ("gather",)
     described = "embedding"
     norm = "id-gram"  # sum over equal ids of <g_t, g_s>
+    half_operands = True  # sq_norms reads bf16/fp16 output gradients as they are
     operand_grad = None  # never formed: the ids are always cheaper to keep
     clipped_sum = None  # the vjp of the lookup (a scatter-add), weighted
 
@@ -47,14 +49,20 @@ class EmbeddingRule:
         """``m = ||R_abs||_F``; the Gram form bounds it through row sums (``sqrt((1 -
         g_D)(1 - g_2T)) (1 - u)^4``), the table form through a scatter-add of T rows
         and a sum of V D squares in the wide dtype (``(1 - g_T) sqrt(1 - g'_{V D})
-        (1 - u)^3``; ``g'`` in ``wide_dtype``)."""
+        (1 - u)^3``; ``g'`` in ``wide_dtype``). Half output gradients
+        (:mod:`dpmp.clipping.ghost._operands`): ``g_D`` at their accumulation's
+        roundoff, and ``(1 - u)^2`` more for the division by the loss scale."""
         u = unit_roundoff(dtype)
         vocab, dim = eqn.invars[0].aval.shape
         t = self.rows(eqn, pos)
+        ids, out = eqn.invars[1].aval.dtype, eqn.outvars[0].aval.dtype
+        ops = half_operands(ids, out, dtype, anywhere=True)  # the smaller ratio: either holds
+        unscale = 1.0 if ops is None else (1 - u) ** 2
         if t * t <= vocab * dim:
-            return math.sqrt(keep(dim, dtype) * keep(2 * t, dtype)) * (1 - u) ** 4
+            k_dim = keep(dim, dtype, accumulation_roundoff(ops, dtype))
+            return math.sqrt(k_dim * keep(2 * t, dtype)) * (1 - u) ** 4 * unscale
         wide_keep = max(0.0, 1.0 - higham_gamma(vocab * dim, wide_dtype))
-        return keep(t, dtype) * math.sqrt(wide_keep) * (1 - u) ** 3
+        return keep(t, dtype) * math.sqrt(wide_keep) * (1 - u) ** 3 * unscale
 
     def sq_norms(self, eqn, pos, a, g, dtype, wide_dtype):
         return jax.vmap(lambda i_, g_: _sq_norm_embed(eqn, i_, g_, dtype, wide_dtype))(a, g)
@@ -85,7 +93,8 @@ def _sq_norm_embed(eqn, idx, g, dtype, wide_dtype):
     exact). Many tokens: the rows themselves, each a sum of at most T vectors, so
     ``||R - R^||_F <= gamma_T ||R_abs||_F`` with ``R_abs`` the rows of ``|g_t|``. The
     magnitude ``m`` is ``||R_abs||_F`` (or its Gram bound ``sum [id_t = id_s] |g_t|
-    |g_s|`` squared).
+    |g_s|`` squared). ``g`` in ``dtype``, or in a half dtype: the Gram matrix then reads
+    it as it is (``gamma_D`` at that accumulation's roundoff), the rows widen it.
     """
     vocab, dim = eqn.invars[0].aval.shape
     ids = idx.reshape(-1)
@@ -100,15 +109,15 @@ def _sq_norm_embed(eqn, idx, g, dtype, wide_dtype):
     if t * t <= vocab * dim:
         same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]
         mask = same.astype(dtype)
-        q = lax.dot_general(
-            gm, gm, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=dtype
-        )
+        q = contract(gm, gm, (((1,), (1,)), ((), ())), dtype)
         ng = jnp.sqrt(jnp.maximum(jnp.diagonal(q), 0))
         # Row sums, then a sum of T (gamma_2T), as in gram: never one flat T^2 reduction.
         mm = row_dot_sum(mask, ng[:, None] * ng[None, :], dtype)
-        err = gamma(dim, dtype) * mm + gamma(2 * t, dtype) * row_dot_sum(mask, jnp.abs(q), dtype)
+        g_dim = gamma(dim, dtype, gm.dtype)
+        err = g_dim * mm + gamma(2 * t, dtype) * row_dot_sum(mask, jnp.abs(q), dtype)
         return row_dot_sum(mask, q, dtype) + 2 * err, jnp.sqrt(mm)
     slot = jnp.where(valid, ids, vocab)
+    gm = gm.astype(dtype)  # exact
     rows = jnp.zeros((vocab, dim), dtype).at[slot].add(gm, mode="drop")
     rows_abs = jnp.zeros((vocab, dim), dtype).at[slot].add(jnp.abs(gm), mode="drop")
     # Sums of squares over the whole table: added up in the wide dtype, the norm's made

@@ -30,6 +30,7 @@ from dpmp.clipping._rounding import (
     unit_roundoff,
     wide,
 )
+from dpmp.clipping.ghost._operands import HALF_ACCUMULATION_U, accumulation_roundoff, contract
 
 __all__ = [
     "CANCELLATION",
@@ -38,6 +39,7 @@ __all__ = [
     "gram",
     "gram_magnitude_ratio",
     "gram_mode",
+    "gram_operands",
     "keep",
     "row_dot_sum",
 ]
@@ -50,16 +52,18 @@ _U32 = 2.0**-24
 _MAX_GAMMA = 0.05
 
 
-def gamma(n: int, dtype) -> float:
-    """Higham's ``gamma_n = n u / (1 - n u)`` for the unit roundoff ``u`` of ``dtype``.
+def gamma(n: int, dtype, operands=None) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)`` for the unit roundoff ``u`` of ``dtype``
+    (of a contraction of half-precision ``operands`` accumulated in ``dtype``:
+    :func:`dpmp.clipping.ghost._operands.accumulation_roundoff`).
 
     A dot product of length ``n`` computed in floating point, summed in any
     order, is within ``gamma_n |x|.|y|`` of the exact one (Higham 2002,
     "Accuracy and Stability of Numerical Algorithms", Eq. 3.5). Capped at 1 when
     ``n u >= 1/2``, which only an unsafe (below float32) clip dtype reaches: the
-    plan keeps float32 bounds below 5% (:func:`gram_mode`).
+    plan keeps float32 bounds below 5% (:func:`gram_mode`, :func:`gram_operands`).
     """
-    nu = n * unit_roundoff(dtype)
+    nu = n * accumulation_roundoff(operands, dtype)
     return nu / (1 - nu) if nu < 0.5 else 1.0
 
 
@@ -90,6 +94,13 @@ def gram(am, gm, dtype, wide_dtype):
     so the bound adds about ``(K + N + 2T) u`` relative; on a cancelling example it
     grows with the cancelled terms, and the example is clipped as hard as they
     require.
+
+    ``am``, ``gm`` may be in one half-precision dtype (the stored values): the Gram
+    matrices then read them as they are, accumulated in ``dtype``, and ``gamma_K``,
+    ``gamma_N`` take the unit roundoff of that accumulation (``2^-22``,
+    :mod:`dpmp.clipping.ghost._operands`), unless :func:`gram_operands` finds the
+    bound too loose for it and they are read in ``dtype``. The other terms are
+    float32 sums of float32 values, bounded as before.
     """
     t, k = am.shape
     n = gm.shape[1]
@@ -99,26 +110,28 @@ def gram(am, gm, dtype, wide_dtype):
             sg = sum_of_squares(gm, n, dtype, wide_dtype)
             sq = certified_sum_of_squares(sa * sg, 0, wide_dtype).astype(dtype)
         return sq, jnp.sqrt(sq)
-    gram_of = lambda x: lax.dot_general(  # noqa: E731
-        x, x, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=dtype
-    )
+    ops = gram_operands(t, k, n, am.dtype, dtype)
+    am, gm = am.astype(ops), gm.astype(ops)
+    gram_of = lambda x: contract(x, x, (((1,), (1,)), ((), ())), dtype)  # noqa: E731
     p, q = gram_of(am), gram_of(gm)
     na = jnp.sqrt(jnp.maximum(jnp.diagonal(p), 0))
     ng = jnp.sqrt(jnp.maximum(jnp.diagonal(q), 0))
     m = jnp.sum(na * ng)
     # The bound's terms are sums of non-negative numbers (rounding there is covered
     # by the doubling), taken elementwise: no reduced-precision (TF32) matmul.
+    gk, gn = gamma(k, dtype, ops), gamma(n, dtype, ops)
     err = (
-        gamma(k, dtype) * jnp.sum(na[:, None] * jnp.abs(q) * na[None, :])
-        + gamma(n, dtype) * jnp.sum(ng[:, None] * jnp.abs(p) * ng[None, :])
+        gk * jnp.sum(na[:, None] * jnp.abs(q) * na[None, :])
+        + gn * jnp.sum(ng[:, None] * jnp.abs(p) * ng[None, :])
         + gamma(2 * t, dtype) * jnp.sum(jnp.abs(p * q))
-        + gamma(k, dtype) * gamma(n, dtype) * m * m
+        + gk * gn * m * m
     )
     return row_dot_sum(p, q, dtype) + 2 * err, m
 
 
 def row_dot_sum(p, q, dtype):
-    """``sum_ts p_ts q_ts`` as T row dot products then a sum of T (error <= gamma_2T)."""
+    """``sum_ts p_ts q_ts`` as T row dot products then a sum of T (error <= gamma_2T);
+    ``p``, ``q`` in ``dtype`` (float32 Gram matrices: never half)."""
     rows = lax.dot_general(
         p, q, (((1,), (1,)), ((0,), (0,))), precision=HIGHEST, preferred_element_type=dtype
     )
@@ -156,15 +169,39 @@ def gram_mode(t: int, k: int, n: int) -> str:
     return "example" if k * n <= t * (k + n) else "ghost"
 
 
-def gram_magnitude_ratio(t: int, k: int, n: int, dtype) -> float:
+def gram_operands(t: int, k: int, n: int, operands, dtype):
+    """The dtype :func:`gram` reads A [T, K] and G [T, N] in, given in ``operands``:
+    those where the Gram bound at the half-operand roundoff stays within 5% (as
+    :func:`gram_mode` asks of float32), else ``dtype``. One token reads no
+    contraction: its operands stay as given."""
+    if jnp.dtype(operands) == jnp.dtype(dtype) or t == 1:
+        return jnp.dtype(operands)
+    if (t * t + k + n + 1) * HALF_ACCUMULATION_U > _MAX_GAMMA:
+        return jnp.dtype(dtype)
+    return jnp.dtype(operands)
+
+
+def gram_magnitude_ratio(t: int, k: int, n: int, dtype, operands=None) -> float:
     """``lambda`` of :func:`gram`'s magnitude: ``|x_t|``, ``|g_t|`` are square roots of
     dot products of length K and N, their products summed over T rows, so
     ``lambda = sqrt((1 - g_K)(1 - g_N)) (1 - g_T) (1 - u)^4`` (``g_n``:
-    :func:`higham_gamma` in ``dtype``; 0 where no bound exists)."""
+    :func:`higham_gamma` in ``dtype``, ``g_K`` and ``g_N`` at the roundoff of the
+    Gram matrices' ``operands``; 0 where no bound exists). Half ``operands``
+    (:mod:`dpmp.clipping.ghost._operands`) add ``(1 - u)^2`` for the division by
+    the loss scale."""
     u = unit_roundoff(dtype)
-    return math.sqrt(keep(k, dtype) * keep(n, dtype)) * keep(t, dtype) * (1 - u) ** 4
+    ratio = keep(t, dtype) * (1 - u) ** 4
+    if operands is None or jnp.dtype(operands) == jnp.dtype(dtype):
+        return math.sqrt(keep(k, dtype) * keep(n, dtype)) * ratio
+    ops = gram_operands(t, k, n, operands, dtype)
+    u_ops = accumulation_roundoff(ops, dtype)
+    return math.sqrt(keep(k, dtype, u_ops) * keep(n, dtype, u_ops)) * ratio * (1 - u) ** 2
 
 
-def keep(n: int, dtype) -> float:
-    """``1 - gamma_n`` (:func:`higham_gamma`), or 0 where no bound exists."""
-    return max(0.0, 1.0 - higham_gamma(n, dtype))
+def keep(n: int, dtype, u: float | None = None) -> float:
+    """``1 - gamma_n`` (:func:`higham_gamma`; at the unit roundoff ``u`` where given),
+    or 0 where no bound exists."""
+    if u is None:
+        return max(0.0, 1.0 - higham_gamma(n, dtype))
+    nu = max(n, 0) * u
+    return max(0.0, 1.0 - nu / (1 - nu)) if nu < 1 else 0.0

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from dpmp.clipping._replay import bind, inline, replay_bind
 from dpmp.clipping._rounding import HIGHEST
+from dpmp.clipping.ghost._operands import half_operands
 from dpmp.clipping.ghost._plan import GhostPlan, Tap
 
 __all__ = ["example_layer", "forward", "layer_grad", "replay_chain", "site"]
@@ -57,10 +58,12 @@ def example_layer(plan: GhostPlan, tap: Tap, dtype) -> Callable:
     The forward is the layer as traced (``w`` is the parameter as it reaches
     the layer, in the compute dtype). The backward returns the usual input
     gradient and, in place of the parameter gradient, this example's own one,
-    from ``x_i`` and ``g_i`` cast to ``dtype`` (loss scale still inside) with
-    ``Precision.HIGHEST``. Under ``vmap`` this is the batched per-example weight
-    gradient that per-example clipping forms, for this one layer, inside the
-    backward pass: neither ``x_i`` nor ``g_i`` outlives it.
+    from ``x_i`` and ``g_i`` (loss scale still inside) cast to ``dtype`` with
+    ``Precision.HIGHEST``, or read as they are where both are in one half dtype and
+    the rule has a contraction of its own (:func:`_example_grad`). Under ``vmap``
+    this is the batched per-example weight gradient that per-example clipping
+    forms, for this one layer, inside the backward pass: neither ``x_i`` nor
+    ``g_i`` outlives it.
     """
     eqn = plan.eqn(tap)
     param_grad = _example_grad(plan, tap, dtype)
@@ -81,7 +84,7 @@ def example_layer(plan: GhostPlan, tap: Tap, dtype) -> Callable:
         w, p, act = res
         _, pull_act = jax.vjp(lambda a: apply(w, a), act)
         (d_act,) = pull_act(g)
-        d_p = param_grad(p.astype(dtype), act.astype(dtype), g.astype(dtype))
+        d_p = param_grad(p.astype(dtype), act, g)
         return jnp.zeros_like(w), jnp.zeros_like(p), d_act, d_p
 
     layer.defvjp(fwd, bwd)
@@ -123,15 +126,20 @@ def _example_grad(plan: GhostPlan, tap: Tap, dtype) -> Callable:
     (``GhostRule.operand_grad``: one contraction over a dense layer's tokens, one
     per kernel offset of a convolution), pulled back through the layout
     operations from the leaf to the layer; any other layer's is the vjp of the
-    layer itself.
+    layer itself. ``act`` and ``g`` come as stored: the rule's form reads them as
+    they are where both are in one half dtype and the rule takes half operands
+    (:mod:`dpmp.clipping.ghost._operands`), the others cast them to ``dtype``.
     """
     eqn = plan.eqn(tap)
     rule = tap.rule
     if rule is None or rule.operand_grad is None:
         layer = site(plan, tap, dtype)
-        return lambda p, act, g: layer_grad(layer, p, act, g)
+        return lambda p, act, g: layer_grad(layer, p, act.astype(dtype), g.astype(dtype))
 
     def grad(p, act, g):
+        half = getattr(rule, "half_operands", False)
+        if not (half and half_operands(act.dtype, g.dtype, dtype)):
+            act, g = act.astype(dtype), g.astype(dtype)
         _, pull = jax.vjp(lambda q: replay_chain(plan, tap, q), p)
         (out,) = pull(rule.operand_grad(eqn, tap.pos, act, g, dtype))
         return out
