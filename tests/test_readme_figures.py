@@ -117,3 +117,23 @@ def test_lora_table_is_the_committed_results():
         if mode.startswith("LoRA"):
             cells = [f"**{c}**" for c in cells]
         assert row.format(" | ".join(cells)) in text, mode
+
+
+def test_lora_compile_table_is_the_committed_results():
+    """docs/language-models.md's compile table is benchmarks/results/lora_compile.json's."""
+    rows = json.loads((RESULTS / "lora_compile.json").read_text())["rows"]
+    text = (ROOT / "docs" / "language-models.md").read_text()
+    by = {(r["dim"], r["depth"], r["step"]): r for r in rows}
+    for dim, depth in sorted({(r["dim"], r["depth"]) for r in rows}):
+        p, n = by[dim, depth, "private"], by[dim, depth, "non-private"]
+        name = f"{dim} x {depth}" + (" (GPT-2 shape)" if (dim, depth) == (768, 12) else "")
+        base = p["base_params"] / 1e6
+        cells = [
+            name,
+            f"{base:.2g}M" if base < 10 else f"{base:.1f}M",
+            f"{p['hlo_text_mb']:.2f} / {n['hlo_text_mb']:.2f} MB",
+            f"{p['compile_s']:.1f} / {n['compile_s']:.1f} s ({p['compile_vs_non_private']:.2f}x)",
+            f"{p['compiled_mb']:,.0f} / {n['compiled_mb']:,.0f} MB",
+        ]
+        row = "| " + " | ".join(cells) + " |"
+        assert row in text, f"docs/language-models.md lacks the row:\n{row}"
