@@ -19,73 +19,16 @@ Run: ``python benchmarks/lora_compile.py [--sizes 128x4 256x4 512x4 768x12]
 import argparse
 import json
 import platform
-import statistics
-import time
 
 import jax
+from _compiled import least_compile_times, measure, step_pair  # benchmarks/_compiled.py
 
 from dpmp.app.config import load_config
 from dpmp.app.trainer import build_private_step
-from dpmp.app.trainer.compare import _nonprivate_step
 from dpmp.app.trainer.step import _make_optimizer
 from dpmp.clipping._private_grad import private_grad
 from dpmp.models._model import count_params
-from dpmp.step._step import WithFrozen, private_step
-
-
-def measure(fn, args, repeats: int) -> dict:
-    """Text size, compile time, compiled bytes (and with ``repeats`` the median call)."""
-    tic = time.perf_counter()
-    lowered = fn.lower(*args)
-    text = lowered.as_text()
-    lower_s = time.perf_counter() - tic
-    tic = time.perf_counter()
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - tic
-    m = compiled.memory_analysis()
-    row = {
-        "hlo_text_mb": round(len(text) / 1e6, 3),
-        "lower_s": round(lower_s, 2),
-        "compile_s": round(compile_s, 2),
-        "argument_mb": round(m.argument_size_in_bytes / 1e6, 2),
-        "temp_mb": round(m.temp_size_in_bytes / 1e6, 2),
-        "compiled_mb": round(
-            (
-                m.argument_size_in_bytes
-                + m.output_size_in_bytes
-                + m.temp_size_in_bytes
-                - m.alias_size_in_bytes
-            )
-            / 1e6,
-            2,
-        ),
-    }
-    if repeats:
-        jax.block_until_ready(compiled(*args))
-        times = []
-        for _ in range(repeats):
-            tic = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            times.append(time.perf_counter() - tic)
-        row["step_s"] = round(statistics.median(times), 4)
-    return row
-
-
-def retime(fns: dict, rows: dict, rounds: int) -> None:
-    """Lower and compile every step ``rounds`` more times, in turn, from cold caches
-    (``jax.clear_caches``): each row keeps its least ``lower_s`` and ``compile_s``
-    (the machine is shared, so one compile can take 2-3x another of the same)."""
-    for _ in range(rounds):
-        for kind, (fn, fn_args) in fns.items():
-            jax.clear_caches()
-            tic = time.perf_counter()
-            lowered = fn.lower(*fn_args)
-            lower_s = time.perf_counter() - tic
-            tic = time.perf_counter()
-            lowered.compile()
-            compile_s = time.perf_counter() - tic
-            rows[kind]["lower_s"] = round(min(rows[kind]["lower_s"], lower_s), 2)
-            rows[kind]["compile_s"] = round(min(rows[kind]["compile_s"], compile_s), 2)
+from dpmp.step._step import private_step
 
 
 def steps(dim: int, depth: int, batch: int, closed_over: bool, sets) -> tuple[dict, dict]:
@@ -103,15 +46,7 @@ def steps(dim: int, depth: int, batch: int, closed_over: bool, sets) -> tuple[di
     step = build_private_step(config)
     params, data, pad, opt_state, scale = step.example_args
     frozen = step.model.frozen_args()
-    optimizer = _make_optimizer(config)
-    private = step.step_fn.jitted if isinstance(step.step_fn, WithFrozen) else step.step_fn
-    fns = {
-        "private": (private, (*step.example_args, *frozen)),
-        "non-private": (
-            jax.jit(_nonprivate_step(step, optimizer)),
-            (params, data, pad, optimizer.init(params), scale, *frozen),
-        ),
-    }
+    fns = step_pair(step)
     if closed_over and frozen:
         model = step.model
         old = private_grad(
@@ -122,14 +57,14 @@ def steps(dim: int, depth: int, batch: int, closed_over: bool, sets) -> tuple[di
         )
         fn = private_step(
             old,
-            optimizer,
+            _make_optimizer(config),
             params=params,
             batch=data,
             noise_multiplier=1.0,
             expected_batch_size=batch,
             padded_batch_size=len(pad),
         )
-        fns["closed-over"] = (fn.step_fn, (*step.example_args,))
+        fns["closed-over"] = (fn.step_fn, lambda: step.example_args)
     facts = {
         "dim": dim,
         "depth": depth,
@@ -158,11 +93,12 @@ def main():
     for size in args.sizes:
         dim, depth = (int(v) for v in size.split("x"))
         fns, facts = steps(dim, depth, args.batch, args.closed_over, args.set)
+        calls = {kind: (fn, make_args()) for kind, (fn, make_args) in fns.items()}
         size_rows = {
             kind: {**facts, "step": kind, **measure(fn, fn_args, args.time)}
-            for kind, (fn, fn_args) in fns.items()
+            for kind, (fn, fn_args) in calls.items()
         }
-        retime(fns, size_rows, args.rounds - 1)
+        least_compile_times(calls, size_rows, args.rounds - 1)
         for row in size_rows.values():
             row["compile_vs_non_private"] = round(
                 row["compile_s"] / size_rows["non-private"]["compile_s"], 2

@@ -137,3 +137,40 @@ def test_lora_compile_table_is_the_committed_results():
         ]
         row = "| " + " | ".join(cells) + " |"
         assert row in text, f"docs/language-models.md lacks the row:\n{row}"
+
+
+GPT2_ROWS = {
+    "lora": "LoRA rank 8 (`configs/gpt2_lora.toml`) | {:,} adapter parameters",
+    "full": "full fine-tuning (`model.lora_rank = 0`) | all {:,} parameters",
+}
+
+
+def gpt2_rows(data: dict) -> list[str]:
+    """docs/language-models.md's rows for benchmarks/gpt2.py's results."""
+    by_step = {(r["row"], r["step"]): r for r in data["rows"]}
+    first = data["rows"][0]
+    rows = [
+        f"| GPT-2 small, bf16, batch {first['batch']} x {first['tokens']} tokens | trained "
+        "| clip method (`auto`) | non-private step | private step | private / non-private |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for ratio in data["ratios"]:
+        name = ratio["row"]
+        steps = [by_step[name, kind] for kind in ("non-private", "private")]
+        cells = [GPT2_ROWS[name].format(steps[0]["trainable_params"]), ratio["clip_method"]]
+        for r in steps:
+            time = f"{r['step_s']:,.2f} s" if "step_s" in r else "not timed"
+            cells.append(f"{time}, {r['compiled_mb']:,.0f} MB, compiled in {r['compile_s']:.1f} s")
+        times = f"{ratio['time_ratio']:.2f}x time, " if "time_ratio" in ratio else ""
+        memory = f"{ratio['memory_ratio']:.2f}x memory"
+        cells.append(f"{times}{memory}, {ratio['compile_ratio']:.1f}x compile time")
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def test_gpt2_step_table_is_the_committed_results():
+    """docs/language-models.md's GPT-2-small step table is benchmarks/gpt2.py's results."""
+    data = json.loads((RESULTS / "cpu_2core_gpt2.json").read_text())
+    text = (ROOT / "docs" / "language-models.md").read_text()
+    missing = [row for row in gpt2_rows(data) if row not in text]
+    assert not missing, "expected rows:\n" + "\n".join(missing)
