@@ -12,6 +12,7 @@ from dpmp.app.config import Config, load_config
 from dpmp.app.inputs import load_data
 from dpmp.app.trainer.compare import KINDS, _steps, compare, format_table
 from dpmp.app.trainer.step import build_private_step
+from dpmp.noise._snapped import GROUP_MAX
 
 SMALL = ["training.expected_batch_size=64", "privacy.noise_multiplier=1.0"]
 
@@ -53,16 +54,20 @@ def _sites(fn, args, policy) -> collections.Counter:
 def test_each_share_measures_one_stage(rows, digits, policy):
     """The clipping share is the clipped step less the non-private one, which
     differ by the per-example norms and their clipped sum only; the noise share is
-    the private step less the clipped one, which differ by a noise draw and
-    addition per parameter leaf only (the audit's sites of each step)."""
+    the private step less the clipped one, which differ by the noise draws and
+    additions only: one per leaf of more than ``GROUP_MAX`` coordinates, one per
+    dtype for the smaller leaves, drawn together (the audit's sites of each step)."""
     step = build_private_step(load_config(None, [*SMALL, f"policy={policy}"]), digits)
     sites = {kind: _sites(f, args, step.policy) for kind, (f, args) in _steps(step).items()}
-    leaves = len(jax.tree.leaves(step.example_args[0]))
+    params = jax.tree.leaves(step.example_args[0])
+    leaves = len(params)
+    small = {p.dtype for p in params if p.size <= GROUP_MAX}
+    draws = sum(p.size > GROUP_MAX for p in params) + len(small)
     assert not {"norm", "noise_sample", "noise_add"} & set(sites["non-private"])
     clipping = sites["clipped"] - sites["non-private"]
     assert set(clipping) == {"norm", "batch_reduction"} and clipping["norm"] >= leaves
     assert not sites["non-private"] - sites["clipped"]
-    assert sites["private"] - sites["clipped"] == {"noise_sample": leaves, "noise_add": leaves}
+    assert sites["private"] - sites["clipped"] == {"noise_sample": draws, "noise_add": draws}
     assert not sites["clipped"] - sites["private"]
 
     nonprivate, clipped, private = (r for r in rows if r["preset"] == policy)
