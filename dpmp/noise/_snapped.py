@@ -17,10 +17,10 @@ At the sizes models are trained (10^8 to 10^10 coordinates) the noise stage
 must not hold per-coordinate temporaries of the whole model: a coordinate's
 noise is a function of the key, its leaf and its index alone
 (``_noise_words``), so each leaf is drawn in one fused pass without
-temporaries, in bounded pieces written back in place (``chunk_size``), the
-small leaves of a tree together as one vector (one program for all, ``GROUP_MAX``), and on
-a mesh each device draws only its own part (``NoiseSharding``) with the same
-result as one device.
+temporaries, in bounded pieces written back in place (``chunk_size``); on one
+device the small leaves of a tree are drawn together as one vector (one
+program for all, ``GROUP_MAX``), and on a mesh each device draws only its own
+part (``NoiseSharding``) with the same result as one device.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def _snap_flat(flat: jax.Array, stddev: float, words_of: Callable, chunk: int, s
     return flat
 
 
-def _words_by_index(key_words, index_of: Callable = None) -> Callable:
+def _words_by_index(key_words, index_of: Callable | None = None) -> Callable:
     """``words_of`` for ``_snap_flat``: one leaf's key words, the draw index of a
     position given by ``index_of`` (the position itself by default)."""
     index_of = index_of or _as_index
@@ -280,9 +280,7 @@ def snapped_gaussian(key: jax.Array, value: jax.Array, stddev: float) -> jax.Arr
     stddev = float(stddev)
     if stddev == 0:
         return value
-    value = jnp.asarray(value)
-    _check_size(value.size)
-    return snapped_leaf(_key_words(key), value, stddev)
+    return snapped_leaf(_key_words(key), jnp.asarray(value), stddev)
 
 
 def _as_index(positions: jax.Array) -> jax.Array:
@@ -371,7 +369,8 @@ def _snap_small(key, ids: list[int], leaves: list, stddev: float) -> list:
 
 @dataclasses.dataclass(frozen=True)
 class SnappedSampler:
-    """``snapped_gaussian`` noise, leaf by leaf (``dpmp.noise.NoiseSampler``).
+    """``snapped_gaussian`` noise, leaf by leaf, the small ones of a dtype together
+    (``_snap_tree``; ``dpmp.noise.NoiseSampler``).
 
     Its normals are drawn by the named jit ``snapped_normal_sample``, which the
     precision audit records as the ``noise_sample`` site; it draws in float64,

@@ -288,11 +288,9 @@ def _layer_sum(reads: _Reads, k: int, before, sum_dtype, out_dtype):
         _, pull = jax.vjp(lambda q: replay_chain(plan, tap, q), p.astype(summed.dtype))
         (out,) = pull(summed.astype(out_dtype))
         return out
-    keep = after(reads.keep, before)
-    if tap.mode == "after":  # the per-example gradients the norm was taken from
-        return weighted_kept_sum(reads.formed[k], reads.factor, keep, sum_dtype)
-    if tap.mode == "example":  # g is the layer's per-example gradient
-        return weighted_kept_sum(reads.unscale(g), reads.factor, keep, sum_dtype)
+    if tap.mode in ("after", "example"):  # the per-example gradients the norm was taken from
+        grads = reads.formed[k] if tap.mode == "after" else reads.unscale(g)
+        return weighted_kept_sum(grads, reads.factor, after(reads.keep, before), sum_dtype)
     # Convolutions, embeddings and the like: non-finite entries set to 0.
     return _weighted_layer_sum(reads, tap, p, sum_dtype, *map(_zero_filled, (a, g)))
 
