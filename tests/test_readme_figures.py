@@ -174,3 +174,43 @@ def test_gpt2_step_table_is_the_committed_results():
     text = (ROOT / "docs" / "language-models.md").read_text()
     missing = [row for row in gpt2_rows(data) if row not in text]
     assert not missing, "expected rows:\n" + "\n".join(missing)
+
+
+PEER_COLUMNS = (
+    "jax_nonprivate",
+    "dpmp",
+    "dpmp_plain",
+    "dpmp_f32sum",
+    "dpmp_nonoise",
+    "jaxprivacy",
+    "torch_nonprivate",
+    "opacus_hooks",
+    "opacus_ghost",
+    "opacus_functorch",
+)
+
+
+def peers_rows(data: dict) -> list[str]:
+    """docs/performance.md's rows for benchmarks/peers.py's results: each variant's
+    milliseconds a step and its ratio to its own framework's non-private step, then
+    dpmp's default step over the fastest Opacus mode's."""
+    rows = []
+    for model, rec in data["models"].items():
+        v = rec["variants"]
+        cells = [f"{model}, {rec['params']:,} params, batch {rec['batch']}"]
+        for name in PEER_COLUMNS:
+            ms = v[name]["median_s"] * 1e3
+            own = v[name]["x_own_nonprivate"]
+            cells.append(
+                f"{ms:,.0f} ms" if name.endswith("nonprivate") else f"{ms:,.0f} ms, {own:.2f}x"
+            )
+        cells.append(f"{v['dpmp']['x_fastest_opacus']:.2f}x ({rec['fastest_opacus']})")
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def test_peers_table_is_the_committed_results():
+    """docs/performance.md's table against Opacus and jax-privacy is benchmarks/peers.py's."""
+    data = json.loads((RESULTS / "cpu_2core_peers.json").read_text())
+    missing = [row for row in peers_rows(data) if row not in PAGE.read_text()]
+    assert not missing, "expected rows:\n" + "\n".join(missing)
