@@ -43,7 +43,10 @@ class NoiseSharding:
       no mesh axis in their spec) are drawn as one vector, as on one device
       (``_snap_small``): device ``d`` draws the ``d``-th of ``D`` equal ranges of
       their concatenation (padded to whole pieces), and the ranges are
-      all-gathered. One program for all of them, not one per leaf.
+      all-gathered. One program for all of them, not one per leaf (GPT-2-small's
+      96 LoRA adapters beside 4 split 768 x 3072 leaves, 4 forced CPU devices:
+      the noise stage compiles in 5.8 s, 40.4 s leaf by leaf, and draws in the
+      same time; ``benchmarks/mesh_noise_compile.py``).
 
     Attributes:
       mesh: the ``jax.sharding.Mesh``.
