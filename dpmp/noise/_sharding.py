@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -138,7 +139,9 @@ class NoiseSharding:
             body, mesh=self.mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False
         )(key_words, leaf)
 
-    def draw_group(self, flat, table, starts, stddev: float):
+    def draw_group(
+        self, flat: jax.Array, table: jax.Array, starts: np.ndarray, stddev: float
+    ) -> jax.Array:
         """``_snap_small``'s draw over the mesh: ``flat`` (small replicated leaves
         concatenated, each drawn with its key words ``table[j]`` from ``starts[j]``,
         ``_group_words``) padded to ``D`` equal ranges of whole pieces; device ``d``

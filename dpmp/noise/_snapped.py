@@ -313,7 +313,9 @@ def _snap_tree(key, tree, stddev: float, sharding: NoiseSharding | None = None):
     return jax.tree.unflatten(treedef, _snap_leaves(key, leaves, stddev, sharding, specs))
 
 
-def _snap_leaves(key, leaves: list, stddev: float, sharding=None, specs=None) -> list:
+def _snap_leaves(
+    key, leaves: list, stddev: float, sharding: NoiseSharding | None = None, specs=None
+) -> list:
     """The leaves with noise: each leaf of more than ``GROUP_MAX`` coordinates on its
     own, and on a mesh each leaf split over it (``specs``: one ``PartitionSpec`` a
     leaf); the others (small, whole on every device) in one draw per dtype, over the
