@@ -218,6 +218,57 @@ def test_each_device_draws_only_its_part_of_the_noise(tmp_path):
         assert got[name + "_trips"] == [61, 64], got
 
 
+_GROUPED_DRAW = """
+import json, re
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import dpmp
+from dpmp.noise import _snapped as noise
+
+assert jax.device_count() == 4
+mesh = Mesh(np.array(jax.devices()), ("data",))
+ramp = jnp.linspace(-3.0, 3.0, 64 * 256, dtype=jnp.float32)
+tree = {
+    "a": ramp[: 96 * 8].reshape(96, 8),  # LoRA-like adapters
+    "b": ramp[: 8 * 96].reshape(8, 96)[::-1],
+    "c": ramp[:3],  # fewer coordinates than devices
+    "d": ramp[:700].astype(jnp.bfloat16).reshape(7, 100),
+    "e": ramp[:5].astype(jnp.bfloat16),
+    "s": ramp.reshape(64, 256),  # small, but split over the mesh
+}
+specs = {"a": P(), "b": P(None, None), "c": P(), "d": P(), "e": P(), "s": P(None, "data")}
+placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+sharding = dpmp.NoiseSharding(mesh, "data", specs)
+key = jax.random.key(3)
+draw = jax.jit(lambda k, t: noise._snap_tree(k, t, 0.8, sharding))
+got = draw(key, placed)
+own = jax.jit(lambda k, t: [  # each leaf's own draw on one device
+    noise.snapped_leaf(noise._key_words(jax.random.fold_in(k, i)), leaf, 0.8)
+    for i, leaf in enumerate(jax.tree.leaves(t))
+])(key, tree)
+text = draw.lower(key, placed).as_text()
+print("JSON" + json.dumps({
+    "equal": [bool(np.array_equal(np.asarray(a), np.asarray(b)))
+              for a, b in zip(jax.tree.leaves(got), own, strict=True)],
+    "dtypes": [str(a.dtype) for a in jax.tree.leaves(got)],
+    "sharded": list(got["s"].sharding.spec),
+    "samples": len(re.findall(r"call @snapped_normal_sample", text)),
+}))
+"""
+
+
+def test_small_replicated_leaves_are_drawn_together_on_a_mesh(tmp_path):
+    """On 4 devices, the small replicated leaves of each dtype (float32 and bfloat16)
+    are drawn as one vector over the mesh and a small leaf split over the mesh
+    keeps its per-device draw: 3 draws in the program (7 leaf by leaf), and every
+    coordinate gets its own leaf's noise as drawn on one device."""
+    got = run_on_host_devices(tmp_path, "grouped_draw.py", _GROUPED_DRAW, timeout=300)
+    assert got["equal"] == [True] * 6, got
+    assert got["dtypes"] == ["float32", "float32", "float32", "bfloat16", "bfloat16", "float32"]
+    assert got["sharded"] == [None, "data"], got
+    assert got["samples"] == 3, got
+
+
 @pytest.mark.parametrize(
     ("value", "words"),
     [

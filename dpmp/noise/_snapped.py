@@ -17,10 +17,10 @@ At the sizes models are trained (10^8 to 10^10 coordinates) the noise stage
 must not hold per-coordinate temporaries of the whole model: a coordinate's
 noise is a function of the key, its leaf and its index alone
 (``_noise_words``), so each leaf is drawn in one fused pass without
-temporaries, in bounded pieces written back in place (``chunk_size``); on one
-device the small leaves of a tree are drawn together as one vector (one
-program for all, ``GROUP_MAX``), and on a mesh each device draws only its own
-part (``NoiseSharding``) with the same result as one device.
+temporaries, in bounded pieces written back in place (``chunk_size``); the
+small leaves of a tree are drawn together as one vector (one program for all,
+``GROUP_MAX``), and on a mesh each device draws only its own part of a leaf or
+of that vector (``NoiseSharding``), with the same result as one device.
 """
 
 from __future__ import annotations
@@ -301,46 +301,50 @@ GROUP_MAX = 1 << 16
 
 
 def _snap_tree(key, tree, stddev: float, sharding: NoiseSharding | None = None):
-    """``snapped_gaussian`` on every leaf; leaf ``i`` is drawn from ``fold_in(key, i)``,
-    one leaf after another in bounded pieces (over ``sharding``'s mesh when given;
-    on one device the small leaves of a dtype are drawn together, ``_snap_small``)."""
+    """``snapped_gaussian`` on every leaf; leaf ``i`` is drawn from ``fold_in(key, i)``
+    in bounded pieces (over ``sharding``'s mesh when given), the small leaves of a
+    dtype together (``_snap_leaves``)."""
     if stddev == 0:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
     for leaf in leaves:
         _check_size(leaf.size)
-    if sharding is None:
-        out = _snap_leaves(key, leaves, stddev)
-    else:
-        specs = sharding.leaf_specs(tree)
-        out = [
-            sharding.draw(_key_words(jax.random.fold_in(key, i)), leaf, spec, stddev)
-            for i, (leaf, spec) in enumerate(zip(leaves, specs, strict=True))
-        ]
-    return jax.tree.unflatten(treedef, out)
+    specs = None if sharding is None else sharding.leaf_specs(tree)
+    return jax.tree.unflatten(treedef, _snap_leaves(key, leaves, stddev, sharding, specs))
 
 
-def _snap_leaves(key, leaves: list, stddev: float) -> list:
+def _snap_leaves(
+    key, leaves: list, stddev: float, sharding: NoiseSharding | None = None, specs=None
+) -> list:
     """The leaves with noise: each leaf of more than ``GROUP_MAX`` coordinates on its
-    own, the others in one draw per dtype (the same values, fewer programs)."""
+    own, and on a mesh each leaf split over it (``specs``: one ``PartitionSpec`` a
+    leaf); the others (small, whole on every device) in one draw per dtype, over the
+    mesh when there is one (the same values, fewer programs)."""
     out = list(leaves)
     groups: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        if leaf.size > GROUP_MAX:
-            out[i] = snapped_leaf(_key_words(jax.random.fold_in(key, i)), leaf, stddev)
-        else:
+        if leaf.size <= GROUP_MAX and (sharding is None or sharding.replicates(specs[i])):
             groups.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+            continue
+        words = _key_words(jax.random.fold_in(key, i))
+        if sharding is None:
+            out[i] = snapped_leaf(words, leaf, stddev)
+        else:
+            out[i] = sharding.draw(words, leaf, specs[i], stddev)
+    draw = _draw_group if sharding is None else sharding.draw_group
     for ids in groups.values():
-        drawn = _snap_small(key, ids, [leaves[i] for i in ids], stddev)
+        drawn = _snap_small(key, ids, [leaves[i] for i in ids], stddev, draw)
         for i, leaf in zip(ids, drawn, strict=True):
             out[i] = leaf
     return out
 
 
-def _snap_small(key, ids: list[int], leaves: list, stddev: float) -> list:
+def _snap_small(key, ids: list[int], leaves: list, stddev: float, draw: Callable) -> list:
     """Leaves ``ids`` of a tree (small, one dtype) with snapped noise, drawn as one
-    concatenated vector: a position finds its leaf ``j`` among the leaves' starts
-    and takes leaf ``ids[j]``'s key words and its index within that leaf, so every
+    concatenated vector by ``draw(flat, table, starts, stddev)`` (``_draw_group`` on
+    one device, ``NoiseSharding.draw_group`` on a mesh) with ``_group_words``: a
+    position finds its leaf ``j`` among the leaves' ``starts`` and takes leaf
+    ``ids[j]``'s key words (``table[j]``) and its index within that leaf, so every
     coordinate gets what ``snapped_leaf`` of its own leaf gives it (tests).
 
     One program for many leaves: drawn one by one, each leaf adds its own copy of
@@ -351,20 +355,39 @@ def _snap_small(key, ids: list[int], leaves: list, stddev: float) -> list:
     sizes = [leaf.size for leaf in leaves]
     starts = np.cumsum([0, *sizes[:-1]]).astype(np.int32)
     table = jax.vmap(lambda i: _key_words(jax.random.fold_in(key, i)))(jnp.asarray(ids, jnp.uint32))
+    flat = jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
+    parts = jnp.split(draw(flat, table, starts, stddev), starts[1:])
+    return [part.reshape(leaf.shape) for part, leaf in zip(parts, leaves, strict=True)]
+
+
+def _group_words(table: jax.Array, starts: np.ndarray) -> Callable:
+    """``words_of`` (``_snap_flat``) for positions (int32) of leaves concatenated:
+    leaf ``j`` starts at ``starts[j]`` and is drawn with the key words ``table[j]``
+    (uint32[2]). Positions past the end count as the last leaf's (padding)."""
 
     def words_of(positions):
         j = jnp.searchsorted(starts, positions, side="right", method="scan_unrolled") - 1
         index = (positions - jnp.asarray(starts)[j]).astype(jnp.uint32)
         return _noise_words((table[j, 0], table[j, 1]), index)
 
-    n = sum(sizes)
+    return words_of
+
+
+def _whole_pieces(n: int) -> tuple[int, int]:
+    """``(pieces, chunk)``: ``n`` coordinates padded to whole pieces of a multiple of
+    128 (as many as ``chunk_size(n)`` makes), so that no second copy of the draw is
+    compiled for a remainder."""
     pieces = -(-n // chunk_size(n))
-    chunk = -(-n // pieces // 128) * 128  # whole pieces: no second copy for a remainder
-    pad = jnp.zeros(pieces * chunk - n, leaves[0].dtype)  # drawn (as the last leaf's) and dropped
-    flat = jnp.concatenate([*(leaf.reshape(-1) for leaf in leaves), pad])
-    drawn = _snap_flat(flat, stddev, words_of, chunk, table[0, 0])
-    parts = jnp.split(drawn[:n], starts[1:])
-    return [part.reshape(leaf.shape) for part, leaf in zip(parts, leaves, strict=True)]
+    return pieces, -(-n // pieces // 128) * 128
+
+
+def _draw_group(flat: jax.Array, table: jax.Array, starts: np.ndarray, stddev: float):
+    """``_snap_small``'s draw on one device: ``flat`` padded to whole pieces, the
+    padding drawn (as the last leaf's) and dropped."""
+    n = flat.shape[0]
+    pieces, chunk = _whole_pieces(n)
+    padded = jnp.pad(flat, (0, pieces * chunk - n))
+    return _snap_flat(padded, stddev, _group_words(table, starts), chunk, table[0, 0])[:n]
 
 
 @dataclasses.dataclass(frozen=True)
