@@ -117,11 +117,11 @@ def noise_stage(size: int, repeats: int) -> dict:
     }
 
 
-def _jax_snap_values(key_words, value, index, stddev):
-    """The snapped draw with ``jax.scipy.special.ndtri`` and ``value / grid``."""
+def _jax_snap_words(words, value, stddev):
+    """``_snapped._snap_words`` with ``jax.scipy.special.ndtri`` and ``value / grid``."""
     grid = _snapped.snap_grid(stddev)
     with jax.enable_x64(True):
-        u, negative = _snapped._half_uniform(_snapped._noise_words(key_words, index))
+        u, negative = _snapped._half_uniform(words)
         z = jax.scipy.special.ndtri(u)
         z = jnp.where(negative, z, -z)
         scaled = value.astype(jnp.float64) / grid
@@ -132,13 +132,14 @@ def _jax_snap_values(key_words, value, index, stddev):
 
 @contextlib.contextmanager
 def _jax_ndtri_draw():
-    """Trace ``snapped_gaussian`` with ``_jax_snap_values`` as its per-piece draw."""
-    own = _snapped._snap_values
-    _snapped._snap_values = _jax_snap_values
+    """Trace ``snapped_gaussian`` with ``_jax_snap_words`` as its per-piece draw (the
+    function every piece of ``_snapped._snap_flat`` calls)."""
+    own = _snapped._snap_words
+    _snapped._snap_words = _jax_snap_words
     try:
         yield
     finally:
-        _snapped._snap_values = own
+        _snapped._snap_words = own
 
 
 def _draw():
