@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import dpmp
+from dpmp.clipping.ghost._conv import ConvRule
 from tests._devices import run_on_host_devices
 from tests._reference import (
     classification_batch,
@@ -705,6 +706,8 @@ _CONVS = {
     # 8 input features x 3 > _ROW_FEATURES: one kernel offset at a time (the others,
     # with 2-3 features, take a row of offsets at once)
     "many_features": ((5, 4, 8), (3, 3, 8, 2), dict(window_strides=(1, 1), padding="SAME")),
+    # one input feature: one kernel offset at a time
+    "one_feature": ((6, 5, 1), (3, 3, 1, 2), dict(window_strides=(1, 1), padding="SAME")),
 }
 
 
@@ -740,9 +743,10 @@ def _linear_reference_f64(layer, w_shape, x, v):
         return np.asarray(out).T  # [examples, K N]
 
 
-def _check_per_example_route(layer, loss, w_shape, x_shape, kind, seed):
-    """``private_grad(method="ghost")`` forms ``layer``'s per-example gradient (rule
-    ``per-example``), and its norms, clipped count and clipped sum match float64."""
+def _check_per_example_route(layer, loss, w_shape, x_shape, kind, seed, rule="per-example"):
+    """``private_grad(method="ghost")`` takes ``layer``'s norm by ``rule`` (by default it
+    forms the per-example gradient), and its norms, clipped count and clipped sum match
+    float64."""
     rng = np.random.default_rng(seed)
     n = 12
     x = rng.normal(size=(n, 1, *x_shape)).astype(np.float32)  # one input per example
@@ -755,12 +759,17 @@ def _check_per_example_route(layer, loss, w_shape, x_shape, kind, seed):
     clip = float(np.median(norms))
     g = dpmp.private_grad(loss, l2_clip_norm=clip, policy="f32", method="ghost")
     (row,) = g.explain(params, batch)["layers"]
-    assert (row["layer"], row["rule"]) == (kind, "per-example"), row
+    assert (row["layer"], row["rule"]) == (kind, rule), row
     out = jax.jit(g)(params, batch)
     want = clipped_sum_f64({"w": ref.reshape((n, *w_shape))}, clip)[0]
     got = _flat(out.grads)
-    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
-    np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=1e-5)
+    # a Gram norm is certified: never below the exact one, above it by its rounding
+    # bound (about (K + N + 2 T) u relative), which clips a little harder
+    rtol = 1e-5 if rule == "per-example" else 2e-4
+    assert np.linalg.norm(got - want) <= rtol * np.linalg.norm(want)
+    np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=rtol)
+    if rule != "per-example":
+        assert float(out.stats.norm_max) >= norms.max()
     assert int(out.stats.num_clipped) == int((norms > clip).sum())
 
 
@@ -775,6 +784,20 @@ def test_per_example_conv_kernel_gradient_matches_float64(case):
         return jax.vmap(lambda x_, v_: loss(p, {"x": x_, "v": v_}))(b["x"], b["v"]).mean()
 
     _check_per_example_route(conv, loss_ex, w_shape, x_shape, "conv", seed=3)
+
+
+@pytest.mark.parametrize("case", sorted(_CONVS))
+def test_patch_gram_conv_norm_matches_float64(case, monkeypatch):
+    """The same geometries with the norm from image patches (the rule's choice forced):
+    the patches are the slices each kernel offset reads, in any order."""
+    monkeypatch.setattr(ConvRule, "mode", lambda self, eqn, pos: "ghost")
+    x_shape, w_shape, kw = _CONVS[case]
+    conv, loss = _conv_loss(kw)
+
+    def loss_ex(p, b):
+        return jax.vmap(lambda x_, v_: loss(p, {"x": x_, "v": v_}))(b["x"], b["v"]).mean()
+
+    _check_per_example_route(conv, loss_ex, w_shape, x_shape, "conv", seed=3, rule="patch-gram")
 
 
 # (activation shape per example, parameter shape, layer): dense layers whose parameter

@@ -29,6 +29,10 @@ _CONV_CHUNK = 64  # examples per step when convolution norms are taken from imag
 # this many rows, the offsets along the last kernel dim are contracted together
 # ([k, I, O]): that CNN's ghost step 1.17x -> 1.02x the non-private one (f32) at the
 # same temp memory; at I k = 48 (its second convolution) it was slower and larger.
+# With ONE input feature the row is slower again: cnn3's 28x28x1 convolution took
+# 20 ms per batch of 256 per-example kernel gradients by rows, 11 ms an offset at a
+# time (the row's gather costs more than its [1, 16] contractions save): rows from
+# 2 features.
 _ROW_FEATURES = 16
 
 
@@ -88,26 +92,65 @@ def _tkn(eqn) -> tuple[int, int, int]:
 
 def _sq_norm_conv(eqn, a, g, dtype, wide_dtype):
     """A convolution's kernel gradient is patches^T g: the dense rule on image patches
-    (in ``a``'s dtype: each patch entry is a copy of one entry of ``a``)."""
+    (in ``a``'s dtype: each patch entry is a copy of one entry of ``a``).
+
+    The patches are the input slices the kernel offsets read, side by side along the
+    feature dim: the Gram form ``<P P^T, G G^T>`` and the row norms ``|p_t|`` do not
+    depend on the order of a patch's entries. (``lax.conv_general_dilated_patches``
+    forms them with a grouped convolution, which XLA:CPU ran at 10 ms per 64 examples
+    of the 7x7x32 input of benchmarks/clipping.py's ``cnn3``: most of that layer's
+    norm.)
+    """
+    dn = eqn.params["dimension_numbers"]
+    xp, size, strides = _padded(eqn, a)
+    order = (dn.lhs_spec[0], *dn.lhs_spec[2:], dn.lhs_spec[1])  # batch, spatial..., feature
+    slices = [
+        jnp.transpose(lax.slice(xp, begin, [b + n for b, n in zip(begin, size)], strides), order)
+        for begin in _offset_begins(eqn, a.ndim)
+    ]
+    pm = jnp.concatenate(slices, axis=-1)
+    gm = jnp.transpose(g, (dn.out_spec[0], *dn.out_spec[2:], dn.out_spec[1]))
+    return gram(pm.reshape(-1, pm.shape[-1]), gm.reshape(-1, gm.shape[-1]), dtype, wide_dtype)
+
+
+def _padded(eqn, x):
+    """``(x_pad, size, strides)``: ``x`` padded as the convolution pads it (``lhs_dilation``
+    as interior padding), and the extent and strides of the slice one kernel offset reads."""
     p = eqn.params
     dn = p["dimension_numbers"]
-    rhs_shape = eqn.invars[1].aval.shape
-    window = tuple(rhs_shape[d] for d in dn.rhs_spec[2:])
-    patches = lax.conv_general_dilated_patches(
-        a,
-        window,
-        p["window_strides"],
-        p["padding"],
-        lhs_dilation=p["lhs_dilation"],
-        rhs_dilation=p["rhs_dilation"],
-        dimension_numbers=dn,
-        precision=lax.Precision.HIGHEST,
-        preferred_element_type=a.dtype,
-    )
-    order = (dn.out_spec[0], *dn.out_spec[2:], dn.out_spec[1])  # batch, spatial..., feature
-    pm = jnp.transpose(patches, order)
-    gm = jnp.transpose(g, order)
-    return gram(pm.reshape(-1, pm.shape[-1]), gm.reshape(-1, gm.shape[-1]), dtype, wide_dtype)
+    sp_in = dn.lhs_spec[2:]
+    out_sp = tuple(eqn.outvars[0].aval.shape[d] for d in dn.out_spec[2:])
+    config = [(0, 0, 0)] * x.ndim
+    for s, d in enumerate(sp_in):
+        lo, hi = p["padding"][s]
+        config[d] = (lo, hi, p["lhs_dilation"][s] - 1)
+    xp = lax.pad(x, jnp.zeros((), x.dtype), config)
+    size, strides = list(xp.shape), [1] * x.ndim
+    for s, d in enumerate(sp_in):
+        size[d] = (out_sp[s] - 1) * p["window_strides"][s] + 1
+        strides[d] = p["window_strides"][s]
+    return xp, size, strides
+
+
+def _offset_starts(eqn) -> np.ndarray:
+    """Each kernel offset times the kernel dilation, per spatial dim: [offsets, spatial]."""
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    window = tuple(eqn.invars[1].aval.shape[d] for d in dn.rhs_spec[2:])
+    starts = np.array(list(np.ndindex(*window)), np.int32) * np.array(p["rhs_dilation"], np.int32)
+    return starts.reshape(-1, len(window))
+
+
+def _offset_begins(eqn, ndim: int) -> list[list[int]]:
+    """Per kernel offset, where its slice of the padded input begins (all dims)."""
+    sp_in = eqn.params["dimension_numbers"].lhs_spec[2:]
+    begins = []
+    for start in _offset_starts(eqn):
+        begin = [0] * ndim
+        for s, d in enumerate(sp_in):
+            begin[d] = int(start[s])
+        begins.append(begin)
+    return begins
 
 
 def _conv_kernel_grad(eqn, x, g, dtype):
@@ -131,29 +174,27 @@ def _conv_kernel_grad(eqn, x, g, dtype):
     """
     p = eqn.params
     dn = p["dimension_numbers"]
-    sp_in = dn.lhs_spec[2:]
     window = tuple(eqn.invars[1].aval.shape[d] for d in dn.rhs_spec[2:])
-    out_sp = tuple(eqn.outvars[0].aval.shape[d] for d in dn.out_spec[2:])
-    config = [(0, 0, 0)] * x.ndim
-    for s, d in enumerate(sp_in):
-        lo, hi = p["padding"][s]
-        config[d] = (lo, hi, p["lhs_dilation"][s] - 1)
-    xp = lax.pad(x, jnp.zeros((), x.dtype), config)
-    size, strides = list(xp.shape), [1] * x.ndim
-    for s, d in enumerate(sp_in):
-        size[d] = (out_sp[s] - 1) * p["window_strides"][s] + 1
-        strides[d] = p["window_strides"][s]
-    x_c = (dn.lhs_spec[0], *sp_in)  # batch and spatial dims, contracted
+    xp, size, strides = _padded(eqn, x)
+
+    # Laid out once as (batch, feature, spatial...): each offset's slice is then the
+    # [I, T] operand of its contraction as it is, where features last had each slice
+    # transposed (a copy per offset). Per-example kernel gradients of a batch of 256:
+    # cnn3's 14x14x16 convolution 36 -> 28 ms (+0.9 MB temp), the CNN's 16x16x16 one
+    # 44 -> 40 ms (+4.7 MB), the ViT's patches 2.9 -> 2.8 ms (benchmarks/clipping.py).
+    def in_order(v):
+        return [v[d] for d in dn.lhs_spec]
+
+    xp, size, strides = jnp.transpose(xp, dn.lhs_spec), in_order(size), in_order(strides)
+    sp_in = tuple(range(2, x.ndim))
+    x_c = (0, *sp_in)  # batch and spatial dims, contracted
     g_c = (dn.out_spec[0], *dn.out_spec[2:])
 
     def contract(xs, lead=0):  # [lead dims..., I, O]
         dims = tuple(c + lead for c in x_c)
         return contract_dims(xs, g, ((dims, g_c), ((), ())), dtype)
 
-    def static_offset(start):  # start: the offset times the kernel dilation, per spatial dim
-        begin = [0] * x.ndim
-        for s, d in enumerate(sp_in):
-            begin[d] = int(start[s])
+    def static_offset(begin):
         return contract(lax.slice(xp, begin, [b + n for b, n in zip(begin, size)], strides))
 
     def run_of_offsets(start, k):  # the k offsets from ``start`` along the last kernel dim
@@ -171,16 +212,18 @@ def _conv_kernel_grad(eqn, x, g, dtype):
             slices.append(lax.slice(xr, lo, [a + n for a, n in zip(lo, size)], strides))
         return contract(jnp.stack(slices), lead=1)  # [k, I, O]
 
-    starts = np.array(list(np.ndindex(*window)), np.int32) * np.array(p["rhs_dilation"], np.int32)
-    starts = starts.reshape(-1, len(window))
+    starts = _offset_starts(eqn)
     reach = [(k - 1) * r + 1 for k, r in zip(window, p["rhs_dilation"])]
     if all(k <= st for k, st in zip(reach, p["window_strides"])):
         # Windows that do not overlap (patch embeddings): the slices together are no
         # larger than the input, and unrolled they need no loop and no gather.
-        per_offset = jnp.stack([static_offset(start) for start in starts])
+        begins = [in_order(b) for b in _offset_begins(eqn, x.ndim)]
+        per_offset = jnp.stack([static_offset(begin) for begin in begins])
     else:
-        # Few input features: a row of offsets per contraction (``_ROW_FEATURES``).
-        k = window[-1] if x.shape[dn.lhs_spec[1]] * window[-1] <= _ROW_FEATURES else 1
+        # Few input features (2 or more): a row of offsets per contraction
+        # (``_ROW_FEATURES``).
+        features = xp.shape[1]
+        k = window[-1] if 1 < features and features * window[-1] <= _ROW_FEATURES else 1
         runs = lax.map(lambda start: run_of_offsets(start, k), jnp.asarray(starts[::k]))
         per_offset = runs.reshape((-1,) + runs.shape[2:])
     kio = per_offset.reshape(window + per_offset.shape[1:])  # [k..., I, O]
