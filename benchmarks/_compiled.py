@@ -37,15 +37,21 @@ def step_pair(step) -> dict[str, tuple]:
 
 def compile_stats(fn, args) -> tuple:
     """``(compiled, row)``: ``fn`` lowered and compiled for ``args``, and its text
-    size, lower and compile seconds and compiled megabytes. ``compiled_mb`` is
-    arguments + outputs + temporaries - aliases of ``memory_analysis()``."""
+    size, lower and compile seconds, the process CPU seconds of both
+    (``compile_cpu_s``: all threads; less moved by other work on a shared machine
+    than wall time) and compiled megabytes. ``compiled_mb`` is arguments +
+    outputs + temporaries - aliases of ``memory_analysis()``."""
+    cpu = time.process_time()
     tic = time.perf_counter()
     lowered = fn.lower(*args)
-    text = lowered.as_text()
     lower_s = time.perf_counter() - tic
+    lower_cpu_s = time.process_time() - cpu
+    text = lowered.as_text()
+    cpu = time.process_time()
     tic = time.perf_counter()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - tic
+    compile_cpu_s = lower_cpu_s + time.process_time() - cpu
     m = compiled.memory_analysis()
     total = (
         m.argument_size_in_bytes
@@ -57,6 +63,7 @@ def compile_stats(fn, args) -> tuple:
         "hlo_text_mb": round(len(text) / 1e6, 3),
         "lower_s": round(lower_s, 2),
         "compile_s": round(compile_s, 2),
+        "compile_cpu_s": round(compile_cpu_s, 2),
         "argument_mb": round(m.argument_size_in_bytes / 1e6, 2),
         "temp_mb": round(m.temp_size_in_bytes / 1e6, 2),
         "compiled_mb": round(total / 1e6, 2),
@@ -67,19 +74,23 @@ def compile_stats(fn, args) -> tuple:
 def least_compile_times(fns: dict[str, tuple], rows: dict[str, dict], rounds: int) -> None:
     """Lower and compile each ``{name: (fn, args)}`` ``rounds`` more times, in turn,
     from cold caches (``jax.clear_caches``): each ``rows[name]`` keeps its least
-    ``lower_s`` and ``compile_s`` (on a shared machine one compile can take 2-3x
-    another of the same program)."""
+    ``lower_s``, ``compile_s`` and ``compile_cpu_s`` (on a shared machine one
+    compile can take 2-3x another of the same program)."""
     for _ in range(rounds):
         for name, (fn, args) in fns.items():
             jax.clear_caches()
+            cpu = time.process_time()
             tic = time.perf_counter()
             lowered = fn.lower(*args)
             lower_s = time.perf_counter() - tic
             tic = time.perf_counter()
             lowered.compile()
             compile_s = time.perf_counter() - tic
-            rows[name]["lower_s"] = round(min(rows[name]["lower_s"], lower_s), 2)
-            rows[name]["compile_s"] = round(min(rows[name]["compile_s"], compile_s), 2)
+            compile_cpu_s = time.process_time() - cpu
+            row = rows[name]
+            row["lower_s"] = round(min(row["lower_s"], lower_s), 2)
+            row["compile_s"] = round(min(row["compile_s"], compile_s), 2)
+            row["compile_cpu_s"] = round(min(row["compile_cpu_s"], compile_cpu_s), 2)
 
 
 def median_times(calls: dict[str, tuple], repeats: int) -> dict[str, float]:

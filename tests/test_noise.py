@@ -183,6 +183,23 @@ def test_the_written_out_threefry_is_jaxs_primitive_bit_for_bit():
     assert [int(w[0]) for w in out] == [0x6B200159, 0x99BA4EFE]  # Random123's kat_vectors
 
 
+def test_the_written_out_key_table_and_split_are_jaxs():
+    """The leaves' key words (``_leaf_key_words``: ``bits(fold_in(key, i), (2,),
+    uint32)`` written out) and the step's ``_split`` are JAX's own, bit for bit,
+    for Threefry keys; another key implementation takes JAX's functions."""
+    from dpmp.noise._snapped import _key_words, _leaf_key_words, _split
+
+    ids = jnp.asarray([0, 1, 2, 49, 1000, 2**32 - 1], jnp.uint32)
+    for key in (jax.random.key(0), jax.random.key(2**31 - 1), jax.random.key(7, impl="rbg")):
+        ref = jax.vmap(lambda i, key=key: jax.random.bits(jax.random.fold_in(key, i), (2,)))(ids)
+        table = jax.jit(_leaf_key_words)(key, ids)
+        np.testing.assert_array_equal(np.asarray(table), np.asarray(ref))
+        words = jax.jit(_key_words)(key)
+        np.testing.assert_array_equal(np.asarray(words), np.asarray(jax.random.bits(key, (2,))))
+        for mine, theirs in zip(jax.jit(_split)(key), jax.random.split(key), strict=True):
+            np.testing.assert_array_equal(jax.random.key_data(mine), jax.random.key_data(theirs))
+
+
 def test_a_coordinates_noise_depends_on_its_index_alone():
     """The draw of a whole array equals the draw of any piece of it at the same
     indices, whatever the piece size: chunks (and mesh shards) change nothing."""

@@ -252,8 +252,58 @@ def _check_size(n: int) -> None:
 
 
 def _key_words(key: jax.Array) -> jax.Array:
-    """64 bits of key for the draw (``_noise_words``), from a typed PRNG key."""
-    return jax.random.bits(key, (2,), jnp.uint32)
+    """64 bits of key for the draw (``_noise_words``), from a typed PRNG key:
+    ``jax.random.bits(key, (2,), jnp.uint32)``."""
+    return _leaf_key_words(key, None)
+
+
+def _threefry_data(key: jax.Array) -> jax.Array | None:
+    """The uint32[2] data of a typed key of JAX's default Threefry in its
+    partitionable mode (the one whose ``bits``, ``split`` and ``fold_in``
+    ``_leaf_key_words`` and ``_split`` write out), or None for any other key."""
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if not (typed and key.shape == () and jax.config.jax_threefry_partitionable):
+        return None
+    if str(jax.random.key_impl(key)) != "threefry2x32":
+        return None
+    return jax.random.key_data(key)
+
+
+def _leaf_key_words(key: jax.Array, ids) -> jax.Array:
+    """``_key_words(jax.random.fold_in(key, i))`` for each ``i`` of ``ids`` (uint32,
+    shape ``(m,)``; uint32[m, 2]), or ``_key_words(key)`` for ``ids=None`` (uint32[2]).
+
+    For a Threefry key, JAX's own functions written out: ``fold_in(k, i)`` is the
+    key ``threefry2x32(k, (0, i))`` and ``bits(k, (2,), uint32)`` is ``a ^ b``
+    of ``(a, b) = threefry2x32(k, (0, j))`` for ``j = 0, 1`` (jax/_src/random/
+    threefry2x32.py): one elementwise pass, where JAX emits a rolled Threefry
+    loop for each call (compile time, not run time: a handful of keys)."""
+    data = _threefry_data(key)
+    if data is None:
+        if ids is None:
+            return jax.random.bits(key, (2,), jnp.uint32)
+        return jax.vmap(lambda i: _key_words(jax.random.fold_in(key, i)))(ids)
+    k0, k1 = data[0], data[1]
+    if ids is not None:
+        k0, k1 = _threefry2x32(k0, k1, jnp.zeros_like(ids), ids)
+    words = []
+    for j in (0, 1):
+        a, b = _threefry2x32(k0, k1, jnp.zeros_like(k0), jnp.full_like(k0, j))
+        words.append(a ^ b)
+    return jnp.stack(words, axis=-1)
+
+
+def _split(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``jax.random.split(key)`` as two keys; for a Threefry key written out: key
+    ``j`` is ``threefry2x32(k, (0, j))`` (see ``_leaf_key_words``)."""
+    data = _threefry_data(key)
+    if data is None:
+        key, sub = jax.random.split(key)
+        return key, sub
+    k0, k1 = data[0], data[1]
+    x0, x1 = _threefry2x32(k0, k1, jnp.zeros((2,), jnp.uint32), jnp.arange(2, dtype=jnp.uint32))
+    keys = jax.random.wrap_key_data(jnp.stack([x0, x1], axis=-1), impl=jax.random.key_impl(key))
+    return keys[0], keys[1]
 
 
 def snapped_gaussian(key: jax.Array, value: jax.Array, stddev: float) -> jax.Array:
@@ -354,7 +404,7 @@ def _snap_small(key, ids: list[int], leaves: list, stddev: float, draw: Callable
     way (the leaf search is a few gathers a coordinate, ``scan_unrolled``)."""
     sizes = [leaf.size for leaf in leaves]
     starts = np.cumsum([0, *sizes[:-1]]).astype(np.int32)
-    table = jax.vmap(lambda i: _key_words(jax.random.fold_in(key, i)))(jnp.asarray(ids, jnp.uint32))
+    table = _leaf_key_words(key, jnp.asarray(ids, jnp.uint32))
     flat = jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
     parts = jnp.split(draw(flat, table, starts, stddev), starts[1:])
     return [part.reshape(leaf.shape) for part, leaf in zip(parts, leaves, strict=True)]
@@ -409,7 +459,7 @@ class SnappedSampler:
     def update(self, inner, grads, state, *, stddev: float, sharding: Any) -> tuple[Any, Any]:
         del inner  # only its state layout (key, inner) is kept
         key, rest = state
-        key, sub = jax.random.split(key)
+        key, sub = _split(key)
         return _snap_tree(sub, grads, stddev, sharding), (key, rest)
 
 
