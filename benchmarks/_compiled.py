@@ -35,23 +35,32 @@ def step_pair(step) -> dict[str, tuple]:
     }
 
 
-def compile_stats(fn, args) -> tuple:
-    """``(compiled, row)``: ``fn`` lowered and compiled for ``args``, and its text
-    size, lower and compile seconds, the process CPU seconds of both
-    (``compile_cpu_s``: all threads; less moved by other work on a shared machine
-    than wall time) and compiled megabytes. ``compiled_mb`` is arguments +
-    outputs + temporaries - aliases of ``memory_analysis()``."""
+def timed_compile(fn, args) -> tuple:
+    """``(lowered, compiled, seconds)``: ``fn`` lowered and compiled for ``args``, and
+    ``{"lower_s", "compile_s", "compile_cpu_s"}``: wall seconds of each, and process
+    CPU seconds of both (all threads; less moved by other work on a shared machine
+    than wall time)."""
     cpu = time.process_time()
     tic = time.perf_counter()
     lowered = fn.lower(*args)
     lower_s = time.perf_counter() - tic
-    lower_cpu_s = time.process_time() - cpu
-    text = lowered.as_text()
-    cpu = time.process_time()
     tic = time.perf_counter()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - tic
-    compile_cpu_s = lower_cpu_s + time.process_time() - cpu
+    seconds = {
+        "lower_s": lower_s,
+        "compile_s": compile_s,
+        "compile_cpu_s": time.process_time() - cpu,
+    }
+    return lowered, compiled, seconds
+
+
+def compile_stats(fn, args) -> tuple:
+    """``(compiled, row)``: ``fn`` lowered and compiled for ``args``, and its text
+    size, ``timed_compile``'s seconds and compiled megabytes. ``compiled_mb`` is
+    arguments + outputs + temporaries - aliases of ``memory_analysis()``."""
+    lowered, compiled, seconds = timed_compile(fn, args)
+    text = lowered.as_text()
     m = compiled.memory_analysis()
     total = (
         m.argument_size_in_bytes
@@ -61,9 +70,7 @@ def compile_stats(fn, args) -> tuple:
     )
     row = {
         "hlo_text_mb": round(len(text) / 1e6, 3),
-        "lower_s": round(lower_s, 2),
-        "compile_s": round(compile_s, 2),
-        "compile_cpu_s": round(compile_cpu_s, 2),
+        **{field: round(s, 2) for field, s in seconds.items()},
         "argument_mb": round(m.argument_size_in_bytes / 1e6, 2),
         "temp_mb": round(m.temp_size_in_bytes / 1e6, 2),
         "compiled_mb": round(total / 1e6, 2),
@@ -79,18 +86,10 @@ def least_compile_times(fns: dict[str, tuple], rows: dict[str, dict], rounds: in
     for _ in range(rounds):
         for name, (fn, args) in fns.items():
             jax.clear_caches()
-            cpu = time.process_time()
-            tic = time.perf_counter()
-            lowered = fn.lower(*args)
-            lower_s = time.perf_counter() - tic
-            tic = time.perf_counter()
-            lowered.compile()
-            compile_s = time.perf_counter() - tic
-            compile_cpu_s = time.process_time() - cpu
+            _, _, seconds = timed_compile(fn, args)
             row = rows[name]
-            row["lower_s"] = round(min(row["lower_s"], lower_s), 2)
-            row["compile_s"] = round(min(row["compile_s"], compile_s), 2)
-            row["compile_cpu_s"] = round(min(row["compile_cpu_s"], compile_cpu_s), 2)
+            for field, s in seconds.items():
+                row[field] = round(min(row[field], s), 2)
 
 
 def median_times(calls: dict[str, tuple], repeats: int) -> dict[str, float]:
