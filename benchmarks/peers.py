@@ -13,6 +13,14 @@ and ``benchmarks/transformers.py``) and in PyTorch, with equal parameter counts
   context 128, width 256, 4 blocks, 4 heads, MLP 1024); 3,323,648 parameters,
   batch 32; each record's loss is the mean over its own (unpadded) tokens.
 
+and two for GPUs (``--models guide_vit,gpt2``; not in the default list):
+
+* ``guide_vit`` the ViT of ``benchmarks/transformers.py`` (width 384, 6 blocks, 8 heads,
+  MLP 1536); 10,694,794 parameters, batch 64;
+* ``gpt2`` the language model above at GPT-2 small's shape (vocabulary 50,257, width
+  768, 12 blocks, 12 heads, MLP 3072, untied head, 128 tokens); 162,399,313
+  parameters, batch 16.
+
 In PyTorch, attention is four ``nn.Linear`` layers around
 ``F.scaled_dot_product_attention`` and the learned positions an ``nn.Embedding``
 of the token positions, so that every Opacus mode can take the models.
@@ -54,6 +62,10 @@ same number by pinning the process to ``--threads`` CPUs when it may use more
 (both frameworks then share those CPUs; they never run at once). All are
 recorded in the JSON (``--json``) with the versions of every package involved.
 
+On a GPU (``--device cuda``, the default where torch sees one) torch runs on it too,
+its float32 products in TF32 as XLA:GPU's default precision runs them, a torch step is
+timed up to ``torch.cuda.synchronize()``, and no thread count is set.
+
 Needs the ``bench`` extra (``pip install -e '.[bench]'``: torch 2.13.0, CPU
 build, and Opacus); torch is imported only once the arguments are read.
 
@@ -85,7 +97,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 JAX_VARIANTS = ("jax_nonprivate", "dpmp", "dpmp_plain", "dpmp_f32sum", "dpmp_nonoise", "jaxprivacy")
 TORCH_VARIANTS = ("torch_nonprivate", "opacus_hooks", "opacus_ghost", "opacus_functorch")
 VARIANTS = JAX_VARIANTS + TORCH_VARIANTS
-MODELS = ("mlp", "cnn", "vit", "lm")
+MODELS = ("mlp", "cnn", "vit", "lm", "guide_vit", "gpt2")
+DEFAULT_MODELS = ("mlp", "cnn", "vit", "lm")  # the CPU table; the last two are for GPUs
+# GPT-2 small's shape in benchmarks/transformers.py's language model (untied head, 128 tokens).
+GPT2_SHAPE = dict(vocab=50257, context=128, width=768, mlp=3072, heads=12, depth=12)
 CLIP, SIGMA, LEARNING_RATE = 1.0, 1.0, 1e-3
 # dpmp's variants: (noise sampler, accumulation of the clipped sum, noise multiplier). The
 # last two are not private steps of the default kind; they say what the default's parts cost.
@@ -96,8 +111,8 @@ DPMP_VARIANTS = {
     "dpmp_nonoise": ("snapped", "float64", 0.0),
 }
 IMAGE_SHAPES = {"mlp": (28, 28, 1), "cnn": (32, 32, 3), "vit": (32, 32, 3)}
-BATCH = {"mlp": 256, "cnn": 256, "vit": 256, "lm": 32}
-QUICK_BATCH = {"mlp": 8, "cnn": 8, "vit": 8, "lm": 4}
+BATCH = {"mlp": 256, "cnn": 256, "vit": 256, "lm": 32, "guide_vit": 64, "gpt2": 16}
+QUICK_BATCH = {"mlp": 8, "cnn": 8, "vit": 8, "lm": 4, "guide_vit": 8, "gpt2": 4}
 MIN_SAMPLE_S = 0.5  # a fast step is timed as the mean of enough steps to last this long
 PACKAGES = ("dpmp", "jax", "jaxlib", "flax", "optax", "jax-privacy", "numpy", "torch", "opacus")
 
@@ -107,11 +122,16 @@ PACKAGES = ("dpmp", "jax", "jaxlib", "flax", "optax", "jax-privacy", "numpy", "t
 
 def jax_model(model: str, batch_size: int, quick: bool):
     """``(loss_fn, params, batch, sizes)``: the model of dpmp's own benchmarks in float32."""
-    if model == "lm":
+    if model in ("lm", "gpt2", "guide_vit"):
         import transformers as tfm  # benchmarks/transformers.py
 
-        sizes = dict(tfm.LM_QUICK if quick else tfm.LM_FULL, batch=batch_size)
-        loss_fn, params, batch, _ = tfm.build("lm", "f32", sizes)
+        if model == "guide_vit":
+            sizes = dict(tfm.VIT_QUICK if quick else tfm.VIT_FULL, batch=batch_size)
+        else:
+            full = tfm.LM_FULL if model == "lm" else dict(tfm.LM_FULL, **GPT2_SHAPE)
+            sizes = dict(tfm.LM_QUICK if quick else full, batch=batch_size)
+        family = "guide_vit" if model == "guide_vit" else "lm"
+        loss_fn, params, batch, _ = tfm.build(family, "f32", sizes)
         return loss_fn, params, batch, sizes
     import clipping  # benchmarks/clipping.py
 
@@ -275,6 +295,13 @@ def torch_module(model: str, sizes: dict):
         patches = nn.Conv2d(3, 64, 4, stride=4)
         return Transformer(patches, 64, 64, 4, 128, 2, 10, causal=False, pool=True)
     s = sizes
+    if model == "guide_vit":
+        patches = nn.Conv2d(3, s["width"], s["patch"], stride=s["patch"])
+        tokens = (s["image"] // s["patch"]) ** 2
+        return Transformer(
+            patches, tokens, s["width"], s["heads"], s["mlp"], s["depth"], s["classes"],
+            causal=False, pool=True,
+        )  # fmt: skip
     tokens = nn.Embedding(s["vocab"], s["width"])
     return Transformer(
         tokens, s["context"], s["width"], s["heads"], s["mlp"], s["depth"], s["vocab"],
@@ -282,19 +309,21 @@ def torch_module(model: str, sizes: dict):
     )  # fmt: skip
 
 
-def torch_batch(model: str, batch) -> dict:
-    """The JAX batch as torch tensors (images NHWC -> NCHW)."""
+def torch_batch(batch, device: str) -> dict:
+    """The JAX batch as torch tensors on ``device`` (images NHWC -> NCHW)."""
     import numpy as np
     import torch
 
-    if model == "lm":
-        return {
-            "tokens": torch.from_numpy(np.asarray(batch["tokens"], np.int64)),
-            "targets": torch.from_numpy(np.asarray(batch["targets"], np.int64)),
-            "mask": torch.from_numpy(np.asarray(batch["mask"], np.float32)),
+    if "tokens" in batch:
+        out = {
+            "tokens": np.asarray(batch["tokens"], np.int64),
+            "targets": np.asarray(batch["targets"], np.int64),
+            "mask": np.asarray(batch["mask"], np.float32),
         }
-    x = np.ascontiguousarray(np.asarray(batch["x"], np.float32).transpose(0, 3, 1, 2))
-    return {"x": torch.from_numpy(x), "y": torch.from_numpy(np.asarray(batch["y"], np.int64))}
+    else:
+        x = np.ascontiguousarray(np.asarray(batch["x"], np.float32).transpose(0, 3, 1, 2))
+        out = {"x": x, "y": np.asarray(batch["y"], np.int64)}
+    return {k: torch.from_numpy(v).to(device) for k, v in out.items()}
 
 
 def per_example_loss(module, batch):
@@ -309,21 +338,21 @@ def per_example_loss(module, batch):
     return (ce.view_as(m) * m).sum(1) / m.sum(1).clamp(min=1.0)
 
 
-def torch_steps(variants, model: str, sizes: dict, batch) -> tuple[dict, int]:
-    """Each PyTorch variant as ``step()``, and the model's parameter count."""
+def torch_steps(variants, model: str, sizes: dict, batch, device: str) -> tuple[dict, int]:
+    """Each PyTorch variant as ``step()`` on ``device``, and the model's parameter count."""
     import torch
 
     fns, count = {}, None
     for name in variants:
         torch.manual_seed(0)
-        module = torch_module(model, sizes)
+        module = torch_module(model, sizes).to(device)
         count = sum(p.numel() for p in module.parameters())
         optimizer = torch.optim.Adam(module.parameters(), lr=LEARNING_RATE)
         if name == "torch_nonprivate":
             fns[name] = _torch_step(module, optimizer, batch, ghost=False)
             continue
         mode = name.removeprefix("opacus_")
-        rows = len(batch["mask" if model == "lm" else "y"])
+        rows = len(batch["mask" if "mask" in batch else "y"])
         module, optimizer = _make_private(module, optimizer, mode, rows)
         fns[name] = _torch_step(module, optimizer, batch, ghost=mode == "ghost")
     return fns, count
@@ -374,24 +403,32 @@ def _torch_step(module, optimizer, batch, ghost: bool) -> Callable:
 # -------------------------------------------------------------------------- timing
 
 
+def _block(out) -> None:
+    """Wait for a step's work: JAX's arrays, and torch's queued CUDA kernels (a torch step
+    returns nothing; on a GPU its kernels run after ``step()`` returns)."""
+    import jax
+
+    jax.block_until_ready(out)
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        sys.modules["torch"].cuda.synchronize()
+
+
 def prepare(fns: dict[str, Callable]) -> tuple[dict, dict, dict]:
     """First step (compiles a JAX step), a warm-up and a calibration step per variant.
 
     Returns ``(fns, info, errors)``: ``info[v]`` has ``first_step_s`` and ``calls``
     (steps per sample); ``errors[v]`` the message of a variant that failed.
     """
-    import jax
-
     ok, info, errors = {}, {}, {}
     for name, step in fns.items():
         print(f"  {name}: first steps ...", end="\r", file=sys.stderr, flush=True)
         try:
             t = time.perf_counter()
-            jax.block_until_ready(step())
+            _block(step())
             first = time.perf_counter() - t
-            jax.block_until_ready(step())  # warm-up
+            _block(step())  # warm-up
             t = time.perf_counter()
-            jax.block_until_ready(step())
+            _block(step())
             once = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             errors[name] = f"{type(e).__name__}: {e}"
@@ -406,8 +443,6 @@ def time_interleaved(fns: dict[str, Callable], calls: dict[str, int], repeats: i
     """``repeats`` rounds, each timing every variant in turn over ``calls[v]`` steps
     (seconds per step); variants of one step per sample in rounds of their own, after
     the others (what such a step frees slows the next one down: see clipping.py)."""
-    import jax
-
     fast = {v: f for v, f in fns.items() if calls[v] > 1}
     slow = {v: f for v, f in fns.items() if calls[v] == 1}
     times = {v: [] for v in fns}
@@ -417,7 +452,7 @@ def time_interleaved(fns: dict[str, Callable], calls: dict[str, int], repeats: i
                 t = time.perf_counter()
                 for _ in range(calls[v]):
                     out = step()
-                jax.block_until_ready(out)
+                _block(out)
                 times[v].append((time.perf_counter() - t) / calls[v])
     return times
 
@@ -425,11 +460,24 @@ def time_interleaved(fns: dict[str, Callable], calls: dict[str, int], repeats: i
 # ---------------------------------------------------------------------------- main
 
 
-def set_threads(threads: int) -> dict:
-    """torch's intra-op threads, and XLA:CPU's (by CPU affinity); what each got."""
+def set_threads(threads: int, device: str) -> dict:
+    """torch's intra-op threads, and XLA:CPU's (by CPU affinity); what each got.
+
+    On a GPU (``device="cuda"``) the host threads are left as they are (XLA:GPU compiles on
+    all of them), and torch's float32 matrix products use TF32 like XLA:GPU's default
+    precision does, so that both frameworks run float32 at the same rate.
+    """
     import opacus  # noqa: F401  (checked here, used later)
     import torch
 
+    if device == "cuda":
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
+        return {
+            "torch_device": torch.cuda.get_device_name(),
+            "torch_float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "machine_cpus": os.cpu_count(),
+        }
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) > threads:
         os.sched_setaffinity(0, cpus[:threads])
@@ -462,7 +510,11 @@ def run_model(model: str, variants, args) -> dict:
     jax_count = sum(x.size for x in jax.tree.leaves(params))
     fns = jax_steps([v for v in variants if v in JAX_VARIANTS], loss_fn, params, batch)
     tfns, torch_count = torch_steps(
-        [v for v in variants if v in TORCH_VARIANTS], model, sizes, torch_batch(model, batch)
+        [v for v in variants if v in TORCH_VARIANTS],
+        model,
+        sizes,
+        torch_batch(batch, args.device),
+        args.device,
     )
     assert torch_count in (None, jax_count), f"{model}: {torch_count} torch, {jax_count} JAX params"
     method = dpmp_method(loss_fn, params, batch)
@@ -502,10 +554,20 @@ def _x(ratio: float | None) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: mlp, cnn, vit, lm")
+    ap.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help=f"comma-separated: {', '.join(MODELS)} (default: {', '.join(DEFAULT_MODELS)})",
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5; quick 1)")
     ap.add_argument("--threads", type=int, default=2, help="torch's and XLA:CPU's threads")
+    ap.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="torch's device (auto: cuda where torch sees a GPU)",
+    )
     ap.add_argument(
         "--quick",
         action="store_true",
@@ -538,7 +600,12 @@ def main(argv=None) -> int:
         if "xla_backend_optimization_level" not in flags:
             os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0").strip()
     try:
-        threads = set_threads(args.threads)
+        import torch
+
+        if args.device == "auto":
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        # before JAX makes its backend: XLA:CPU sizes its thread pool from the CPU affinity
+        threads = set_threads(args.threads, args.device)
     except ImportError:
         sys.exit("benchmarks/peers.py needs torch and opacus: pip install -e '.[bench]'")
     import jax
@@ -548,6 +615,7 @@ def main(argv=None) -> int:
         "device": f"{device.platform} {device.device_kind}",
         "cpu": platform.processor() or platform.machine(),
         "versions": versions(),
+        "torch_device": args.device,
         "threads": threads,
         "repeats": args.repeats,
         "quick": args.quick,
@@ -559,9 +627,7 @@ def main(argv=None) -> int:
     v = results["versions"]
     print(
         f"{results['device']}; jax {v['jax']}, dpmp {v['dpmp']}, jax-privacy {v['jax-privacy']}, "
-        f"torch {v['torch']}, opacus {v['opacus']}; threads: torch {threads['torch_intra_op']}, "
-        f"XLA:CPU {threads['xla_cpu_affinity']} (CPU affinity), OMP_WAIT_POLICY="
-        f"{threads['OMP_WAIT_POLICY']}; {args.repeats} round(s)"
+        f"torch {v['torch']}, opacus {v['opacus']}; threads: {threads}; {args.repeats} round(s)"
     )
     for model in models:
         results["models"][model] = run_model(model, variants, args)

@@ -42,7 +42,7 @@ def test_peers_without_torch_says_what_to_install():
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.slow  # ~40 s on 2 CPU cores: four models built in both frameworks
+@pytest.mark.slow  # ~40 s on 2 CPU cores: six models built in both frameworks
 def test_peers_models_have_equal_parameter_counts():
     """The JAX and PyTorch models the benchmark compares, at their full sizes (the
     benchmark asserts it too, but only when it runs)."""
@@ -70,4 +70,6 @@ def test_peers_models_have_equal_parameter_counts():
         "cnn": (25_578, 25_578),
         "vit": (74_954, 74_954),
         "lm": (3_323_648, 3_323_648),
+        "guide_vit": (10_694_794, 10_694_794),
+        "gpt2": (162_399_313, 162_399_313),
     }

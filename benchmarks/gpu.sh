@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/performance.md in at most SECONDS (default 900), each benchmark under
+# its own time limit so that one slow compile cannot take the others' time. On an H100 the
+# four took about 150, 190, 110 + 100 and 180 s (mostly compiling); with less time the later
+# ones are cut or left out:
+#
+#   1. transformers.py at GPT-2 small's shape (vocab 50257, 128 tokens, width 768, 12 blocks,
+#      batch 16): non-private, vmap and ghost private gradients, float32 and bf16;
+#   2. transformers.py on the guide ViT and the byte LM, the same methods and policies;
+#   3. peers.py on the GPU: the whole private step (dpmp's default) against Opacus's hooks and
+#      ghost modes, torch on the same GPU, for the byte LM and the guide ViT (--models gpt2 adds
+#      the GPT-2 shape; on the H100 its steps were not ready 90 s after it started);
+#   4. gpt2.py: private LoRA and full fine-tuning steps of a random GPT-2 small checkpoint
+#      against non-private ones (bf16 policy).
+#
+# Usage: benchmarks/gpu.sh OUTDIR [SECONDS]; the JSON files and log.txt go to OUTDIR. Run from
+# the repository root with dpmp importable (pip install -e . or PYTHONPATH=.) and, for 3,
+# torch with CUDA and opacus.
+set -u
+out=${1:?usage: benchmarks/gpu.sh OUTDIR [SECONDS]}
+budget=${2:-900}
+mkdir -p "$out"
+exec > >(tee "$out/log.txt") 2>&1
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+run() {  # NAME CAP COMMAND...: at most CAP seconds, and never past the budget
+    local name=$1 cap=$2 left t
+    shift 2
+    left=$((budget - SECONDS))
+    t=$((cap < left ? cap : left))
+    if [ "$t" -lt 30 ]; then
+        echo "== $name: not run, ${left} s of the budget left"
+        return
+    fi
+    echo "== $name (at most $t s, at ${SECONDS} s): $*"
+    # progress lines end in a carriage return: keep the log to whole lines
+    timeout -k 10 "$t" "$@" 2>&1 | tr '\r' '\n' | grep -v -e 'compiling \.\.\.' -e 'first steps' -e '^ *$'
+    echo "== $name: exit ${PIPESTATUS[0]} at ${SECONDS} s"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+$py -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__)"
+
+gpt2_shape=(--lm-vocab 50257 --lm-context 128 --lm-width 768 --lm-mlp 3072 --lm-heads 12
+    --lm-depth 12 --lm-batch 16)
+methods=nonprivate,dpmp_vmap,dpmp_ghost
+run transformers_gpt2 190 $py benchmarks/transformers.py --models lm "${gpt2_shape[@]}" \
+    --methods $methods --repeats 3 --no-check --json "$out/transformers_gpt2.json"
+run transformers 220 $py benchmarks/transformers.py --methods $methods --repeats 3 --no-check \
+    --json "$out/transformers.json"
+run peers 240 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 $py benchmarks/peers.py \
+    --models lm,guide_vit --repeats 3 \
+    --variants jax_nonprivate,dpmp,torch_nonprivate,opacus_hooks,opacus_ghost \
+    --json "$out/peers.json"
+run gpt2 600 $py benchmarks/gpt2.py --rows lora full --time 5 --rounds 1 --json "$out/gpt2.json"
+echo "== done at ${SECONDS} s"
