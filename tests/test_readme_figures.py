@@ -15,7 +15,10 @@ TABLES = {
     "cpu_2core.json": lambda s, b: f"{s * 1e3:,.0f} ms, {b / 1e6:.1f} MB",
     "cpu_2core_transformers.json": lambda s, b: f"{s * 1e3:,.0f} ms, {b / 1e6:,.0f} MB",
     "gpu_h100_transformers.json": lambda s, b: f"{s * 1e3:,.2f} ms, {b / 1e6:,.0f} MB",
+    "gpu_h100_transformers_gpt2.json": lambda s, b: f"{s * 1e3:,.2f} ms, {b / 1e6:,.0f} MB",
 }
+# a file whose "lm" is another shape
+MODEL_NAMES = {"gpu_h100_transformers_gpt2.json": {"lm": "GPT-2 shape"}}
 
 
 def _rows(name: str) -> list[str]:
@@ -27,8 +30,11 @@ def _rows(name: str) -> list[str]:
     for (model, policy), by_method in runs.items():
         base = by_method["nonprivate"]
         first = TABLES[name](base["median_s"], base["temp_bytes"])
-        cells = [NAMES.get(model, model), policy, first]
+        names = {**NAMES, **MODEL_NAMES.get(name, {})}
+        cells = [names.get(model, model), policy, first]
         for method in ("jaxprivacy", "dpmp_vmap", "dpmp_ghost"):
+            if method not in by_method:  # a run without that method: its table has no column
+                continue
             r = by_method[method]
             cells.append(f"{r['time_ratio']:.2f}x time, {r['mem_ratio']:.2f}x mem")
         rows.append("| " + " | ".join(cells) + " |")
