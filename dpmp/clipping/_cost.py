@@ -16,12 +16,16 @@ example and per ghost layer of T tokens, fan-in K and fan-out N, in:
 
 Costs are flops over a device's matrix-product rate plus bytes over its memory
 bandwidth (:data:`DEVICES`: round figures, H100-like for GPUs, v5e-like for TPUs,
-2 CPU cores). Checked against benchmarks/results: on an H100 per-example
-gradients took 4.0 ms and ghost clipping 8.2 ms for the bf16 guide ViT (lm: 1.5
-and 3.1 ms), on an H200 the MLP 0.60 and 0.23 ms, and on 2 CPU cores ghost
-clipping was the faster everywhere (guide ViT 3.2 s against 7.4 s); the model
-picks the same method in each case. Layers whose per-example gradient ghost
-clipping forms too cost the same either way and are left out.
+2 CPU cores). Checked against benchmarks/results: on an H100
+(``gpu_h100_transformers*.json``, private gradient over the non-private one, in
+ms) per-example gradients took 12.7 and ghost clipping 3.0 more for the float32
+guide ViT (bf16: 11.5 and 2.1), 2.7 and 1.6 for the byte LM, 24.4 and 15.3 at
+GPT-2 small's shape (bf16: 20.1 and 12.3); on an H200 the MLP 0.60 and 0.23 ms;
+on 2 CPU cores ghost clipping was the faster everywhere (guide ViT 3.2 s against
+7.4 s). The model picks the faster method in each case; its ghost costs come
+within 1.9x of those measured, its vmap costs within 2.5x (the GPU's
+``per_example`` is fitted to these five). Layers whose per-example gradient
+ghost clipping forms too cost the same either way and are left out.
 """
 
 from __future__ import annotations
@@ -79,7 +83,10 @@ DEVICES = {
     "gpu": DeviceModel(
         {2: 400e12, 4: 40e12, 8: 40e12},
         200e12,
-        1.0,
+        # H100: the batched per-example products of the guide ViT, the byte LM and GPT-2
+        # small's shape ran at 2-18% of this rate (geometric mean 5%): each example's
+        # product contracts only T tokens, and writes K N numbers.
+        0.05,
         3e12,
         20e-6,
         "on gpu half-precision operands run on tensor cores, 10x float32 at HIGHEST and float64",
