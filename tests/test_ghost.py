@@ -820,3 +820,161 @@ def test_per_example_dense_gradient_matches_float64(case):
         return jnp.sum(layer(b["x"], p["w"]) * b["v"])
 
     _check_per_example_route(layer, loss, w_shape, x_shape, "dense", seed=4)
+
+
+# A parameter used through a static slice (GPT-2's positions ``wpe[:T]``): each case a
+# loss of x [1, T, 8] (and ids [1, T]) and the parameters' shapes; the layer sees the
+# slice, whose rows are a window of the parameter.
+_T = 4
+_SLICED = {
+    # a positional-embedding-like bias: per-example route on the [T, 8] view
+    "bias": (
+        lambda p, b: jnp.sum(jnp.tanh(b["x"] + p["pos"][:_T]) @ b["head"]),
+        {"pos": (10, 8)},
+        ("bias", "per-example"),
+    ),
+    # a dense kernel, a window of rows and columns: Gram route (T (K + N) < K N)
+    "dense": (
+        lambda p, b: jnp.sum(jnp.tanh(b["x"] @ p["w"][2:10, 1:17]) ** 2),
+        {"w": (12, 20)},
+        ("dense", "gram"),
+    ),
+    # every other row, picked by lax.dynamic_slice with literal starts, then strided
+    "strided": (
+        lambda p, b: jnp.sum(
+            jnp.tanh(b["x"] @ jax.lax.dynamic_slice(p["w"], (1, 0), (16, 3))[::2]) ** 2
+        ),
+        {"w": (20, 3)},
+        ("dense", "per-example"),
+    ),
+    # an embedding table of which only the first rows are looked up
+    "embedding": (
+        lambda p, b: jnp.sum(jnp.tanh(jnp.take(p["table"][:6], b["ids"], axis=0)) @ b["head"]),
+        {"table": (9, 8)},
+        ("embedding", "id-gram"),
+    ),
+}
+
+
+def _clip_between(per_example):
+    """A clip norm halfway between two middle distinct norms: no example sits at it."""
+    u = np.unique(clipped_sum_f64(per_example, 1.0)[1])
+    return float(u[len(u) // 2 - 1] + u[len(u) // 2]) / 2
+
+
+def _sliced_problem(case, n=16, seed=5):
+    loss, shapes, _ = _SLICED[case]
+    rng = np.random.default_rng(seed)
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    head = rng.normal(size=(8, 3)).astype(np.float32)
+    batch = {
+        "x": rng.normal(size=(n, _T, 8)).astype(np.float32),
+        "y": rng.integers(0, 6, size=(n, _T)).astype(np.int32),  # the ids
+    }
+
+    def example_loss(p, b):  # the reference's batch is {"x", "y"}
+        return loss(p, {"x": b["x"], "ids": b["y"], "head": jnp.asarray(head, b["x"].dtype)})
+
+    return example_loss, params, batch
+
+
+@pytest.mark.parametrize("case", sorted(_SLICED))
+def test_ghost_through_a_static_slice_matches_float64_per_example_clipping(case):
+    """Ghost clipping of a parameter the layer sees through a static slice: the norms,
+    the clipped count and the clipped sum of float64 per-example clipping; the sum is
+    exactly zero outside the window; explain() names the layer, its rule and the slice."""
+    loss, params, batch = _sliced_problem(case)
+    ref_grads = per_example_grads_f64(loss, params, batch)
+    clip = _clip_between(ref_grads)
+    want, norms = clipped_sum_f64(ref_grads, clip)
+    g = dpmp.private_grad(loss, l2_clip_norm=clip, policy="f32", method="ghost")
+    (row,) = g.explain(params, batch)["layers"]
+    layer, rule = _SLICED[case][2]
+    assert row["layer"].startswith(f"{layer} (slice [") and row["rule"] == rule, row
+    out = jax.jit(g)(params, batch)
+    (name,) = params
+    got = np.asarray(out.grads[name], np.float64)
+    rtol = 1e-5 if rule == "per-example" else 2e-4  # a Gram norm's certified rounding
+    assert np.linalg.norm(got.ravel() - want) <= rtol * np.linalg.norm(want)
+    np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=rtol)
+    assert float(out.stats.norm_max) >= norms.max() * (1 - 1e-6)
+    assert int(out.stats.num_clipped) == int((norms > clip).sum()) > 0
+    outside = np.all(ref_grads[name] == 0, axis=0)  # never touched by any example
+    assert outside.any() and not outside.all()
+    assert np.all(got[outside] == 0.0)
+    vm = jax.jit(dpmp.private_grad(loss, l2_clip_norm=clip, policy="f32", method="vmap"))
+    ref = np.asarray(vm(params, batch).grads[name], np.float64)
+    assert np.linalg.norm(got - ref) <= rtol * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize(
+    "loss, message",
+    [
+        # two windows of one parameter, and a window and a direct use: each use's norm
+        # alone is not the parameter's
+        (lambda p, b: jnp.sum(b["x"] + p["pos"][:_T]) + jnp.sum(b["x"] * p["pos"][_T : 2 * _T]),
+         "used 2 times"),
+        (lambda p, b: jnp.sum(jnp.tanh(b["x"] + p["pos"][:_T])) + jnp.sum(p["pos"] ** 2),
+         "used 2 times"),
+        # a slice of a broadcast: the view repeats the parameter's entries
+        (lambda p, b: jnp.sum(jnp.tanh(b["x"] + jnp.broadcast_to(p["pos"], (2, 10, 8))[1, :_T])),
+         "sliced after 'broadcast_in_dim'"),
+    ],
+)  # fmt: skip
+def test_a_slice_with_another_use_falls_back_and_ghost_refuses(loss, message):
+    params = {"pos": np.random.default_rng(0).normal(size=(10, 8)).astype(np.float32)}
+    batch = {"x": np.ones((4, _T, 8), np.float32), "y": np.zeros(4, np.int32)}
+    auto = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="f32", method="auto")
+    info = auto.explain(params, batch)
+    assert info["method"] == "vmap" and "['pos']" in info["reason"], info["reason"]
+    assert message in info["reason"]
+    ghost = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="f32", method="ghost")
+    with pytest.raises(ValueError, match=r"method='ghost': parameter \['pos'\]"):
+        ghost(params, batch)
+
+
+def test_gpt2_positions_take_a_ghost_norm_through_their_slice():
+    """A tiny GPT-2 reading 6 of its 10 positions: the learned positions wpe[:6] no
+    longer stop ghost clipping (its tied token embedding still does). With the token
+    embedding frozen, ghost clipping of every other parameter matches float64
+    per-example clipping, and wpe's rows past the sequence get exactly zero."""
+    from dpmp.models.families._gpt2 import GPT2Config, gpt2_init, gpt2_model
+
+    config = GPT2Config(vocab_size=12, n_positions=10, n_embd=8, n_layer=1, n_head=2)
+    params = jax.tree.map(np.asarray, gpt2_init(config, jax.random.key(3)))
+    rng = np.random.default_rng(6)
+    for k in ("wpe", "h"):  # random enough that clipping bites on every layer
+        params[k] = jax.tree.map(
+            lambda a: a + rng.normal(0, 0.3, a.shape).astype(a.dtype), params[k]
+        )
+    batch = {"x": rng.integers(0, 12, size=(12, 6)).astype(np.int32), "y": np.zeros(12, np.int32)}
+    model = gpt2_model(config, "f32")
+    auto = dpmp.private_grad(model.loss_fn, l2_clip_norm=1.0, policy="f32", method="auto")
+    reason = auto.explain(params, batch)["reason"]
+    assert "['wte']" in reason and "2 times" in reason and "wpe" not in reason, reason
+
+    wte = params.pop("wte")
+    model64 = gpt2_model(config, "param=f64,compute=f64,output=f64")
+
+    def frozen(p, b, table):
+        return model.loss_fn({**p, "wte": table}, b)
+
+    with jax.enable_x64(True):  # per-example gradients in float64 (the tokens stay ints)
+        p64, wte64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), (params, wte))
+
+        def one(x, y):
+            b = {"x": x[None], "y": y[None]}
+            return jax.grad(lambda p: model64.loss_fn({**p, "wte": wte64}, b))(p64)
+
+        ref_grads = jax.tree.map(np.asarray, jax.vmap(one)(batch["x"], batch["y"]))
+    clip = _clip_between(ref_grads)
+    want, norms = clipped_sum_f64(ref_grads, clip)
+    g = dpmp.private_grad(frozen, l2_clip_norm=clip, policy="f32", method="ghost")
+    rows = {r["param"]: r for r in g.explain(params, batch, wte)["layers"]}
+    assert rows["['wpe']['embedding']"]["layer"] == "bias (slice [6, 8] of [10, 8])"
+    out = jax.jit(g)(params, batch, wte)
+    got = _flat(out.grads)
+    assert np.linalg.norm(got - want) <= 2e-4 * np.linalg.norm(want)
+    np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=2e-4)
+    assert int(out.stats.num_clipped) == int((norms > clip).sum()) > 0
+    assert np.all(np.asarray(out.grads["wpe"]["embedding"])[6:] == 0.0)

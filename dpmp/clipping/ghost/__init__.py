@@ -31,6 +31,8 @@ The package, bottom to top:
 * the families: ``_dense`` (``dot_general``: dense layers, attention, einsum),
   ``_conv`` (``conv_general_dilated``), ``_embedding`` (``gather``),
   ``_elementwise`` (``add``/``sub``: biases, ``mul``: norm scales);
+* ``_window``: a parameter used through a static slice (GPT-2's ``wpe[:T]``):
+  the layer's rule sees the slice as the parameter, its sum is padded back;
 * ``_plan``: the walker that finds each parameter's layer (:func:`plan_ghost`);
 * ``_layers``: the per-example forward pass with its layers tapped;
 * ``_clipped_sum``: the driver, :func:`ghost_clipped_sum`.

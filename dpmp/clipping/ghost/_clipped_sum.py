@@ -26,10 +26,11 @@ from dpmp.clipping._replay import vary_like
 from dpmp.clipping._rounding import certified_sum_of_squares, sum_of_squares, wide
 from dpmp.clipping._weighted import after, weighted_examples, weighted_kept_sum
 from dpmp.clipping.ghost._gram import cancellation_floor
-from dpmp.clipping.ghost._layers import example_layer, forward, layer_grad, replay_chain, site
+from dpmp.clipping.ghost._layers import example_layer, forward, layer_grad, replay_chain, site, view
 from dpmp.clipping.ghost._operands import half_operands, unscaled_norms
 from dpmp.clipping.ghost._plan import GhostPlan, Tap
 from dpmp.clipping.ghost._rule import is_float
+from dpmp.clipping.ghost._window import from_view
 
 __all__ = ["ghost_clipped_sum"]
 
@@ -64,7 +65,7 @@ def ghost_clipped_sum(
         plan, params_leaves, others_leaves, batch_leaves, scale, clip_dtype
     )
     acts32 = [None if a is None else _cast_act(a, clip_dtype) for a in acts]
-    p32 = [params_leaves[t.leaf].astype(clip_dtype) for t in plan.taps]
+    p32 = [view(plan, t, params_leaves[t.leaf]).astype(clip_dtype) for t in plan.taps]
     inv = (1 / scale.astype(clip_dtype)).astype(clip_dtype)
     unscale = functools.partial(_unscale, inv=inv, dtype=clip_dtype)
     sq, formed = _squared_norms(
@@ -104,8 +105,9 @@ def _tapped_backward(plan, params_leaves, others_leaves, batch_leaves, scale, cl
     batch = jax.tree.leaves(batch_leaves)[0].shape[0]
 
     def zeros(t):
-        if t.mode == "example":  # the cotangent is the parameter leaf's gradient
-            return jnp.zeros((batch,) + jnp.shape(params_leaves[t.leaf]), clip_dtype)
+        if t.mode == "example":  # the cotangent is the gradient of the leaf's view
+            shape = plan.view_shape(t, jnp.shape(params_leaves[t.leaf]))
+            return jnp.zeros((batch,) + shape, clip_dtype)
         out = eqns[t.eqn].outvars[0].aval  # the cotangent is the layer's output gradient
         return jnp.zeros((batch,) + out.shape, out.dtype)
 
@@ -210,7 +212,7 @@ class _Reads:
     """What the clipped sums read: the values the norms were taken from, and the factors.
 
     ``acts``, ``grads``, ``params``: per tap, the stored operand (clip dtype), the
-    cotangent (scaled) and the parameter leaf (clip dtype); ``formed``: per
+    cotangent (scaled) and the parameter leaf's view (clip dtype, :func:`view`); ``formed``: per
     ``after`` tap, its per-example gradients; ``factor``, ``keep``: per example.
     """
 
@@ -266,18 +268,21 @@ def _clipped_sums(reads: _Reads, n_leaves: int, sum_dtype, out_dtype) -> list[An
     input-first and keeps every layer's values until the last one (float32 MLP:
     8,177,360 B without the dependency).
     """
-    taps = reads.plan.taps
+    plan, taps = reads.plan, reads.plan.taps
+    eqns = plan.jaxpr.jaxpr.eqns
     with wide(sum_dtype):  # a 64-bit sum is formed here only
         sums = [None] * n_leaves
         before = None  # the sum done just before this one
         for k in sorted(range(len(taps)), key=lambda k: taps[k].eqn, reverse=True):
-            sums[taps[k].leaf] = _layer_sum(reads, k, before, sum_dtype, out_dtype)
-            before = sums[taps[k].leaf]
+            before = _layer_sum(reads, k, before, sum_dtype, out_dtype)
+            # a sliced leaf: the view's sum, zero outside the window (exact)
+            shape = plan.jaxpr.jaxpr.invars[taps[k].leaf].aval.shape
+            sums[taps[k].leaf] = from_view(eqns, taps[k].window, shape, before)
     return sums
 
 
 def _layer_sum(reads: _Reads, k: int, before, sum_dtype, out_dtype):
-    """The clip-weighted sum of tap ``k``'s parameter leaf (see :func:`_clipped_sums`)."""
+    """The clip-weighted sum of tap ``k``'s parameter leaf's view (see :func:`_clipped_sums`)."""
     plan, tap = reads.plan, reads.plan.taps[k]
     g, a, p = reads.grads[k], reads.acts[k], reads.params[k]
     if tap.mode == "ghost" and tap.rule.clipped_sum is not None:

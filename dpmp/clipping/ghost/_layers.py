@@ -22,8 +22,9 @@ from dpmp.clipping._replay import bind, inline, replay_bind
 from dpmp.clipping._rounding import HIGHEST
 from dpmp.clipping.ghost._operands import half_operands
 from dpmp.clipping.ghost._plan import GhostPlan, Tap
+from dpmp.clipping.ghost._window import to_view
 
-__all__ = ["example_layer", "forward", "layer_grad", "replay_chain", "site"]
+__all__ = ["example_layer", "forward", "layer_grad", "replay_chain", "site", "view"]
 
 
 def forward(plan: GhostPlan, perturb, leaves, layers):
@@ -43,7 +44,8 @@ def forward(plan: GhostPlan, perturb, leaves, layers):
             return replay_bind(eqn, invals)
         tap = plan.taps[k]
         if tap.mode == "example":
-            return [layers[k](invals[tap.pos], leaves[tap.leaf], invals[1 - tap.pos], perturb[k])]
+            p = view(plan, tap, leaves[tap.leaf])
+            return [layers[k](invals[tap.pos], p, invals[1 - tap.pos], perturb[k])]
         acts[k] = invals[1 - tap.pos]
         return [bind(eqn, invals)[0] + perturb[k]]
 
@@ -53,7 +55,8 @@ def forward(plan: GhostPlan, perturb, leaves, layers):
 
 def example_layer(plan: GhostPlan, tap: Tap, dtype) -> Callable:
     """``layer(w, p, act, delta)``: the tap's output; ``delta``'s cotangent is the
-    gradient of the parameter leaf ``p`` for this example, in ``dtype``.
+    gradient of ``p`` (the parameter leaf's view, :func:`view`) for this example, in
+    ``dtype``.
 
     The forward is the layer as traced (``w`` is the parameter as it reaches
     the layer, in the compute dtype). The backward returns the usual input
@@ -91,8 +94,15 @@ def example_layer(plan: GhostPlan, tap: Tap, dtype) -> Callable:
     return layer
 
 
+def view(plan: GhostPlan, tap: Tap, p):
+    """The parameter leaf ``p`` as the tap's chain starts from: its static slice where
+    it is used through one (:mod:`dpmp.clipping.ghost._window`), else ``p``."""
+    return to_view(plan.jaxpr.jaxpr.eqns, tap.window, p)
+
+
 def replay_chain(plan: GhostPlan, tap: Tap, p):
-    """The layout ops from a parameter leaf to its layer, casts skipped (``p``'s dtype stays)."""
+    """The layout ops from a parameter leaf's view (:func:`view`) to its layer, casts
+    skipped (``p``'s dtype stays)."""
     for i in tap.chain:
         e = plan.jaxpr.jaxpr.eqns[i]
         if e.primitive.name != "convert_element_type":
@@ -101,7 +111,7 @@ def replay_chain(plan: GhostPlan, tap: Tap, p):
 
 
 def site(plan: GhostPlan, tap: Tap, dtype) -> Callable:
-    """``site(param_leaf, act) -> layer output`` for one example, computed in ``dtype``
+    """``site(view, act) -> layer output`` for one example, computed in ``dtype``
     (a contraction with ``Precision.HIGHEST``)."""
 
     def layer_site(p, act):
@@ -120,7 +130,7 @@ def site(plan: GhostPlan, tap: Tap, dtype) -> Callable:
 
 
 def _example_grad(plan: GhostPlan, tap: Tap, dtype) -> Callable:
-    """``grad(p, act, g)``: one example's gradient of the parameter leaf ``p``, in ``dtype``.
+    """``grad(p, act, g)``: one example's gradient of ``p`` (the leaf's view), in ``dtype``.
 
     The rule's own form of the operand's gradient where it has one
     (``GhostRule.operand_grad``: one contraction over a dense layer's tokens, one
@@ -148,7 +158,7 @@ def _example_grad(plan: GhostPlan, tap: Tap, dtype) -> Callable:
 
 
 def layer_grad(layer_site, p, act, g):
-    """The gradient of one layer's parameter leaf ``p`` for one example, from its
-    input ``act`` and output gradient ``g``."""
+    """The gradient of one layer's parameter ``p`` (the leaf's view) for one example,
+    from its input ``act`` and output gradient ``g``."""
     _, pull = jax.vjp(lambda q: layer_site(q, act), p)
     return pull(g)[0]

@@ -4,9 +4,10 @@
 jaxpr for ONE example is traced and flattened (``jit`` calls inlined); each
 parameter leaf is followed through layout-only operations
 (``convert_element_type``, ``reshape``, ``broadcast_in_dim``, ``transpose``,
-``squeeze``, ``expand_dims``, ``copy``) to the single equation that uses it,
-whose primitive names the rule of its layer family
-(:func:`dpmp.clipping.ghost._rule.rule_for`). A parameter used anywhere else —
+``squeeze``, ``expand_dims``, ``copy``) and static slices (its "window",
+:mod:`dpmp.clipping.ghost._window`: the layer sees a view of the parameter) to
+the single equation that uses it, whose primitive names the rule of its layer
+family (:func:`dpmp.clipping.ghost._rule.rule_for`). A parameter used anywhere else —
 in two places (tied weights), inside a ``scan``, a ``custom_jvp`` function,
 ``remat``, or by a primitive no rule takes — makes the model unsupported, and
 ``method="auto"`` falls back to per-example gradients: the norm is never
@@ -26,6 +27,7 @@ from jax.extend import core as jax_core
 from dpmp.clipping._replay import aval, inline
 from dpmp.clipping.ghost._gram import CANCELLATION
 from dpmp.clipping.ghost._rule import GhostRule, Unsupported, is_float, rule_for, supported
+from dpmp.clipping.ghost._window import is_window, split_window, view_shape
 
 __all__ = ["GhostPlan", "Tap", "plan_ghost"]
 
@@ -52,6 +54,11 @@ _BIJECTIVE = frozenset(
 class Tap:
     """One parameter leaf and the equation that consumes it.
 
+    The layer sees the leaf's "view": the leaf itself, or where ``window`` is not
+    empty the static slice of it those equations take
+    (:mod:`dpmp.clipping.ghost._window`); every per-example quantity of the tap
+    (gradients, norms, the clipped sum before it is padded back) is the view's.
+
     ``mode``: ``"ghost"`` (the norm from the stored ``x_i``, ``g_i`` by ``rule``),
     ``"example"`` (the layer's own per-example gradient, formed inside the backward
     pass) or ``"after"`` (no ghost norm holds and the layer's other operand is an
@@ -61,12 +68,13 @@ class Tap:
 
     leaf: int  # index of the parameter leaf
     path: str  # its pytree path, for messages
-    chain: tuple[int, ...]  # equation indices of layout ops from the leaf to the layer
+    chain: tuple[int, ...]  # equation indices of layout ops from the view to the layer
     eqn: int  # the layer equation
     pos: int  # operand position of the (transformed) parameter in it
     rule: GhostRule | None  # the family's rule where its ghost norm holds, else None
     kind: str  # a readable layer kind
     mode: str  # "ghost" | "example" | "after"
+    window: tuple[int, ...] = ()  # ops from the leaf to its view, ending in a slice; or none
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -112,6 +120,10 @@ class GhostPlan:
                 ratio = tap.rule.magnitude_ratio(eqn, tap.pos, clip_dtype, norm_dtype or clip_dtype)
                 cancellation = max(cancellation, CANCELLATION / ratio if ratio > 0 else math.inf)
         return rows, cancellation
+
+    def view_shape(self, tap: Tap, shape) -> tuple[int, ...]:
+        """The shape of the view of ``tap``'s leaf, of ``shape`` (the leaf's own if unsliced)."""
+        return view_shape(self.jaxpr.jaxpr.eqns, tap.window, shape)
 
     def layers(self) -> list[dict[str, str]]:
         """One row per parameter leaf: its path, layer kind and norm rule."""
@@ -170,9 +182,13 @@ def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[Tap], list[int]]:
             unused.append(leaf)
             continue
         chain, i, pos = found
+        window, chain = split_window(jaxpr.eqns, chain, _BIJECTIVE, path)
         eqn = jaxpr.eqns[i]
         name = eqn.primitive.name
         rule, kind, ghost = _classify(eqn, pos, chain, jaxpr, path)
+        if window:
+            view = list(view_shape(jaxpr.eqns, window, v.aval.shape))
+            kind = f"{kind} (slice {view} of {list(v.aval.shape)})"
         for k, u in enumerate(eqn.invars):
             if k != pos and u in param_vars:
                 raise Unsupported(f"parameter {path}: {name} of two parameters")
@@ -180,13 +196,13 @@ def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[Tap], list[int]]:
             raise Unsupported(f"parameter {path}: {name} also takes parameter {claimed[i]}")
         claimed[i] = path
         mode = _mode(rule, ghost, eqn, pos)
-        taps.append(Tap(leaf, path, tuple(chain), i, pos, rule if ghost else None, kind, mode))
+        taps.append(Tap(leaf, path, chain, i, pos, rule if ghost else None, kind, mode, window))
     return taps, unused
 
 
 def _follow(jaxpr, uses, outs, v, path):
     """``(chain, eqn index, operand position)`` of the layer a parameter variable reaches
-    through layout ops, or None when it is unused."""
+    through layout ops and static slices, or None when it is unused."""
     chain = []
     while True:
         if v in outs:
@@ -203,7 +219,7 @@ def _follow(jaxpr, uses, outs, v, path):
             )
         i, pos = here[0]
         eqn = jaxpr.eqns[i]
-        if eqn.primitive.name in _LAYOUT and pos == 0:
+        if (eqn.primitive.name in _LAYOUT or is_window(eqn)) and pos == 0:
             chain.append(i)
             v = eqn.outvars[0]
             continue
