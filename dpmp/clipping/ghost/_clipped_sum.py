@@ -30,6 +30,7 @@ from dpmp.clipping.ghost._layers import example_layer, forward, layer_grad, repl
 from dpmp.clipping.ghost._operands import half_operands, unscaled_norms
 from dpmp.clipping.ghost._plan import GhostPlan, Tap
 from dpmp.clipping.ghost._rule import is_float
+from dpmp.clipping.ghost._tied import cross_term, tied_sq_norm
 from dpmp.clipping.ghost._window import from_view
 
 __all__ = ["ghost_clipped_sum"]
@@ -164,7 +165,7 @@ def _squared_norms(plan, acts, grads_out, p32, unscale, clip_dtype, norm_dtype):
     (:func:`certified_sum_of_squares`) before it is rounded to the clip dtype.
     """
     formed = {}  # tap index -> that layer's per-example gradients, unscaled
-    parts, terms = [], 0
+    parts, terms, own = [], 0, {}  # own: tied tap index -> its (sq, m), unfloored
     (stored, acts32), (unscale, inv) = acts, unscale
     for k, (tap, g, a, p) in enumerate(zip(plan.taps, grads_out, acts32, p32)):
         if tap.mode == "ghost" and _reads_half(tap, stored[k], g, clip_dtype):
@@ -174,6 +175,9 @@ def _squared_norms(plan, acts, grads_out, p32, unscale, clip_dtype, norm_dtype):
             with wide(norm_dtype):
                 sq_m = tap.rule.sq_norms(eqn, tap.pos, stored[k], g, clip_dtype, norm_dtype)
                 sq_m = unscaled_norms(*sq_m, inv, clip_dtype, ratio)
+                if plan.tie(k) is not None:
+                    own[k] = sq_m
+                    continue
                 parts.append(cancellation_floor(*sq_m).astype(norm_dtype))
             terms += 1
             continue
@@ -189,8 +193,26 @@ def _squared_norms(plan, acts, grads_out, p32, unscale, clip_dtype, norm_dtype):
                 terms += 1
             else:
                 sq_m = tap.rule.sq_norms(plan.eqn(tap), tap.pos, a, g, clip_dtype, norm_dtype)
+                if plan.tie(k) is not None:
+                    own[k] = sq_m
+                    continue
                 parts.append(cancellation_floor(*sq_m).astype(norm_dtype))
                 terms += 1
+    for tie in plan.ties:  # one part per tied leaf: both layers' terms and their cross term
+        e, h = plan.taps[tie.embedding], plan.taps[tie.head]
+        cross = cross_term(
+            plan.eqn(e),
+            plan.eqn(h),
+            h.pos,
+            acts32[tie.embedding],
+            unscale(grads_out[tie.embedding]),
+            acts32[tie.head],
+            unscale(grads_out[tie.head]),
+            clip_dtype,
+        )
+        with wide(norm_dtype):
+            parts.append(tied_sq_norm(own[tie.embedding], own[tie.head], cross, norm_dtype))
+        terms += 1
     with wide(norm_dtype):
         sq = parts[0]
         for part in parts[1:]:
@@ -274,10 +296,15 @@ def _clipped_sums(reads: _Reads, n_leaves: int, sum_dtype, out_dtype) -> list[An
         sums = [None] * n_leaves
         before = None  # the sum done just before this one
         for k in sorted(range(len(taps)), key=lambda k: taps[k].eqn, reverse=True):
-            before = _layer_sum(reads, k, before, sum_dtype, out_dtype)
+            # a tied leaf's two layers add up in sum_dtype, rounded to out_dtype once
+            tied = plan.tie(k) is not None
+            before = _layer_sum(reads, k, before, sum_dtype, sum_dtype if tied else out_dtype)
             # a sliced leaf: the view's sum, zero outside the window (exact)
             shape = plan.jaxpr.jaxpr.invars[taps[k].leaf].aval.shape
-            sums[taps[k].leaf] = from_view(eqns, taps[k].window, shape, before)
+            leaf_sum = from_view(eqns, taps[k].window, shape, before)
+            if sums[taps[k].leaf] is not None:
+                leaf_sum = sums[taps[k].leaf] + leaf_sum
+            sums[taps[k].leaf] = leaf_sum
     return sums
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "cancellation_floor",
     "gamma",
     "gram",
+    "gram_bound_holds",
     "gram_magnitude_ratio",
     "gram_mode",
     "gram_operands",
@@ -164,9 +165,15 @@ def gram_mode(t: int, k: int, n: int) -> str:
     K N. A layer on so many tokens that the Gram form's rounding bound
     (:func:`gram`) would exceed 5% forms its per-example gradient too.
     """
-    if (t * t + k + n + 1) * _U32 > _MAX_GAMMA:  # the Gram bound would be too loose
+    if not gram_bound_holds(t, k, n):
         return "example"
     return "example" if k * n <= t * (k + n) else "ghost"
+
+
+def gram_bound_holds(t: int, k: int, n: int) -> bool:
+    """Whether the float32 Gram bound of :func:`gram` for T tokens, fan-in K and
+    fan-out N stays within the 5% the plan allows."""
+    return (t * t + k + n + 1) * _U32 <= _MAX_GAMMA
 
 
 def gram_operands(t: int, k: int, n: int, operands, dtype):

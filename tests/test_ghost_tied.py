@@ -1,0 +1,225 @@
+"""Ghost clipping of a table tied between an embedding and an output projection."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dpmp
+from tests._reference import clipped_sum_f64, flat
+
+V, D, T, B = 11, 6, 5, 12
+
+
+def _lm_loss(p, b):
+    """A tiny tied LM: ids -> W[ids] -> dense -> logits = h W^T -> cross-entropy."""
+    h = jnp.tanh(jnp.take(p["wte"], b["x"], axis=0) @ p["k"])
+    logits = h @ p["wte"].T
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+
+def _lm_einsum_loss(p, b):
+    """The same LM with the head as an einsum over the untransposed table."""
+    h = jnp.tanh(jnp.take(p["wte"], b["x"], axis=0) @ p["k"])
+    logits = jnp.einsum("btd,vd->btv", h, p["wte"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+
+def _lm_problem(seed=0):
+    rng = np.random.default_rng(seed)
+    params = {
+        "wte": rng.normal(size=(V, D)).astype(np.float32),
+        "k": (rng.normal(size=(D, D)) * 0.5).astype(np.float32),
+    }
+    x = rng.integers(0, V, size=(B, T)).astype(np.int32)
+    x[0, :2] = 3  # a repeated id within an example
+    batch = {"x": x, "y": rng.integers(0, V, size=(B, T)).astype(np.int32)}
+    return params, batch
+
+
+def _per_example_f64(loss, params, batch):
+    """Per-example gradients in float64 (the ids stay integers)."""
+    with jax.enable_x64(True):
+        p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+        b64 = {k: jnp.asarray(v) if v.dtype.kind == "i" else jnp.asarray(v, jnp.float64)
+               for k, v in batch.items()}  # fmt: skip
+
+        def one(ex):
+            return jax.grad(loss)(p64, jax.tree.map(lambda a: a[None], ex))
+
+        return jax.tree.map(np.asarray, jax.vmap(one)(b64))
+
+
+def _clip_between(per_example):
+    """A clip norm halfway between two middle distinct norms: no example sits at it."""
+    u = np.unique(clipped_sum_f64(per_example, 1.0)[1])
+    return float(u[len(u) // 2 - 1] + u[len(u) // 2]) / 2
+
+
+@pytest.mark.parametrize("loss", [_lm_loss, _lm_einsum_loss], ids=["transpose", "einsum"])
+def test_tied_lm_matches_float64_per_example_clipping(loss):
+    """The tied table takes both ghost norms and their cross term: the clipped sum, the
+    largest norm (certified: at least the exact one) and the clipped count of float64
+    per-example clipping."""
+    params, batch = _lm_problem()
+    ref = _per_example_f64(loss, params, batch)
+    clip = _clip_between(ref)
+    want, norms = clipped_sum_f64(ref, clip)
+    g = dpmp.private_grad(loss, l2_clip_norm=clip, policy="f32", method="ghost")
+    rows = [(r["param"], r["layer"], r["rule"]) for r in g.explain(params, batch)["layers"]]
+    assert ("['wte']", "embedding (tied)", "id-gram") in rows, rows
+    assert ("['wte']", "dense (tied)", "gram") in rows, rows
+    out = jax.jit(g)(params, batch)
+    got = flat(out.grads)
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    norm_max = float(out.stats.norm_max)
+    assert norms.max() <= norm_max <= norms.max() * (1 + 1e-5)
+    assert int(out.stats.num_clipped) == int((norms > clip).sum()) > 0
+
+
+def test_tied_lm_per_example_norms_are_certified():
+    """Each example alone: its certified norm is at least its float64 norm and within
+    1e-5 of it; its clipped contribution is the float64 one."""
+    params, batch = _lm_problem(seed=1)
+    ref = _per_example_f64(_lm_loss, params, batch)
+    clip = _clip_between(ref)
+    _, norms = clipped_sum_f64(ref, clip)
+    g = dpmp.private_grad(_lm_loss, l2_clip_norm=clip, policy="f32", method="ghost")
+
+    def alone(i):
+        out = g(params, batch, is_padding_example=jnp.arange(B) != i)
+        return jnp.concatenate([x.ravel() for x in jax.tree.leaves(out.grads)]), out.stats.norm_max
+
+    sums, got = jax.jit(lambda: jax.lax.map(alone, jnp.arange(B)))()
+    got = np.asarray(got, np.float64)
+    assert np.all(got >= norms) and np.all(got <= norms * (1 + 1e-5)), (got, norms)
+    flat_ref = np.concatenate([ref[k].reshape(B, -1) for k in sorted(ref)], axis=1)
+    want = flat_ref * np.minimum(1.0, clip / norms)[:, None]
+    np.testing.assert_allclose(np.asarray(sums, np.float64), want, rtol=0, atol=1e-5 * clip)
+
+
+def _cancel_loss(p, b):
+    """Linear in the table: embedding output gradients ``a``, head inputs ``h`` and
+    head output gradients ``c`` come from the batch."""
+    emb = jnp.sum(jnp.take(p["wte"], b["x"], axis=0) * b["a"])
+    return emb + jnp.sum((b["h"] @ p["wte"].T) * b["c"])
+
+
+def _cancel_batch(eps, scales, seed=3):
+    """Per example: ``h = a`` and ``c = -onehot(ids) + eps_i noise``, so that ``g_head =
+    -g_emb + eps_i noise^T a``: the cross term cancels the own terms up to ``eps_i``."""
+    rng = np.random.default_rng(seed)
+    n = len(eps)
+    x = rng.integers(0, V, size=(n, T)).astype(np.int32)
+    x[:, 1] = x[:, 0]  # repeated ids
+    a = rng.normal(size=(n, T, D)) * np.asarray(scales)[:, None, None]
+    c = -np.eye(V)[x] + rng.normal(size=(n, T, V)) * np.asarray(eps)[:, None, None]
+    f32 = lambda v: v.astype(np.float32)  # noqa: E731
+    return {"x": x, "a": f32(a), "h": f32(a), "c": f32(c)}
+
+
+@pytest.mark.parametrize("policy", ["f32", "bf16"])
+def test_tied_norm_bound_holds_when_the_cross_term_cancels(policy):
+    """g_head ~ -g_emb (own terms up to 10^9 times the norm): every certified norm is at
+    least the float64 one, and each example's clipped contribution stays within C (1 +
+    1e-5); without cancellation an example is clipped to about C."""
+    eps = [1.0, 1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 0.0]
+    scales = [1.0, 10.0, 1.0, 1e3, 1.0, 1e-3, 1e2, 1.0, 1e4, 1.0]
+    batch = _cancel_batch(eps, scales)
+    n, C = len(eps), 0.5
+    params = {"wte": np.zeros((V, D), np.float32)}  # the gradient does not depend on it
+    ref = _per_example_f64(_cancel_loss, params, batch)["wte"].reshape(n, -1)
+    exact = np.linalg.norm(ref, axis=1)
+    a64 = batch["a"].astype(np.float64)
+    own = np.sqrt(2) * np.linalg.norm(
+        np.stack([np.eye(V)[batch["x"][i]].T @ a64[i] for i in range(n)]), axis=(1, 2)
+    )
+    assert (own[-3:-1] / exact[-3:-1]).min() > 1e5  # the cross term cancels the rest
+    g = dpmp.private_grad(_cancel_loss, l2_clip_norm=C, policy=policy, method="ghost")
+    assert len([r for r in g.explain(params, batch)["layers"] if "tied" in r["layer"]]) == 2
+
+    def alone(i):
+        out = g(params, batch, is_padding_example=jnp.arange(n) != i)
+        return out.grads["wte"].ravel(), out.stats.norm_max, out.stats.num_nonfinite
+
+    sums, norm, nonfinite = jax.jit(lambda: jax.lax.map(alone, jnp.arange(n)))()
+    sums, norm = np.asarray(sums, np.float64), np.asarray(norm, np.float64)
+    assert np.all(np.asarray(nonfinite) == 0) and np.isfinite(sums).all()
+    contribution = np.linalg.norm(sums, axis=1)
+    assert contribution.max() <= C * (1 + 1e-5), contribution
+    assert contribution[:2].min() > 0.99 * C  # not vacuous: ordinary examples clip to C
+    if policy == "f32":  # the step sees exactly the float32 batch: the exact norms
+        assert np.all(norm >= exact), (norm, exact)
+        assert np.all(norm[:2] <= exact[:2] * (1 + 1e-4))
+        # clipped as the certified norm says, up to the rounding of cancelling rows
+        want = ref * np.minimum(1.0, C / norm)[:, None]
+        assert np.abs(sums - want).max() <= 1e-4 * C
+
+
+def test_tiny_gpt2_with_trainable_tied_table_matches_float64_per_example_clipping():
+    """A tiny GPT-2 with its token table trainable (tied to its head): ghost clipping
+    matches float64 per-example clipping, and ``auto`` no longer refuses it."""
+    from dpmp.models.families._gpt2 import GPT2Config, gpt2_init, gpt2_model
+
+    config = GPT2Config(vocab_size=12, n_positions=10, n_embd=8, n_layer=1, n_head=2)
+    params = jax.tree.map(np.asarray, gpt2_init(config, jax.random.key(3)))
+    rng = np.random.default_rng(6)
+    params = jax.tree.map(lambda a: a + rng.normal(0, 0.3, a.shape).astype(a.dtype), params)
+    batch = {"x": rng.integers(0, 12, size=(12, 6)).astype(np.int32), "y": np.zeros(12, np.int32)}
+    model = gpt2_model(config, "f32")
+    auto = dpmp.private_grad(model.loss_fn, l2_clip_norm=1.0, policy="f32", method="auto")
+    info = auto.explain(params, batch)
+    assert "times" not in info["reason"] and "wte" not in info["reason"], info["reason"]
+
+    model64 = gpt2_model(config, "param=f64,compute=f64,output=f64")
+    ref_grads = _per_example_f64(model64.loss_fn, params, batch)
+    clip = _clip_between(ref_grads)
+    want, norms = clipped_sum_f64(ref_grads, clip)
+    g = dpmp.private_grad(model.loss_fn, l2_clip_norm=clip, policy="f32", method="ghost")
+    rows = [r for r in g.explain(params, batch)["layers"] if r["param"] == "['wte']['embedding']"]
+    assert [r["layer"] for r in rows] == ["embedding (tied)", "dense (tied)"], rows
+    out = jax.jit(g)(params, batch)
+    got = flat(out.grads)
+    assert np.linalg.norm(got - want) <= 2e-4 * np.linalg.norm(want)
+    assert norms.max() <= float(out.stats.norm_max) <= norms.max() * (1 + 2e-4)
+    assert int(out.stats.num_clipped) == int((norms > clip).sum()) > 0
+
+
+def test_tied_lm_bf16_ghost_matches_per_example_gradients():
+    """Under the bf16 policy ghost clipping and per-example gradients agree to bf16
+    tolerance, with a loss scale inside."""
+    params, batch = _lm_problem(seed=2)
+    ls = dpmp.StaticLossScale(2.0**8)
+    out = {}
+    for method in ("ghost", "vmap"):
+        g = dpmp.private_grad(_lm_loss, l2_clip_norm=0.5, policy="bf16", method=method)
+        out[method] = flat(jax.jit(lambda g=g: g(params, batch, loss_scale=ls).grads)())
+    assert np.linalg.norm(out["ghost"] - out["vmap"]) <= 2e-2 * np.linalg.norm(out["vmap"])
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        # two dense uses, two embedding lookups, a head contracting the table's rows
+        lambda p, b: jnp.sum(jnp.tanh(b["h"] @ p["w"].T) @ p["w"]),
+        lambda p, b: jnp.sum(jnp.take(p["w"], b["x"], axis=0) * jnp.take(p["w"], b["z"], axis=0)),
+        lambda p, b: jnp.sum(jnp.take(p["w"], b["x"], axis=0)) + jnp.sum(b["c"] @ p["w"]),
+    ],
+    ids=["dense_dense", "embedding_embedding", "head_over_rows"],
+)
+def test_other_double_uses_are_still_refused(loss):
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(V, D)).astype(np.float32)}
+    batch = {
+        "x": rng.integers(0, V, size=(4, T)).astype(np.int32),
+        "z": rng.integers(0, V, size=(4, T)).astype(np.int32),
+        "h": rng.normal(size=(4, T, D)).astype(np.float32),
+        "c": rng.normal(size=(4, T, V)).astype(np.float32),
+    }
+    auto = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="f32", method="auto")
+    info = auto.explain(params, batch)
+    assert info["method"] == "vmap" and "['w']: used 2 times" in info["reason"], info["reason"]
+    ghost = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="f32", method="ghost")
+    with pytest.raises(ValueError, match=r"method='ghost': parameter \['w'\]: used 2 times"):
+        ghost(params, batch)
