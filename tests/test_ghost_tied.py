@@ -188,14 +188,18 @@ def test_tiny_gpt2_with_trainable_tied_table_matches_float64_per_example_clippin
 
 def test_tied_lm_bf16_ghost_matches_per_example_gradients():
     """Under the bf16 policy ghost clipping and per-example gradients agree to bf16
-    tolerance, with a loss scale inside."""
+    tolerance, with a loss scale inside and every example clipped (its factor C / norm
+    reads the cross term)."""
     params, batch = _lm_problem(seed=2)
+    ref = _per_example_f64(_lm_loss, params, batch)
+    clip = 0.5 * clipped_sum_f64(ref, 1.0)[1].min()  # every example's factor is C / norm
     ls = dpmp.StaticLossScale(2.0**8)
     out = {}
     for method in ("ghost", "vmap"):
-        g = dpmp.private_grad(_lm_loss, l2_clip_norm=0.5, policy="bf16", method=method)
+        g = dpmp.private_grad(_lm_loss, l2_clip_norm=clip, policy="bf16", method=method)
         out[method] = flat(jax.jit(lambda g=g: g(params, batch, loss_scale=ls).grads)())
-    assert np.linalg.norm(out["ghost"] - out["vmap"]) <= 2e-2 * np.linalg.norm(out["vmap"])
+    # 1.5e-3 measured; leaving out the cross term (up to 23% of a squared norm here) 1e-2
+    assert np.linalg.norm(out["ghost"] - out["vmap"]) <= 5e-3 * np.linalg.norm(out["vmap"])
 
 
 @pytest.mark.parametrize(
@@ -223,3 +227,36 @@ def test_other_double_uses_are_still_refused(loss):
     ghost = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="f32", method="ghost")
     with pytest.raises(ValueError, match=r"method='ghost': parameter \['w'\]: used 2 times"):
         ghost(params, batch)
+
+
+def test_cross_term_rounding_bound_holds_and_is_needed():
+    """The computed cross term <g_emb, g_head> is within its bound of the float64 one on
+    inputs whose dot products h_t . dY_t' cancel (entries up to 10^4 summing to ~1),
+    and the bound is not vacuous: the float32 value does differ from the exact one."""
+    from dpmp.clipping.ghost import plan_ghost
+    from dpmp.clipping.ghost._tied import cross_term
+
+    n, t, d = 64, 7, 48
+    z = lambda *shape: np.zeros((1, t, *shape), np.float32)  # noqa: E731
+    example = {"x": np.zeros((1, t), np.int32), "a": z(d), "h": z(d), "c": z(V)}
+    table = {"wte": np.zeros((V, d), np.float32)}
+    plan = plan_ghost(lambda p, o, b: _cancel_loss(p, b), table, (), (example,))
+    (tie,) = plan.ties
+    emb, head = plan.taps[tie.embedding], plan.taps[tie.head]
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, V, size=(n, 1, t, 1)).astype(np.int32)
+    big = 10.0 ** rng.uniform(0, 4, size=(n, 1, 1, 1))
+    h = rng.normal(size=(n, 1, t, d)) * big
+    dy = (np.roll(h, 1, axis=-1) - np.roll(h, -1, axis=-1)) * rng.uniform(0.5, 2, (n, 1, t, 1))
+    dy += rng.normal(size=dy.shape)  # h . dy cancels to about |h| instead of |h|^2
+    g = rng.normal(size=(n, 1, t, V)) * 10.0 ** rng.uniform(-2, 2, size=(n, 1, 1, V))
+    h, dy, g = (a.astype(np.float32) for a in (h, dy, g))
+    x, err = cross_term(plan.eqn(emb), plan.eqn(head), head.pos, ids, dy, h, g, jnp.float32)
+    x, err = np.asarray(x, np.float64), np.asarray(err, np.float64)
+    h64, dy64, g64 = (a.astype(np.float64)[:, 0] for a in (h, dy, g))
+    cols = np.take_along_axis(g64, np.broadcast_to(ids[:, 0, None, :, 0], (n, t, t)), axis=2)
+    exact = np.einsum("ntd,nsd,nts->n", h64, dy64, cols)
+    assert np.all(np.abs(x - exact) <= err), np.max(np.abs(x - exact) / err)
+    assert np.abs(x - exact).max() > 0
+    # On these inputs the bound is a small multiple of the error it covers.
+    assert np.median(err / np.maximum(np.abs(x - exact), 1e-300)) < 1e5  # 2.5e3 measured
