@@ -10,6 +10,9 @@ import dpmp
 from tests._reference import clipped_sum_f64, flat
 
 V, D, T, B = 11, 6, 5, 12
+# (vocabulary, tokens): the head takes the Gram form (T (D + V) < D V), or forms its
+# per-example gradient (the dense rule's own choice); the cross term follows either.
+HEADS = {"gram": (40, 3), "per-example": (V, T)}
 
 
 def _lm_loss(p, b):
@@ -26,15 +29,16 @@ def _lm_einsum_loss(p, b):
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
 
-def _lm_problem(seed=0):
+def _lm_problem(seed=0, head="per-example"):
+    vocab, t = HEADS[head]
     rng = np.random.default_rng(seed)
     params = {
-        "wte": rng.normal(size=(V, D)).astype(np.float32),
+        "wte": rng.normal(size=(vocab, D)).astype(np.float32),
         "k": (rng.normal(size=(D, D)) * 0.5).astype(np.float32),
     }
-    x = rng.integers(0, V, size=(B, T)).astype(np.int32)
+    x = rng.integers(0, vocab, size=(B, t)).astype(np.int32)
     x[0, :2] = 3  # a repeated id within an example
-    batch = {"x": x, "y": rng.integers(0, V, size=(B, T)).astype(np.int32)}
+    batch = {"x": x, "y": rng.integers(0, vocab, size=(B, t)).astype(np.int32)}
     return params, batch
 
 
@@ -57,19 +61,20 @@ def _clip_between(per_example):
     return float(u[len(u) // 2 - 1] + u[len(u) // 2]) / 2
 
 
+@pytest.mark.parametrize("head", sorted(HEADS))
 @pytest.mark.parametrize("loss", [_lm_loss, _lm_einsum_loss], ids=["transpose", "einsum"])
-def test_tied_lm_matches_float64_per_example_clipping(loss):
-    """The tied table takes both ghost norms and their cross term: the clipped sum, the
-    largest norm (certified: at least the exact one) and the clipped count of float64
-    per-example clipping."""
-    params, batch = _lm_problem()
+def test_tied_lm_matches_float64_per_example_clipping(loss, head):
+    """The tied table takes both layers' norms and their cross term: the clipped sum,
+    the largest norm (certified: at least the exact one) and the clipped count of
+    float64 per-example clipping."""
+    params, batch = _lm_problem(head=head)
     ref = _per_example_f64(loss, params, batch)
     clip = _clip_between(ref)
     want, norms = clipped_sum_f64(ref, clip)
     g = dpmp.private_grad(loss, l2_clip_norm=clip, policy="f32", method="ghost")
     rows = [(r["param"], r["layer"], r["rule"]) for r in g.explain(params, batch)["layers"]]
     assert ("['wte']", "embedding (tied)", "id-gram") in rows, rows
-    assert ("['wte']", "dense (tied)", "gram") in rows, rows
+    assert ("['wte']", "dense (tied)", head) in rows, rows
     out = jax.jit(g)(params, batch)
     got = flat(out.grads)
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
@@ -78,10 +83,11 @@ def test_tied_lm_matches_float64_per_example_clipping(loss):
     assert int(out.stats.num_clipped) == int((norms > clip).sum()) > 0
 
 
-def test_tied_lm_per_example_norms_are_certified():
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_tied_lm_per_example_norms_are_certified(head):
     """Each example alone: its certified norm is at least its float64 norm and within
     1e-5 of it; its clipped contribution is the float64 one."""
-    params, batch = _lm_problem(seed=1)
+    params, batch = _lm_problem(seed=1, head=head)
     ref = _per_example_f64(_lm_loss, params, batch)
     clip = _clip_between(ref)
     _, norms = clipped_sum_f64(ref, clip)
@@ -106,38 +112,41 @@ def _cancel_loss(p, b):
     return emb + jnp.sum((b["h"] @ p["wte"].T) * b["c"])
 
 
-def _cancel_batch(eps, scales, seed=3):
+def _cancel_batch(eps, scales, head, seed=3):
     """Per example: ``h = a`` and ``c = -onehot(ids) + eps_i noise``, so that ``g_head =
     -g_emb + eps_i noise^T a``: the cross term cancels the own terms up to ``eps_i``."""
+    vocab, t = HEADS[head]
     rng = np.random.default_rng(seed)
     n = len(eps)
-    x = rng.integers(0, V, size=(n, T)).astype(np.int32)
+    x = rng.integers(0, vocab, size=(n, t)).astype(np.int32)
     x[:, 1] = x[:, 0]  # repeated ids
-    a = rng.normal(size=(n, T, D)) * np.asarray(scales)[:, None, None]
-    c = -np.eye(V)[x] + rng.normal(size=(n, T, V)) * np.asarray(eps)[:, None, None]
+    a = rng.normal(size=(n, t, D)) * np.asarray(scales)[:, None, None]
+    c = -np.eye(vocab)[x] + rng.normal(size=(n, t, vocab)) * np.asarray(eps)[:, None, None]
     f32 = lambda v: v.astype(np.float32)  # noqa: E731
     return {"x": x, "a": f32(a), "h": f32(a), "c": f32(c)}
 
 
+@pytest.mark.parametrize("head", sorted(HEADS))
 @pytest.mark.parametrize("policy", ["f32", "bf16"])
-def test_tied_norm_bound_holds_when_the_cross_term_cancels(policy):
+def test_tied_norm_bound_holds_when_the_cross_term_cancels(policy, head):
     """g_head ~ -g_emb (own terms up to 10^9 times the norm): every certified norm is at
     least the float64 one, and each example's clipped contribution stays within C (1 +
     1e-5); without cancellation an example is clipped to about C."""
     eps = [1.0, 1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 0.0]
     scales = [1.0, 10.0, 1.0, 1e3, 1.0, 1e-3, 1e2, 1.0, 1e4, 1.0]
-    batch = _cancel_batch(eps, scales)
-    n, C = len(eps), 0.5
-    params = {"wte": np.zeros((V, D), np.float32)}  # the gradient does not depend on it
+    batch = _cancel_batch(eps, scales, head)
+    n, C, vocab = len(eps), 0.5, HEADS[head][0]
+    params = {"wte": np.zeros((vocab, D), np.float32)}  # the gradient does not depend on it
     ref = _per_example_f64(_cancel_loss, params, batch)["wte"].reshape(n, -1)
     exact = np.linalg.norm(ref, axis=1)
     a64 = batch["a"].astype(np.float64)
     own = np.sqrt(2) * np.linalg.norm(
-        np.stack([np.eye(V)[batch["x"][i]].T @ a64[i] for i in range(n)]), axis=(1, 2)
+        np.stack([np.eye(vocab)[batch["x"][i]].T @ a64[i] for i in range(n)]), axis=(1, 2)
     )
     assert (own[-3:-1] / exact[-3:-1]).min() > 1e5  # the cross term cancels the rest
     g = dpmp.private_grad(_cancel_loss, l2_clip_norm=C, policy=policy, method="ghost")
-    assert len([r for r in g.explain(params, batch)["layers"] if "tied" in r["layer"]]) == 2
+    rows = {r["layer"]: r["rule"] for r in g.explain(params, batch)["layers"]}
+    assert rows == {"embedding (tied)": "id-gram", "dense (tied)": head}, rows
 
     def alone(i):
         out = g(params, batch, is_padding_example=jnp.arange(n) != i)
@@ -157,16 +166,18 @@ def test_tied_norm_bound_holds_when_the_cross_term_cancels(policy):
         assert np.abs(sums - want).max() <= 1e-4 * C
 
 
-def test_tiny_gpt2_with_trainable_tied_table_matches_float64_per_example_clipping():
+@pytest.mark.parametrize(("vocab", "head"), [(12, "per-example"), (64, "gram")])
+def test_tiny_gpt2_with_trainable_tied_table_matches_float64_per_example_clipping(vocab, head):
     """A tiny GPT-2 with its token table trainable (tied to its head): ghost clipping
     matches float64 per-example clipping, and ``auto`` no longer refuses it."""
     from dpmp.models.families._gpt2 import GPT2Config, gpt2_init, gpt2_model
 
-    config = GPT2Config(vocab_size=12, n_positions=10, n_embd=8, n_layer=1, n_head=2)
+    config = GPT2Config(vocab_size=vocab, n_positions=10, n_embd=8, n_layer=1, n_head=2)
     params = jax.tree.map(np.asarray, gpt2_init(config, jax.random.key(3)))
     rng = np.random.default_rng(6)
     params = jax.tree.map(lambda a: a + rng.normal(0, 0.3, a.shape).astype(a.dtype), params)
-    batch = {"x": rng.integers(0, 12, size=(12, 6)).astype(np.int32), "y": np.zeros(12, np.int32)}
+    x = rng.integers(0, vocab, size=(12, 6)).astype(np.int32)
+    batch = {"x": x, "y": np.zeros(12, np.int32)}
     model = gpt2_model(config, "f32")
     auto = dpmp.private_grad(model.loss_fn, l2_clip_norm=1.0, policy="f32", method="auto")
     info = auto.explain(params, batch)
@@ -178,7 +189,10 @@ def test_tiny_gpt2_with_trainable_tied_table_matches_float64_per_example_clippin
     want, norms = clipped_sum_f64(ref_grads, clip)
     g = dpmp.private_grad(model.loss_fn, l2_clip_norm=clip, policy="f32", method="ghost")
     rows = [r for r in g.explain(params, batch)["layers"] if r["param"] == "['wte']['embedding']"]
-    assert [r["layer"] for r in rows] == ["embedding (tied)", "dense (tied)"], rows
+    assert [(r["layer"], r["rule"]) for r in rows] == [
+        ("embedding (tied)", "id-gram"),
+        ("dense (tied)", head),
+    ], rows
     out = jax.jit(g)(params, batch)
     got = flat(out.grads)
     assert np.linalg.norm(got - want) <= 2e-4 * np.linalg.norm(want)
@@ -186,11 +200,12 @@ def test_tiny_gpt2_with_trainable_tied_table_matches_float64_per_example_clippin
     assert int(out.stats.num_clipped) == int((norms > clip).sum()) > 0
 
 
-def test_tied_lm_bf16_ghost_matches_per_example_gradients():
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_tied_lm_bf16_ghost_matches_per_example_gradients(head):
     """Under the bf16 policy ghost clipping and per-example gradients agree to bf16
     tolerance, with a loss scale inside and every example clipped (its factor C / norm
     reads the cross term)."""
-    params, batch = _lm_problem(seed=2)
+    params, batch = _lm_problem(seed=2, head=head)
     ref = _per_example_f64(_lm_loss, params, batch)
     clip = 0.5 * clipped_sum_f64(ref, 1.0)[1].min()  # every example's factor is C / norm
     ls = dpmp.StaticLossScale(2.0**8)
@@ -232,9 +247,10 @@ def test_other_double_uses_are_still_refused(loss):
 def test_cross_term_rounding_bound_holds_and_is_needed():
     """The computed cross term <g_emb, g_head> is within its bound of the float64 one on
     inputs whose dot products h_t . dY_t' cancel (entries up to 10^4 summing to ~1),
-    and the bound is not vacuous: the float32 value does differ from the exact one."""
+    from the head's inputs and output gradients or from its formed gradient; and the
+    bound is needed: the float32 value does differ from the exact one."""
     from dpmp.clipping.ghost import plan_ghost
-    from dpmp.clipping.ghost._tied import cross_term
+    from dpmp.clipping.ghost._tied import cross_term, formed_cross_term
 
     n, t, d = 64, 7, 48
     z = lambda *shape: np.zeros((1, t, *shape), np.float32)  # noqa: E731
@@ -243,6 +259,7 @@ def test_cross_term_rounding_bound_holds_and_is_needed():
     plan = plan_ghost(lambda p, o, b: _cancel_loss(p, b), table, (), (example,))
     (tie,) = plan.ties
     emb, head = plan.taps[tie.embedding], plan.taps[tie.head]
+    assert head.mode == "ghost"  # T (D + V) < D V: the Gram form
     rng = np.random.default_rng(11)
     ids = rng.integers(0, V, size=(n, 1, t, 1)).astype(np.int32)
     big = 10.0 ** rng.uniform(0, 4, size=(n, 1, 1, 1))
@@ -260,3 +277,11 @@ def test_cross_term_rounding_bound_holds_and_is_needed():
     assert np.abs(x - exact).max() > 0
     # On these inputs the bound is a small multiple of the error it covers.
     assert np.median(err / np.maximum(np.abs(x - exact), 1e-300)) < 1e5  # 2.5e3 measured
+    # The same with the head's per-example gradient formed (float32, G^T h).
+    gh = np.einsum("ntv,ntd->nvd", g[:, 0], h[:, 0]).astype(np.float32)
+    x, err = formed_cross_term(plan.eqn(emb), ids, dy, gh, jnp.float32)
+    x, err = np.asarray(x, np.float64), np.asarray(err, np.float64)
+    rows = np.take_along_axis(gh.astype(np.float64), ids[:, 0], axis=1)  # [n, t, d]
+    exact = np.einsum("nsd,nsd->n", dy64, rows)
+    assert np.all(np.abs(x - exact) <= err), np.max(np.abs(x - exact) / err)
+    assert np.abs(x - exact).max() > 0

@@ -30,7 +30,7 @@ from dpmp.clipping.ghost._layers import example_layer, forward, layer_grad, repl
 from dpmp.clipping.ghost._operands import half_operands, unscaled_norms
 from dpmp.clipping.ghost._plan import GhostPlan, Tap
 from dpmp.clipping.ghost._rule import is_float
-from dpmp.clipping.ghost._tied import cross_term, tied_sq_norm
+from dpmp.clipping.ghost._tied import cross_term, formed_cross_term, tied_sq_norm
 from dpmp.clipping.ghost._window import from_view
 
 __all__ = ["ghost_clipped_sum"]
@@ -189,7 +189,11 @@ def _squared_norms(plan, acts, grads_out, p32, unscale, clip_dtype, norm_dtype):
             if tap.mode != "ghost":  # this layer's per-example gradient
                 size = math.prod(g.shape[1:])
                 axes = tuple(range(1, g.ndim))
-                parts.append(sum_of_squares(g, size, clip_dtype, norm_dtype, axes))
+                sq = sum_of_squares(g, size, clip_dtype, norm_dtype, axes)
+                if plan.tie(k) is not None:  # its magnitude is its norm (one row)
+                    own[k] = (sq, jnp.sqrt(sq))
+                    continue
+                parts.append(sq)
                 terms += 1
             else:
                 sq_m = tap.rule.sq_norms(plan.eqn(tap), tap.pos, a, g, clip_dtype, norm_dtype)
@@ -200,16 +204,14 @@ def _squared_norms(plan, acts, grads_out, p32, unscale, clip_dtype, norm_dtype):
                 terms += 1
     for tie in plan.ties:  # one part per tied leaf: both layers' terms and their cross term
         e, h = plan.taps[tie.embedding], plan.taps[tie.head]
-        cross = cross_term(
-            plan.eqn(e),
-            plan.eqn(h),
-            h.pos,
-            acts32[tie.embedding],
-            unscale(grads_out[tie.embedding]),
-            acts32[tie.head],
-            unscale(grads_out[tie.head]),
-            clip_dtype,
-        )
+        ids, dy = acts32[tie.embedding], unscale(grads_out[tie.embedding])
+        gh = unscale(grads_out[tie.head])
+        if h.mode == "ghost":
+            cross = cross_term(
+                plan.eqn(e), plan.eqn(h), h.pos, ids, dy, acts32[tie.head], gh, clip_dtype
+            )
+        else:  # the head's per-example gradient is formed
+            cross = formed_cross_term(plan.eqn(e), ids, dy, gh, clip_dtype)
         with wide(norm_dtype):
             parts.append(tied_sq_norm(own[tie.embedding], own[tie.head], cross, norm_dtype))
         terms += 1

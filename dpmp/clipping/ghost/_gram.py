@@ -37,7 +37,6 @@ __all__ = [
     "cancellation_floor",
     "gamma",
     "gram",
-    "gram_bound_holds",
     "gram_magnitude_ratio",
     "gram_mode",
     "gram_operands",
@@ -165,15 +164,9 @@ def gram_mode(t: int, k: int, n: int) -> str:
     K N. A layer on so many tokens that the Gram form's rounding bound
     (:func:`gram`) would exceed 5% forms its per-example gradient too.
     """
-    if not gram_bound_holds(t, k, n):
+    if (t * t + k + n + 1) * _U32 > _MAX_GAMMA:  # the Gram bound would be too loose
         return "example"
     return "example" if k * n <= t * (k + n) else "ghost"
-
-
-def gram_bound_holds(t: int, k: int, n: int) -> bool:
-    """Whether the float32 Gram bound of :func:`gram` for T tokens, fan-in K and
-    fan-out N stays within the 5% the plan allows."""
-    return (t * t + k + n + 1) * _U32 <= _MAX_GAMMA
 
 
 def gram_operands(t: int, k: int, n: int, operands, dtype):

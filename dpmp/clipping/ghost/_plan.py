@@ -200,7 +200,7 @@ def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[Tap], list[int], list[
                 layers = [_layer(jaxpr, chain, i, pos, path) for chain, i, pos in found]
             except Unsupported:
                 raise Unsupported(_shared(path, len(found))) from None
-            tied = pair(jaxpr.eqns, layers, v.aval.shape, path)
+            tied = pair(jaxpr.eqns, layers, v.aval.shape)
             if tied is None:
                 raise Unsupported(_shared(path, len(layers)))
             ties.append(Tie(leaf, len(taps) + tied[0], len(taps) + tied[1]))
@@ -213,7 +213,7 @@ def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[Tap], list[int], list[
             if i in claimed:
                 raise Unsupported(f"parameter {path}: {name} also takes parameter {claimed[i]}")
             claimed[i] = path
-            mode = "ghost" if tied else _mode(rule, ghost, eqn, pos)
+            mode = _mode(rule, ghost, eqn, pos)
             if tied:
                 kind = f"{kind} (tied)"
             elif window:

@@ -25,7 +25,13 @@ products of length T' then a sum of T (``gamma_{T + T'}``), so::
 
     |X - X^| <= gamma_D sum_tt' |h_t| |dY_t'| |B_tt'| + gamma_{T+T'} sum_tt' |A^_tt' B_tt'|
 
-doubled to cover the rounding of the bound itself and of the row norms. The
+doubled to cover the rounding of the bound itself and of the row norms. Where
+the dense rule forms the head's per-example gradient ``g_head`` instead (few
+tokens against ``D V``, or too many for a Gram bound,
+:func:`dpmp.clipping.ghost._gram.gram_mode`), :func:`formed_cross_term` reads
+its rows at the ids: ``X = sum_t' dY_t' . g_head[id_t']``, within ``gamma_{D +
+T'} sum_t' |dY_t'| |g_head[id_t']|`` (doubled), and that layer's magnitude is
+its norm. The
 cross term can be negative and cancel the own terms (``g_head ~ -g_emb``), so
 :func:`tied_sq_norm` adds the bound, never subtracts it: the result is never
 below the exact ``||g||^2``. Its clip factor floors the norm at ``(m_emb +
@@ -35,9 +41,11 @@ proportional to its own magnitude, whatever the sum cancels.
 
 The tie is recognised in the plan (:func:`pair`) where one parameter leaf
 reaches exactly two layers, one a ghost embedding lookup of ``W`` itself and
-the other a ghost dense layer contracting ``W``'s second axis (``h @ W.T``, an
-einsum), each through casts, copies and transposes only. Every other double
-use keeps the plan's refusal.
+the other a dense layer whose ghost norm holds, contracting ``W``'s second axis
+(``h @ W.T``, an einsum), each through casts, copies and transposes only; the
+dense layer keeps its rule's choice of mode. Both layers' clip-weighted sums
+come back in the accumulation dtype and add into the leaf there, rounded to the
+output dtype once. Every other double use keeps the plan's refusal.
 """
 
 from __future__ import annotations
@@ -49,14 +57,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dpmp.clipping._rounding import higham_gamma
+from dpmp.clipping._rounding import HIGHEST, higham_gamma
 from dpmp.clipping.ghost._dense import DenseRule, dot_operands
 from dpmp.clipping.ghost._embedding import EmbeddingRule
-from dpmp.clipping.ghost._gram import cancellation_floor, gamma, gram_bound_holds, row_dot_sum
+from dpmp.clipping.ghost._gram import cancellation_floor, gamma, row_dot_sum
 from dpmp.clipping.ghost._operands import contract
-from dpmp.clipping.ghost._rule import Unsupported
 
-__all__ = ["Tie", "cross_term", "pair", "tied_sq_norm"]
+__all__ = ["Tie", "cross_term", "formed_cross_term", "pair", "tied_sq_norm"]
 
 # Layout operations a tied table may pass through on the way to either layer.
 _SAME = frozenset(("convert_element_type", "copy", "copy_p"))
@@ -77,14 +84,12 @@ class Tie:
     head: int
 
 
-def pair(eqns, uses, shape, path) -> tuple[int, int] | None:
+def pair(eqns, uses, shape) -> tuple[int, int] | None:
     """``(embedding, head)``: which of two uses of a parameter of ``shape`` is the
     embedding and which the output projection, or ``None`` where they are not that pair.
 
     ``uses``: per use, ``(chain, eqn index, pos, rule, ghost, window)`` as the plan
-    found it (``ghost``: the rule's ghost norm holds). Raises :class:`Unsupported`
-    naming ``path`` where the pair is found but the head has too many tokens for a
-    certified Gram bound.
+    found it (``ghost``: the rule's ghost norm holds).
     """
     if len(uses) != 2 or len(shape) != 2 or any(u[5] for u in uses):
         return None
@@ -102,12 +107,6 @@ def pair(eqns, uses, shape, path) -> tuple[int, int] | None:
     contracting = tuple(lc if pos == 0 else rc)
     if contracting != (head_axes.index(1),):  # h @ W.T contracts W's second axis
         return None
-    t = DenseRule().rows(eqn, pos)
-    if not gram_bound_holds(t, shape[1], shape[0]):
-        raise Unsupported(
-            f"parameter {path}: tied embedding and output projection over {t} tokens; "
-            "the certified Gram bound needs fewer"
-        )
     return emb, head
 
 
@@ -136,6 +135,37 @@ def cross_term(emb_eqn, head_eqn, head_pos, ids, dy, act, g, dtype):
     return jax.vmap(one)(ids, dy, act, g)
 
 
+def formed_cross_term(emb_eqn, ids, dy, gh, dtype):
+    """Per example, ``(X^, E)`` as :func:`cross_term`, where the head's per-example
+    gradient ``gh [V, D]`` (laid out as the table, unscaled, in ``dtype``) is formed:
+    ``X = sum_t' dY_t' . gh[id_t']``, T' dot products of length D and a sum of T', so
+    ``|X^ - X| <= gamma_{D + T'} sum_t' |dY_t'| |gh[id_t']|``, doubled."""
+    return jax.vmap(functools.partial(_formed_cross, emb_eqn, dtype=dtype))(ids, dy, gh)
+
+
+def _formed_cross(emb_eqn, idx, dy, gh, *, dtype):
+    vocab, dim = emb_eqn.invars[0].aval.shape
+    ids = idx.reshape(-1)
+    dym = dy.reshape(ids.shape[0], dim).astype(dtype)
+    valid = _valid(emb_eqn, ids, vocab)
+    rows = jnp.take(gh.reshape(vocab, dim).astype(dtype), jnp.clip(ids, 0, vocab - 1), axis=0)
+    rows = jnp.where(valid[:, None], rows, jnp.zeros_like(rows))  # exact
+    dots = lax.dot_general(
+        dym, rows, (((1,), (1,)), ((0,), (0,))), precision=HIGHEST, preferred_element_type=dtype
+    )
+    norms = jnp.sqrt(jnp.sum(jnp.square(dym), axis=1) * jnp.sum(jnp.square(rows), axis=1))
+    err = gamma(dim + ids.shape[0], dtype) * jnp.sum(norms)
+    return jnp.sum(dots), 2 * err
+
+
+def _valid(emb_eqn, ids, vocab):
+    """Which ids the lookup reads: all (clipped into range) but where out-of-range ids
+    fill with zeros and their gradient is dropped."""
+    if emb_eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        return (ids >= 0) & (ids < vocab)
+    return jnp.ones_like(ids, dtype=bool)
+
+
 def _cross(emb_eqn, head_eqn, head_pos, idx, dy, act, g, *, dtype):
     """One example's cross term and its error bound (see the module's docstring)."""
     vocab, dim = emb_eqn.invars[0].aval.shape
@@ -143,10 +173,7 @@ def _cross(emb_eqn, head_eqn, head_pos, idx, dy, act, g, *, dtype):
     ids = idx.reshape(-1)
     t, t2 = am.shape[0], ids.shape[0]
     dym = dy.reshape(t2, dim).astype(dtype)
-    if emb_eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
-        valid = (ids >= 0) & (ids < vocab)  # an id out of range adds nothing to g_emb
-    else:
-        valid = jnp.ones_like(ids, dtype=bool)
+    valid = _valid(emb_eqn, ids, vocab)
     cols = jnp.take(gm.astype(dtype), jnp.clip(ids, 0, vocab - 1), axis=1)
     b = jnp.where(valid[None, :], cols, jnp.zeros_like(cols))  # exact
     a = contract(am.astype(dtype), dym, (((1,), (1,)), ((), ())), dtype)
