@@ -285,3 +285,38 @@ def test_cross_term_rounding_bound_holds_and_is_needed():
     exact = np.einsum("nsd,nsd->n", dy64, rows)
     assert np.all(np.abs(x - exact) <= err), np.max(np.abs(x - exact) / err)
     assert np.abs(x - exact).max() > 0
+
+
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_tied_sum_in_microbatches_and_float32_within_sensitivity(head):
+    """Microbatches of 4 give the whole batch's sum; with float32 accumulation
+    (``accumulation="policy"``) removing any one cancelling example moves the sum by
+    at most ``sensitivity`` (the tied leaf's two contractions, floored at (m_e + m_h) / 64)."""
+    params, batch = _lm_problem(seed=4, head=head)
+    g = dpmp.private_grad(_lm_loss, l2_clip_norm=0.5, policy="f32", method="ghost")
+    whole = flat(jax.jit(lambda: g(params, batch).grads)())
+    mb = dpmp.private_grad(
+        _lm_loss, l2_clip_norm=0.5, policy="f32", method="ghost", microbatch_size=4
+    )
+    parts = flat(jax.jit(lambda: mb(params, batch).grads)())
+    assert np.linalg.norm(parts - whole) <= 1e-6 * np.linalg.norm(whole)
+
+    eps = [1.0, 1e-1, 1e-3, 1e-5, 1e-7, 0.0, 1.0, 1e-4]
+    cancel = _cancel_batch(eps, [1.0, 1e3, 1.0, 1e2, 1e4, 1.0, 10.0, 1e-2], head)
+    n, C = len(eps), 0.5
+    table = {"wte": np.zeros((HEADS[head][0], D), np.float32)}
+    f32 = dpmp.private_grad(
+        _cancel_loss, l2_clip_norm=C, policy="f32", method="ghost", accumulation="policy"
+    )
+    f32.explain(table, cancel)
+    bound = f32.sensitivity_bound(batch_size=n)
+    assert bound["rows"] == HEADS[head][1] and 64.0 < bound["cancellation"] < 64.1, bound
+
+    def total(pad):
+        return f32(table, cancel, is_padding_example=pad).grads["wte"].ravel()
+
+    full = np.asarray(jax.jit(total)(jnp.zeros(n, bool)), np.float64)
+    without = jax.jit(lambda: jax.lax.map(lambda i: total(jnp.arange(n) == i), jnp.arange(n)))()
+    dist = np.linalg.norm(np.asarray(without, np.float64) - full, axis=1)
+    assert dist.max() <= bound["sensitivity"], (dist.max(), bound["sensitivity"])
+    assert dist.max() > 0.99 * C  # not vacuous: an ordinary example moves it by about C
