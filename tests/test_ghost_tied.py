@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import dpmp
+from dpmp.clipping.ghost._operands import operands
 from tests._reference import clipped_sum_f64, flat
 
 V, D, T, B = 11, 6, 5, 12
@@ -127,8 +128,8 @@ def _cancel_batch(eps, scales, head, seed=3):
 
 
 @pytest.mark.parametrize("head", sorted(HEADS))
-@pytest.mark.parametrize("policy", ["f32", "bf16"])
-def test_tied_norm_bound_holds_when_the_cross_term_cancels(policy, head):
+@pytest.mark.parametrize(("policy", "kind"), [("f32", "auto"), ("bf16", "auto"), ("bf16", "half")])
+def test_tied_norm_bound_holds_when_the_cross_term_cancels(policy, kind, head):
     """g_head ~ -g_emb (own terms up to 10^9 times the norm): every certified norm is at
     least the float64 one, and each example's clipped contribution stays within C (1 +
     1e-5); without cancellation an example is clipped to about C."""
@@ -152,7 +153,8 @@ def test_tied_norm_bound_holds_when_the_cross_term_cancels(policy, head):
         out = g(params, batch, is_padding_example=jnp.arange(n) != i)
         return out.grads["wte"].ravel(), out.stats.norm_max, out.stats.num_nonfinite
 
-    sums, norm, nonfinite = jax.jit(lambda: jax.lax.map(alone, jnp.arange(n)))()
+    with operands(kind):  # half: the own terms read the stored bf16 values
+        sums, norm, nonfinite = jax.jit(lambda: jax.lax.map(alone, jnp.arange(n)))()
     sums, norm = np.asarray(sums, np.float64), np.asarray(norm, np.float64)
     assert np.all(np.asarray(nonfinite) == 0) and np.isfinite(sums).all()
     contribution = np.linalg.norm(sums, axis=1)
@@ -200,11 +202,13 @@ def test_tiny_gpt2_with_trainable_tied_table_matches_float64_per_example_clippin
     assert int(out.stats.num_clipped) == int((norms > clip).sum()) > 0
 
 
+@pytest.mark.parametrize("kind", ["float32", "half"])
 @pytest.mark.parametrize("head", sorted(HEADS))
-def test_tied_lm_bf16_ghost_matches_per_example_gradients(head):
+def test_tied_lm_bf16_ghost_matches_per_example_gradients(head, kind):
     """Under the bf16 policy ghost clipping and per-example gradients agree to bf16
     tolerance, with a loss scale inside and every example clipped (its factor C / norm
-    reads the cross term)."""
+    reads the cross term); the own terms read float32 operands (as on CPUs) or the
+    stored bf16 ones (as on GPUs)."""
     params, batch = _lm_problem(seed=2, head=head)
     ref = _per_example_f64(_lm_loss, params, batch)
     clip = 0.5 * clipped_sum_f64(ref, 1.0)[1].min()  # every example's factor is C / norm
@@ -212,7 +216,8 @@ def test_tied_lm_bf16_ghost_matches_per_example_gradients(head):
     out = {}
     for method in ("ghost", "vmap"):
         g = dpmp.private_grad(_lm_loss, l2_clip_norm=clip, policy="bf16", method=method)
-        out[method] = flat(jax.jit(lambda g=g: g(params, batch, loss_scale=ls).grads)())
+        with operands(kind):
+            out[method] = flat(jax.jit(lambda g=g: g(params, batch, loss_scale=ls).grads)())
     # 1.5e-3 measured; leaving out the cross term (up to 23% of a squared norm here) 1e-2
     assert np.linalg.norm(out["ghost"] - out["vmap"]) <= 5e-3 * np.linalg.norm(out["vmap"])
 
