@@ -11,9 +11,14 @@ from dpmp.clipping.ghost._operands import operands
 from tests._reference import clipped_sum_f64, flat
 
 V, D, T, B = 11, 6, 5, 12
-# (vocabulary, tokens): the head takes the Gram form (T (D + V) < D V), or forms its
-# per-example gradient (the dense rule's own choice); the cross term follows either.
-HEADS = {"gram": (40, 3), "per-example": (V, T)}
+# (vocabulary, tokens): the head takes the Gram form (T (D + V) < D V; its sum in one
+# block of table rows, or in three), or forms its per-example gradient (the dense
+# rule's own choice); the cross term and the sum follow either.
+HEADS = {"gram": (40, 3), "gram-blocks": (300, 3), "per-example": (V, T)}
+
+
+def _rule(head):
+    return head.split("-blocks")[0]
 
 
 def _lm_loss(p, b):
@@ -75,7 +80,7 @@ def test_tied_lm_matches_float64_per_example_clipping(loss, head):
     g = dpmp.private_grad(loss, l2_clip_norm=clip, policy="f32", method="ghost")
     rows = [(r["param"], r["layer"], r["rule"]) for r in g.explain(params, batch)["layers"]]
     assert ("['wte']", "embedding (tied)", "id-gram") in rows, rows
-    assert ("['wte']", "dense (tied)", head) in rows, rows
+    assert ("['wte']", "dense (tied)", _rule(head)) in rows, rows
     out = jax.jit(g)(params, batch)
     got = flat(out.grads)
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
@@ -130,7 +135,7 @@ def _cancel_batch(eps, scales, head, seed=3):
 @pytest.mark.parametrize("head", sorted(HEADS))
 @pytest.mark.parametrize(("policy", "kind"), [("f32", "auto"), ("bf16", "auto"), ("bf16", "half")])
 def test_tied_norm_bound_holds_when_the_cross_term_cancels(policy, kind, head):
-    """g_head ~ -g_emb (own terms up to 10^9 times the norm): every certified norm is at
+    """g_head ~ -g_emb (own terms 10^4 times the norm and more): every certified norm is at
     least the float64 one, and each example's clipped contribution stays within C (1 +
     1e-5); without cancellation an example is clipped to about C."""
     eps = [1.0, 1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 0.0]
@@ -144,10 +149,10 @@ def test_tied_norm_bound_holds_when_the_cross_term_cancels(policy, kind, head):
     own = np.sqrt(2) * np.linalg.norm(
         np.stack([np.eye(vocab)[batch["x"][i]].T @ a64[i] for i in range(n)]), axis=(1, 2)
     )
-    assert (own[-3:-1] / exact[-3:-1]).min() > 1e5  # the cross term cancels the rest
+    assert (own[-3:-1] / exact[-3:-1]).min() > 1e4  # the cross term cancels the rest
     g = dpmp.private_grad(_cancel_loss, l2_clip_norm=C, policy=policy, method="ghost")
     rows = {r["layer"]: r["rule"] for r in g.explain(params, batch)["layers"]}
-    assert rows == {"embedding (tied)": "id-gram", "dense (tied)": head}, rows
+    assert rows == {"embedding (tied)": "id-gram", "dense (tied)": _rule(head)}, rows
 
     def alone(i):
         out = g(params, batch, is_padding_example=jnp.arange(n) != i)

@@ -30,7 +30,12 @@ from dpmp.clipping.ghost._layers import example_layer, forward, layer_grad, repl
 from dpmp.clipping.ghost._operands import half_operands, unscaled_norms
 from dpmp.clipping.ghost._plan import GhostPlan, Tap
 from dpmp.clipping.ghost._rule import is_float
-from dpmp.clipping.ghost._tied import cross_term, formed_cross_term, tied_sq_norm
+from dpmp.clipping.ghost._tied import (
+    cross_term,
+    formed_cross_term,
+    tied_clipped_sum,
+    tied_sq_norm,
+)
 from dpmp.clipping.ghost._window import from_view
 
 __all__ = ["ghost_clipped_sum"]
@@ -298,9 +303,14 @@ def _clipped_sums(reads: _Reads, n_leaves: int, sum_dtype, out_dtype) -> list[An
         sums = [None] * n_leaves
         before = None  # the sum done just before this one
         for k in sorted(range(len(taps)), key=lambda k: taps[k].eqn, reverse=True):
-            # a tied leaf's two layers add up in sum_dtype, rounded to out_dtype once
-            tied = plan.tie(k) is not None
-            before = _layer_sum(reads, k, before, sum_dtype, sum_dtype if tied else out_dtype)
+            tie = plan.tie(k)
+            if tie is not None and taps[tie.head].mode == "ghost":
+                if k == tie.head:  # both layers, a block of the table at a time
+                    before = sums[tie.leaf] = _tied_sum(reads, tie, before, sum_dtype, out_dtype)
+                continue
+            # else a tied leaf's two layers add up in sum_dtype, rounded to out_dtype once
+            out = out_dtype if tie is None else sum_dtype
+            before = _layer_sum(reads, k, before, sum_dtype, out)
             # a sliced leaf: the view's sum, zero outside the window (exact)
             shape = plan.jaxpr.jaxpr.invars[taps[k].leaf].aval.shape
             leaf_sum = from_view(eqns, taps[k].window, shape, before)
@@ -308,6 +318,27 @@ def _clipped_sums(reads: _Reads, n_leaves: int, sum_dtype, out_dtype) -> list[An
                 leaf_sum = sums[taps[k].leaf] + leaf_sum
             sums[taps[k].leaf] = leaf_sum
     return sums
+
+
+def _tied_sum(reads: _Reads, tie, before, sum_dtype, out_dtype):
+    """The clip-weighted sum of a tied table whose head takes the Gram form
+    (:func:`dpmp.clipping.ghost._tied.tied_clipped_sum`)."""
+    plan = reads.plan
+    e, h = plan.taps[tie.embedding], plan.taps[tie.head]
+    return tied_clipped_sum(
+        plan.eqn(e),
+        plan.eqn(h),
+        h.pos,
+        reads.acts[tie.embedding],
+        reads.unscale(reads.grads[tie.embedding]),
+        reads.acts[tie.head],
+        reads.unscale(reads.grads[tie.head]),
+        reads.factor,
+        reads.keep,
+        before,
+        sum_dtype,
+        out_dtype,
+    )
 
 
 def _layer_sum(reads: _Reads, k: int, before, sum_dtype, out_dtype):

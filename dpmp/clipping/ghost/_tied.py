@@ -43,9 +43,11 @@ The tie is recognised in the plan (:func:`pair`) where one parameter leaf
 reaches exactly two layers, one a ghost embedding lookup of ``W`` itself and
 the other a dense layer whose ghost norm holds, contracting ``W``'s second axis
 (``h @ W.T``, an einsum), each through casts, copies and transposes only; the
-dense layer keeps its rule's choice of mode. Both layers' clip-weighted sums
-come back in the accumulation dtype and add into the leaf there, rounded to the
-output dtype once. Every other double use keeps the plan's refusal.
+dense layer keeps its rule's choice of mode. The leaf's clip-weighted sum is
+rounded to the output dtype once: with the head in the Gram form, both layers'
+contractions a block of table rows at a time (:func:`tied_clipped_sum`); with
+its gradient formed, both layers' sums in the accumulation dtype, added there.
+Every other double use keeps the plan's refusal.
 """
 
 from __future__ import annotations
@@ -55,15 +57,24 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from dpmp.clipping._rounding import HIGHEST, higham_gamma
+from dpmp.clipping._weighted import after, kept_rows, weighted_examples
 from dpmp.clipping.ghost._dense import DenseRule, dot_operands
 from dpmp.clipping.ghost._embedding import EmbeddingRule
 from dpmp.clipping.ghost._gram import cancellation_floor, gamma, row_dot_sum
 from dpmp.clipping.ghost._operands import contract
 
-__all__ = ["Tie", "cross_term", "formed_cross_term", "pair", "tied_sq_norm"]
+__all__ = [
+    "Tie",
+    "cross_term",
+    "formed_cross_term",
+    "pair",
+    "tied_clipped_sum",
+    "tied_sq_norm",
+]
 
 # Layout operations a tied table may pass through on the way to either layer.
 _SAME = frozenset(("convert_element_type", "copy", "copy_p"))
@@ -203,3 +214,51 @@ def tied_sq_norm(own_emb, own_head, cross, norm_dtype):
     slack = higham_gamma(4, norm_dtype) * (se + sh + 2 * jnp.abs(x) + 2 * e)
     m = (me + mh) * jnp.asarray(1 + 4 * higham_gamma(1, norm_dtype), norm_dtype)
     return cancellation_floor(total + 3 * slack, m)
+
+
+def tied_clipped_sum(
+    emb_eqn, head_eqn, head_pos, ids, dy, act, g, factor, keep, before, dtype, out_dtype
+):
+    """``sum_i factor_i (g_emb,i + g_head,i)`` laid out as the table ``[V, D]``, in
+    ``out_dtype``, where the head takes the Gram form (its inputs ``act`` and output
+    gradients ``g`` are stored). ``ids``, ``dy``: the embedding's indices and unscaled
+    output gradients; rows of examples not in ``keep`` add exactly 0; read after
+    ``before`` (:func:`dpmp.clipping._weighted.after`).
+
+    A block of at most ``max(B T, 128)`` table rows at a time: the head's
+    contraction over examples and tokens for those rows (as the dense rule's
+    clipped sum, accumulated in ``dtype``), plus the embedding's scatter-add of the
+    ``factor_i dY_t'`` whose ids fall in the block (accumulated in ``dtype``), added
+    in ``dtype`` and rounded to ``out_dtype`` once. Each part is within ``gamma_{B T}``
+    of its magnitudes as when summed alone, and the leaf is rounded once, as a dense
+    ghost layer's; only one block is held in ``dtype`` at a time, not two tables.
+    """
+    vocab, dim = emb_eqn.invars[0].aval.shape
+    am, gm = jax.vmap(lambda a_, g_: dot_operands(head_eqn, head_pos, a_, g_))(act, g)
+    bt = am.shape[0] * am.shape[1]
+    rows = after(keep, before)
+    x = kept_rows(am.astype(dtype), rows).reshape(bt, dim)
+    flat_ids = ids.reshape(ids.shape[0], -1)
+    valid = jax.vmap(lambda i_: _valid(emb_eqn, i_, vocab))(flat_ids)
+    slot = jnp.where(valid, jnp.clip(flat_ids, 0, vocab - 1), vocab).reshape(-1)
+    wdy = kept_rows(weighted_examples(dy.reshape(*flat_ids.shape, dim), factor, dtype), rows)
+    wdy = wdy.reshape(-1, dim)
+    width = max(bt, 128)
+    out = jnp.zeros((vocab, dim), out_dtype)
+    done = before
+    for lo in range(0, vocab, width):
+        hi = min(vocab, lo + width)
+        rows = after(keep, done)
+        wg = kept_rows(weighted_examples(gm[..., lo:hi], factor, dtype), rows)
+        head = lax.dot_general(
+            wg.reshape(bt, hi - lo),
+            x,
+            (((0,), (0,)), ((), ())),
+            precision=HIGHEST,
+            preferred_element_type=dtype,
+        )
+        local = jnp.where((slot >= lo) & (slot < hi), slot - lo, hi - lo)
+        emb = jnp.zeros((hi - lo, dim), dtype).at[local].add(wdy, mode="drop")
+        done = (head + emb).astype(out_dtype)
+        out = lax.dynamic_update_slice(out, done, (np.int32(lo), np.int32(0)))
+    return out
