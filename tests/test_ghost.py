@@ -935,9 +935,10 @@ def test_a_slice_with_another_use_falls_back_and_ghost_refuses(loss, message):
 
 def test_gpt2_positions_take_a_ghost_norm_through_their_slice():
     """A tiny GPT-2 reading 6 of its 10 positions: the learned positions wpe[:6] no
-    longer stop ghost clipping (its tied token embedding still does). With the token
-    embedding frozen, ghost clipping of every other parameter matches float64
-    per-example clipping, and wpe's rows past the sequence get exactly zero."""
+    longer stop ghost clipping (nor does its tied token embedding, see
+    tests/test_ghost_tied.py). With the token embedding frozen, ghost clipping of every
+    other parameter matches float64 per-example clipping, and wpe's rows past the
+    sequence get exactly zero."""
     from dpmp.models.families._gpt2 import GPT2Config, gpt2_init, gpt2_model
 
     config = GPT2Config(vocab_size=12, n_positions=10, n_embd=8, n_layer=1, n_head=2)
@@ -951,7 +952,7 @@ def test_gpt2_positions_take_a_ghost_norm_through_their_slice():
     model = gpt2_model(config, "f32")
     auto = dpmp.private_grad(model.loss_fn, l2_clip_norm=1.0, policy="f32", method="auto")
     reason = auto.explain(params, batch)["reason"]
-    assert "['wte']" in reason and "2 times" in reason and "wpe" not in reason, reason
+    assert "times" not in reason and "wpe" not in reason, reason
 
     wte = params.pop("wte")
     model64 = gpt2_model(config, "param=f64,compute=f64,output=f64")

@@ -33,6 +33,8 @@ The package, bottom to top:
   ``_elementwise`` (``add``/``sub``: biases, ``mul``: norm scales);
 * ``_window``: a parameter used through a static slice (GPT-2's ``wpe[:T]``):
   the layer's rule sees the slice as the parameter, its sum is padded back;
+* ``_tied``: a table tied between an embedding and an output projection
+  (GPT-2's ``wte``): both layers' norms and their cross term, certified;
 * ``_plan``: the walker that finds each parameter's layer (:func:`plan_ghost`);
 * ``_layers``: the per-example forward pass with its layers tapped;
 * ``_clipped_sum``: the driver, :func:`ghost_clipped_sum`.

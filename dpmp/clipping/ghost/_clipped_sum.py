@@ -30,6 +30,12 @@ from dpmp.clipping.ghost._layers import example_layer, forward, layer_grad, repl
 from dpmp.clipping.ghost._operands import half_operands, unscaled_norms
 from dpmp.clipping.ghost._plan import GhostPlan, Tap
 from dpmp.clipping.ghost._rule import is_float
+from dpmp.clipping.ghost._tied import (
+    cross_term,
+    formed_cross_term,
+    tied_clipped_sum,
+    tied_sq_norm,
+)
 from dpmp.clipping.ghost._window import from_view
 
 __all__ = ["ghost_clipped_sum"]
@@ -164,7 +170,7 @@ def _squared_norms(plan, acts, grads_out, p32, unscale, clip_dtype, norm_dtype):
     (:func:`certified_sum_of_squares`) before it is rounded to the clip dtype.
     """
     formed = {}  # tap index -> that layer's per-example gradients, unscaled
-    parts, terms = [], 0
+    parts, terms, own = [], 0, {}  # own: tied tap index -> its (sq, m), unfloored
     (stored, acts32), (unscale, inv) = acts, unscale
     for k, (tap, g, a, p) in enumerate(zip(plan.taps, grads_out, acts32, p32)):
         if tap.mode == "ghost" and _reads_half(tap, stored[k], g, clip_dtype):
@@ -174,6 +180,9 @@ def _squared_norms(plan, acts, grads_out, p32, unscale, clip_dtype, norm_dtype):
             with wide(norm_dtype):
                 sq_m = tap.rule.sq_norms(eqn, tap.pos, stored[k], g, clip_dtype, norm_dtype)
                 sq_m = unscaled_norms(*sq_m, inv, clip_dtype, ratio)
+                if plan.tie(k) is not None:
+                    own[k] = sq_m
+                    continue
                 parts.append(cancellation_floor(*sq_m).astype(norm_dtype))
             terms += 1
             continue
@@ -185,12 +194,32 @@ def _squared_norms(plan, acts, grads_out, p32, unscale, clip_dtype, norm_dtype):
             if tap.mode != "ghost":  # this layer's per-example gradient
                 size = math.prod(g.shape[1:])
                 axes = tuple(range(1, g.ndim))
-                parts.append(sum_of_squares(g, size, clip_dtype, norm_dtype, axes))
+                sq = sum_of_squares(g, size, clip_dtype, norm_dtype, axes)
+                if plan.tie(k) is not None:  # its magnitude is its norm (one row)
+                    own[k] = (sq, jnp.sqrt(sq))
+                    continue
+                parts.append(sq)
                 terms += 1
             else:
                 sq_m = tap.rule.sq_norms(plan.eqn(tap), tap.pos, a, g, clip_dtype, norm_dtype)
+                if plan.tie(k) is not None:
+                    own[k] = sq_m
+                    continue
                 parts.append(cancellation_floor(*sq_m).astype(norm_dtype))
                 terms += 1
+    for tie in plan.ties:  # one part per tied leaf: both layers' terms and their cross term
+        e, h = plan.taps[tie.embedding], plan.taps[tie.head]
+        ids, dy = acts32[tie.embedding], unscale(grads_out[tie.embedding])
+        gh = unscale(grads_out[tie.head])
+        if h.mode == "ghost":
+            cross = cross_term(
+                plan.eqn(e), plan.eqn(h), h.pos, ids, dy, acts32[tie.head], gh, clip_dtype
+            )
+        else:  # the head's per-example gradient is formed
+            cross = formed_cross_term(plan.eqn(e), ids, dy, gh, clip_dtype)
+        with wide(norm_dtype):
+            parts.append(tied_sq_norm(own[tie.embedding], own[tie.head], cross, norm_dtype))
+        terms += 1
     with wide(norm_dtype):
         sq = parts[0]
         for part in parts[1:]:
@@ -274,11 +303,42 @@ def _clipped_sums(reads: _Reads, n_leaves: int, sum_dtype, out_dtype) -> list[An
         sums = [None] * n_leaves
         before = None  # the sum done just before this one
         for k in sorted(range(len(taps)), key=lambda k: taps[k].eqn, reverse=True):
-            before = _layer_sum(reads, k, before, sum_dtype, out_dtype)
+            tie = plan.tie(k)
+            if tie is not None and taps[tie.head].mode == "ghost":
+                if k == tie.head:  # both layers, a block of the table at a time
+                    before = sums[tie.leaf] = _tied_sum(reads, tie, before, sum_dtype, out_dtype)
+                continue
+            # else a tied leaf's two layers add up in sum_dtype, rounded to out_dtype once
+            out = out_dtype if tie is None else sum_dtype
+            before = _layer_sum(reads, k, before, sum_dtype, out)
             # a sliced leaf: the view's sum, zero outside the window (exact)
             shape = plan.jaxpr.jaxpr.invars[taps[k].leaf].aval.shape
-            sums[taps[k].leaf] = from_view(eqns, taps[k].window, shape, before)
+            leaf_sum = from_view(eqns, taps[k].window, shape, before)
+            if sums[taps[k].leaf] is not None:
+                leaf_sum = sums[taps[k].leaf] + leaf_sum
+            sums[taps[k].leaf] = leaf_sum
     return sums
+
+
+def _tied_sum(reads: _Reads, tie, before, sum_dtype, out_dtype):
+    """The clip-weighted sum of a tied table whose head takes the Gram form
+    (:func:`dpmp.clipping.ghost._tied.tied_clipped_sum`)."""
+    plan = reads.plan
+    e, h = plan.taps[tie.embedding], plan.taps[tie.head]
+    return tied_clipped_sum(
+        plan.eqn(e),
+        plan.eqn(h),
+        h.pos,
+        reads.acts[tie.embedding],
+        reads.unscale(reads.grads[tie.embedding]),
+        reads.acts[tie.head],
+        reads.unscale(reads.grads[tie.head]),
+        reads.factor,
+        reads.keep,
+        before,
+        sum_dtype,
+        out_dtype,
+    )
 
 
 def _layer_sum(reads: _Reads, k: int, before, sum_dtype, out_dtype):

@@ -7,8 +7,10 @@ parameter leaf is followed through layout-only operations
 ``squeeze``, ``expand_dims``, ``copy``) and static slices (its "window",
 :mod:`dpmp.clipping.ghost._window`: the layer sees a view of the parameter) to
 the single equation that uses it, whose primitive names the rule of its layer
-family (:func:`dpmp.clipping.ghost._rule.rule_for`). A parameter used anywhere else —
-in two places (tied weights), inside a ``scan``, a ``custom_jvp`` function,
+family (:func:`dpmp.clipping.ghost._rule.rule_for`), or to the two layers of a table
+tied between an embedding and an output projection
+(:mod:`dpmp.clipping.ghost._tied`). A parameter used anywhere else —
+in two other places (shared weights), inside a ``scan``, a ``custom_jvp`` function,
 ``remat``, or by a primitive no rule takes — makes the model unsupported, and
 ``method="auto"`` falls back to per-example gradients: the norm is never
 computed by a rule that does not hold.
@@ -27,6 +29,7 @@ from jax.extend import core as jax_core
 from dpmp.clipping._replay import aval, inline
 from dpmp.clipping.ghost._gram import CANCELLATION
 from dpmp.clipping.ghost._rule import GhostRule, Unsupported, is_float, rule_for, supported
+from dpmp.clipping.ghost._tied import Tie, pair
 from dpmp.clipping.ghost._window import is_window, split_window, view_shape
 
 __all__ = ["GhostPlan", "Tap", "plan_ghost"]
@@ -86,11 +89,18 @@ class GhostPlan:
         other-argument leaves, example leaves; output: the float32 loss).
       taps: one :class:`Tap` per used floating parameter leaf.
       unused: indices of parameter leaves the loss does not use (zero gradient).
+      ties: the leaves tied between an embedding and an output projection, each with
+        two taps whose norms add a cross term (:mod:`dpmp.clipping.ghost._tied`).
     """
 
     jaxpr: Any
     taps: tuple[Tap, ...]
     unused: tuple[int, ...]
+    ties: tuple[Tie, ...] = ()
+
+    def tie(self, k: int) -> Tie | None:
+        """The tie tap ``k`` belongs to, if any."""
+        return next((t for t in self.ties if k in (t.embedding, t.head)), None)
 
     def eqn(self, tap: Tap):
         """The layer equation of ``tap``."""
@@ -159,12 +169,13 @@ def plan_ghost(example_loss: Callable, params, others, example) -> GhostPlan:
     avals = [aval(x) for x in (*p_leaves, *o_leaves, *e_leaves)]
     traced = jax.make_jaxpr(flat_loss)(*avals)
     flat = jax.make_jaxpr(lambda *a: inline(traced.jaxpr, traced.consts, *a))(*avals)
-    taps, unused = _find_taps(flat.jaxpr, len(p_leaves), paths)
-    return GhostPlan(flat, tuple(taps), tuple(unused))
+    taps, unused, ties = _find_taps(flat.jaxpr, len(p_leaves), paths)
+    return GhostPlan(flat, tuple(taps), tuple(unused), tuple(ties))
 
 
-def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[Tap], list[int]]:
-    """Each parameter leaf followed to its layer (or found unused)."""
+def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[Tap], list[int], list[Tie]]:
+    """Each parameter leaf followed to its layer, or to the two layers of a tied
+    embedding and output projection (:mod:`dpmp.clipping.ghost._tied`), or found unused."""
     uses: dict[Any, list[tuple[int, int]]] = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for pos, v in enumerate(eqn.invars):
@@ -172,37 +183,65 @@ def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[Tap], list[int]]:
                 uses.setdefault(v, []).append((i, pos))
     outs = {v for v in jaxpr.outvars if not isinstance(v, jax_core.Literal)}
     param_vars = set(jaxpr.invars[:n_params])
-    taps, unused, claimed = [], [], {}
+    taps, unused, ties, claimed = [], [], [], {}
     for leaf, v in enumerate(jaxpr.invars[:n_params]):
         path = paths[leaf]
         if not is_float(v.aval.dtype):
             raise Unsupported(f"parameter {path}: dtype {v.aval.dtype} is not floating")
         found = _follow(jaxpr, uses, outs, v, path)
-        if found is None:
+        if not found:
             unused.append(leaf)
             continue
-        chain, i, pos = found
-        window, chain = split_window(jaxpr.eqns, chain, _BIJECTIVE, path)
-        eqn = jaxpr.eqns[i]
-        name = eqn.primitive.name
-        rule, kind, ghost = _classify(eqn, pos, chain, jaxpr, path)
-        if window:
-            view = list(view_shape(jaxpr.eqns, window, v.aval.shape))
-            kind = f"{kind} (slice {view} of {list(v.aval.shape)})"
-        for k, u in enumerate(eqn.invars):
-            if k != pos and u in param_vars:
-                raise Unsupported(f"parameter {path}: {name} of two parameters")
-        if i in claimed:
-            raise Unsupported(f"parameter {path}: {name} also takes parameter {claimed[i]}")
-        claimed[i] = path
-        mode = _mode(rule, ghost, eqn, pos)
-        taps.append(Tap(leaf, path, chain, i, pos, rule if ghost else None, kind, mode, window))
-    return taps, unused
+        tied = None
+        if len(found) == 1:
+            layers = [_layer(jaxpr, *found[0], path)]
+        else:
+            try:
+                layers = [_layer(jaxpr, chain, i, pos, path) for chain, i, pos in found]
+            except Unsupported:
+                raise Unsupported(_shared(path, len(found))) from None
+            tied = pair(jaxpr.eqns, layers, v.aval.shape)
+            if tied is None:
+                raise Unsupported(_shared(path, len(layers)))
+            ties.append(Tie(leaf, len(taps) + tied[0], len(taps) + tied[1]))
+        for chain, i, pos, rule, ghost, window, kind in layers:
+            eqn = jaxpr.eqns[i]
+            name = eqn.primitive.name
+            for k, u in enumerate(eqn.invars):
+                if k != pos and u in param_vars:
+                    raise Unsupported(f"parameter {path}: {name} of two parameters")
+            if i in claimed:
+                raise Unsupported(f"parameter {path}: {name} also takes parameter {claimed[i]}")
+            claimed[i] = path
+            mode = _mode(rule, ghost, eqn, pos)
+            if tied:
+                kind = f"{kind} (tied)"
+            elif window:
+                view = list(view_shape(jaxpr.eqns, window, v.aval.shape))
+                kind = f"{kind} (slice {view} of {list(v.aval.shape)})"
+            rule = rule if ghost else None
+            taps.append(Tap(leaf, path, chain, i, pos, rule, kind, mode, window))
+    return taps, unused, ties
 
 
-def _follow(jaxpr, uses, outs, v, path):
-    """``(chain, eqn index, operand position)`` of the layer a parameter variable reaches
-    through layout ops and static slices, or None when it is unused."""
+def _layer(jaxpr, chain, i, pos, path):
+    """``(chain, eqn index, pos, rule, ghost, window, kind)`` of one use of a parameter."""
+    window, chain = split_window(jaxpr.eqns, chain, _BIJECTIVE, path)
+    rule, kind, ghost = _classify(jaxpr.eqns[i], pos, chain, jaxpr, path)
+    return tuple(chain), i, pos, rule, ghost, window, kind
+
+
+def _shared(path, n) -> str:
+    return (
+        f"parameter {path}: used {n} times (shared or tied weights); "
+        "ghost clipping needs each parameter in exactly one layer"
+    )
+
+
+def _follow(jaxpr, uses, outs, v, path) -> list[tuple[list[int], int, int]]:
+    """Per layer a parameter variable reaches through layout ops and static slices,
+    ``(chain, eqn index, operand position)``; empty when it is unused. A variable used
+    twice (tied weights) is followed along each use."""
     chain = []
     while True:
         if v in outs:
@@ -211,19 +250,30 @@ def _follow(jaxpr, uses, outs, v, path):
         if not here:
             if chain:
                 raise Unsupported(f"parameter {path}: transformed but unused")
-            return None
+            return []
         if len(here) > 1:
-            raise Unsupported(
-                f"parameter {path}: used {len(here)} times (shared or tied weights); "
-                "ghost clipping needs each parameter in exactly one layer"
-            )
+            found = []
+            for i, pos in here:
+                found += _follow_use(jaxpr, uses, outs, chain, i, pos, path)
+            return found
         i, pos = here[0]
         eqn = jaxpr.eqns[i]
         if (eqn.primitive.name in _LAYOUT or is_window(eqn)) and pos == 0:
             chain.append(i)
             v = eqn.outvars[0]
             continue
-        return chain, i, pos
+        return [(chain, i, pos)]
+
+
+def _follow_use(jaxpr, uses, outs, chain, i, pos, path):
+    """One use ``(i, pos)`` of a variable reached through ``chain``, followed to its layers."""
+    eqn = jaxpr.eqns[i]
+    if not ((eqn.primitive.name in _LAYOUT or is_window(eqn)) and pos == 0):
+        return [(list(chain), i, pos)]
+    found = _follow(jaxpr, uses, outs, eqn.outvars[0], path)
+    if not found:
+        raise Unsupported(f"parameter {path}: transformed but unused")
+    return [([*chain, i, *rest], j, p) for rest, j, p in found]
 
 
 def _classify(eqn, pos, chain, jaxpr, path) -> tuple[GhostRule, str, bool]:
