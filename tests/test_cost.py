@@ -88,3 +88,19 @@ def test_auto_says_why_it_chose_ghost_on_this_cpu():
     info = g.explain({"w": jax.ShapeDtypeStruct((32, 32), jnp.float32)}, batch)
     assert info["method"] == "ghost"
     assert info["reason"].startswith("ghost: modelled cost on cpu: ghost clipping ")
+
+
+def test_a_tied_table_counts_once_in_the_per_example_memory():
+    """An embedding table that is also the output projection: one gradient per example."""
+    v, d, t = 1000, 64, 8
+
+    def loss(p, e):
+        h = jnp.take(p["wte"], e["x"], axis=0)
+        return jnp.sum((h @ p["wte"].T).astype(jnp.float32))
+
+    params = {"wte": jax.ShapeDtypeStruct((v, d), jnp.float32)}
+    example = {"x": jax.ShapeDtypeStruct((t,), jnp.int32)}
+    plan = plan_ghost(lambda p, o, e: loss(p, e), params, {}, (example,))
+    assert len(plan.taps) == 2
+    method, reason = _choice(plan, "gpu", batch=4096, memory=2**30)  # bf16: 0.49 GiB
+    assert method == "ghost" and "0.488 GiB" in reason, reason

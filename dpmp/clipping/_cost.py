@@ -117,7 +117,8 @@ def modelled_choice(
     device = DEVICES.get(platform, DEVICES["gpu"])
     memory = _device_memory() if memory is None else memory
     per_example = batch_size * jnp.dtype(grad_dtype).itemsize
-    per_example *= sum(plan.eqn(t).invars[t.pos].aval.size for t in plan.taps)
+    # one gradient per parameter leaf, also for a table tied between two layers
+    per_example *= sum({t.leaf: plan.eqn(t).invars[t.pos].aval.size for t in plan.taps}.values())
     if memory and per_example > memory / 4:
         return "ghost", (
             f"per-example gradients would take {per_example / 2**30:.3g} GiB, more than a "
