@@ -23,9 +23,9 @@ non-private ratios of time, compiled memory and compile time, and the clip
 method ``auto`` chose with its reason. Nothing but ``--time`` runs a step
 (``--time-rows`` names the rows it runs; the others are compiled only).
 ``--set`` overrides the config for every row (``--set
-privacy.clip_method="vmap"``). Batch 2 by default: full fine-tuning's private
-step forms a per-example gradient of every parameter (7.6 GB compiled at
-batch 4).
+privacy.clip_method="vmap"``). Batch 2 by default: with per-example gradients
+(``vmap``) full fine-tuning's private step holds a gradient of every parameter
+for each example (7.6 GB compiled at batch 4).
 
 Run: ``python benchmarks/gpt2.py [--rows lora full] [--batch 2] [--tokens 128]
 [--time 5] [--rounds 3] [--time-rows lora] [--set KEY=VALUE] [--note TEXT]
