@@ -33,7 +33,14 @@ from dpmp.clipping.ghost._gram import gram, gram_magnitude_ratio, gram_mode
 from dpmp.clipping.ghost._operands import contract, half_operands
 from dpmp.clipping.ghost._rule import Unsupported, is_float
 
-__all__ = ["DenseRule", "dot_operands", "kn_to_operand"]
+__all__ = [
+    "DenseRule",
+    "column_ranges",
+    "contract_examples",
+    "dot_operands",
+    "kn_to_operand",
+    "weighted_columns",
+]
 
 
 class DenseRule:
@@ -108,7 +115,7 @@ class DenseRule:
             rows = after(keep, before)
             wg = kept_rows(weighted_examples(g, factor, dtype), rows)
             am, gm = _batch_operands(eqn, pos, kept_rows(a.astype(dtype), rows), wg)
-            kn = _contract(am, gm, dtype)
+            kn = contract_examples(am, gm, dtype)
         else:
             kn = _blocked_sum(eqn, pos, a, g, factor, keep, before, dtype, out_dtype)
         return kn_to_operand(eqn, pos, kn)
@@ -120,10 +127,26 @@ def _batch_operands(eqn, pos, x, w):
     return am.reshape(-1, am.shape[-1]), gm.reshape(-1, gm.shape[-1])
 
 
-def _contract(x, w, dtype):
+def contract_examples(x, w, dtype):
+    """``x^T w``: the leading (examples and tokens) axis of both contracted, in ``dtype``."""
     return lax.dot_general(
         x, w, (((0,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=dtype
     )
+
+
+def column_ranges(n: int, rows: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` blocks of ``n`` output columns, at most ``max(rows, 128)`` wide, for
+    a wide sum over ``rows`` (examples x tokens) that holds one block at a time."""
+    width = max(rows, 128)
+    return [(lo, min(n, lo + width)) for lo in range(0, n, width)]
+
+
+def weighted_columns(gm, lo: int, hi: int, factor, keep, dtype):
+    """Columns ``lo:hi`` of the output gradients ``gm [B, T, N]`` weighted by
+    ``factor`` in ``dtype``, as ``[B T, hi - lo]``; rows of examples not in ``keep``
+    exactly 0."""
+    wg = kept_rows(weighted_examples(gm[..., lo:hi], factor, dtype), keep)
+    return wg.reshape(gm.shape[0] * gm.shape[1], hi - lo)
 
 
 def _blocked_sum(eqn, pos, a, g, factor, keep, before, dtype, out_dtype):
@@ -132,14 +155,11 @@ def _blocked_sum(eqn, pos, a, g, factor, keep, before, dtype, out_dtype):
     am, gm = jax.vmap(lambda a_, g_: dot_operands(eqn, pos, a_, g_))(a, g)
     bt, k, n = am.shape[0] * am.shape[1], am.shape[-1], gm.shape[-1]
     x = kept_rows(am.astype(dtype), after(keep, before)).reshape(bt, k)
-    width = max(bt, 128)
     kn = jnp.zeros((k, n), out_dtype)
     done = before
-    for lo in range(0, n, width):
-        hi = min(n, lo + width)
-        rows = after(keep, done)
-        wg = kept_rows(weighted_examples(gm[..., lo:hi], factor, dtype), rows)
-        done = _contract(x, wg.reshape(bt, hi - lo), dtype).astype(out_dtype)
+    for lo, hi in column_ranges(n, bt):
+        wg = weighted_columns(gm, lo, hi, factor, after(keep, done), dtype)
+        done = contract_examples(x, wg, dtype).astype(out_dtype)
         # int32 start indices: under enable_x64 Python ints would be int64, which
         # a later vmap of this function (outside the scope) truncates with a warning.
         kn = lax.dynamic_update_slice(kn, done, (np.int32(0), np.int32(lo)))

@@ -62,7 +62,13 @@ from jax import lax
 
 from dpmp.clipping._rounding import HIGHEST, higham_gamma
 from dpmp.clipping._weighted import after, kept_rows, weighted_examples
-from dpmp.clipping.ghost._dense import DenseRule, dot_operands
+from dpmp.clipping.ghost._dense import (
+    DenseRule,
+    column_ranges,
+    contract_examples,
+    dot_operands,
+    weighted_columns,
+)
 from dpmp.clipping.ghost._embedding import EmbeddingRule
 from dpmp.clipping.ghost._gram import cancellation_floor, gamma, row_dot_sum
 from dpmp.clipping.ghost._operands import contract
@@ -243,20 +249,11 @@ def tied_clipped_sum(
     slot = jnp.where(valid, jnp.clip(flat_ids, 0, vocab - 1), vocab).reshape(-1)
     wdy = kept_rows(weighted_examples(dy.reshape(*flat_ids.shape, dim), factor, dtype), rows)
     wdy = wdy.reshape(-1, dim)
-    width = max(bt, 128)
     out = jnp.zeros((vocab, dim), out_dtype)
     done = before
-    for lo in range(0, vocab, width):
-        hi = min(vocab, lo + width)
-        rows = after(keep, done)
-        wg = kept_rows(weighted_examples(gm[..., lo:hi], factor, dtype), rows)
-        head = lax.dot_general(
-            wg.reshape(bt, hi - lo),
-            x,
-            (((0,), (0,)), ((), ())),
-            precision=HIGHEST,
-            preferred_element_type=dtype,
-        )
+    for lo, hi in column_ranges(vocab, bt):
+        wg = weighted_columns(gm, lo, hi, factor, after(keep, done), dtype)
+        head = contract_examples(wg, x, dtype)  # [hi - lo, D]: the table's rows
         local = jnp.where((slot >= lo) & (slot < hi), slot - lo, hi - lo)
         emb = jnp.zeros((hi - lo, dim), dtype).at[local].add(wdy, mode="drop")
         done = (head + emb).astype(out_dtype)
