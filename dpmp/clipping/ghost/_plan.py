@@ -258,17 +258,23 @@ def _follow(jaxpr, uses, outs, v, path) -> list[tuple[list[int], int, int]]:
             return found
         i, pos = here[0]
         eqn = jaxpr.eqns[i]
-        if (eqn.primitive.name in _LAYOUT or is_window(eqn)) and pos == 0:
+        if _passes(eqn, pos):
             chain.append(i)
             v = eqn.outvars[0]
             continue
         return [(chain, i, pos)]
 
 
+def _passes(eqn, pos: int) -> bool:
+    """Whether a parameter followed into operand ``pos`` of ``eqn`` passes through it
+    to a layer: a layout op or a static slice of it."""
+    return pos == 0 and (eqn.primitive.name in _LAYOUT or is_window(eqn))
+
+
 def _follow_use(jaxpr, uses, outs, chain, i, pos, path):
     """One use ``(i, pos)`` of a variable reached through ``chain``, followed to its layers."""
     eqn = jaxpr.eqns[i]
-    if not ((eqn.primitive.name in _LAYOUT or is_window(eqn)) and pos == 0):
+    if not _passes(eqn, pos):
         return [(list(chain), i, pos)]
     found = _follow(jaxpr, uses, outs, eqn.outvars[0], path)
     if not found:
