@@ -933,6 +933,7 @@ def test_a_slice_with_another_use_falls_back_and_ghost_refuses(loss, message):
         ghost(params, batch)
 
 
+@pytest.mark.slow  # a whole tiny GPT-2, ~15 s; the sliced bias has its small cases above
 def test_gpt2_positions_take_a_ghost_norm_through_their_slice():
     """A tiny GPT-2 reading 6 of its 10 positions: the learned positions wpe[:6] no
     longer stop ghost clipping (nor does its tied token embedding, see
