@@ -230,6 +230,22 @@ def test_ghost_step_needs_the_non_private_steps_memory_on_dense_layers(accumulat
     assert private <= most * nonprivate, (private, nonprivate)
 
 
+def test_a_wide_layers_float64_sum_in_ten_blocks_is_float64_clipping():
+    """``w2`` with 1,200 outputs over 12 examples: its float64 clipped sum is taken
+    in ten blocks of at most 128 columns; the result is float64 per-example
+    clipping's."""
+    params, batch = mlp_init(d_out=1200), classification_batch(12, d_out=1200)
+    ref = per_example_grads_f64(mlp_loss, params, batch)
+    clip = float(np.median(clipped_sum_f64(ref, 1.0)[1]))
+    want, _ = clipped_sum_f64(ref, clip)
+    g = dpmp.private_grad(mlp_loss, l2_clip_norm=clip, policy="f32", method="ghost")
+    rules = {r["param"]: r["rule"] for r in g.explain(params, batch)["layers"]}
+    assert rules["['w2']"] == "gram", rules
+    assert str(jax.make_jaxpr(g)(params, batch)).count("dynamic_update_slice") >= 10
+    got = _flat(jax.jit(g)(params, batch).grads)
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+
+
 def test_ghost_equals_vmap_with_an_overflow_inside_a_per_example_layer():
     """An inf pixel overflows the convolutions, whose per-example kernel gradients are
     formed inside the backward pass: both methods drop exactly that example."""

@@ -12,13 +12,18 @@ from tests._reference import clipped_sum_f64, flat
 
 V, D, T, B = 11, 6, 5, 12
 # (vocabulary, tokens): the head takes the Gram form (T (D + V) < D V; its sum in one
-# block of table rows, or in three), or forms its per-example gradient (the dense
-# rule's own choice); the cross term and the sum follow either.
-HEADS = {"gram": (40, 3), "gram-blocks": (300, 3), "per-example": (V, T)}
+# block of table rows, in three, or in ten), or forms its per-example gradient (the
+# dense rule's own choice); the cross term and the sum follow either.
+HEADS = {
+    "gram": (40, 3),
+    "gram-blocks": (300, 3),
+    "gram-wide": (1200, 3),
+    "per-example": (V, T),
+}
 
 
 def _rule(head):
-    return head.split("-blocks")[0]
+    return "gram" if head.startswith("gram") else head
 
 
 def _lm_loss(p, b):
@@ -105,10 +110,11 @@ def test_tied_lm_per_example_norms_are_certified(head):
 
     sums, got = jax.jit(lambda: jax.lax.map(alone, jnp.arange(B)))()
     got = np.asarray(got, np.float64)
-    assert np.all(got >= norms) and np.all(got <= norms * (1 + 1e-5)), (got, norms)
+    slack = 1e-4 if head == "gram-wide" else 1e-5  # the Gram bound grows with V u
+    assert np.all(got >= norms) and np.all(got <= norms * (1 + slack)), (got, norms)
     flat_ref = np.concatenate([ref[k].reshape(B, -1) for k in sorted(ref)], axis=1)
     want = flat_ref * np.minimum(1.0, clip / norms)[:, None]
-    np.testing.assert_allclose(np.asarray(sums, np.float64), want, rtol=0, atol=1e-5 * clip)
+    np.testing.assert_allclose(np.asarray(sums, np.float64), want, rtol=0, atol=slack * clip)
 
 
 def _cancel_loss(p, b):
