@@ -172,41 +172,16 @@ def _squared_norms(plan, acts, grads_out, p32, unscale, clip_dtype, norm_dtype):
     formed = {}  # tap index -> that layer's per-example gradients, unscaled
     parts, terms, own = [], 0, {}  # own: tied tap index -> its (sq, m), unfloored
     (stored, acts32), (unscale, inv) = acts, unscale
-    for k, (tap, g, a, p) in enumerate(zip(plan.taps, grads_out, acts32, p32)):
-        if tap.mode == "ghost" and _reads_half(tap, stored[k], g, clip_dtype):
-            # The rule reads the stored half values; the scale leaves its results.
-            eqn = plan.eqn(tap)
-            ratio = tap.rule.magnitude_ratio(eqn, tap.pos, clip_dtype, norm_dtype)
-            with wide(norm_dtype):
-                sq_m = tap.rule.sq_norms(eqn, tap.pos, stored[k], g, clip_dtype, norm_dtype)
-                sq_m = unscaled_norms(*sq_m, inv, clip_dtype, ratio)
-                if plan.tie(k) is not None:
-                    own[k] = sq_m
-                    continue
-                parts.append(cancellation_floor(*sq_m).astype(norm_dtype))
-            terms += 1
-            continue
-        g = unscale(g)  # unscale first, in the clip dtype
-        if tap.mode == "after":
-            layer = site(plan, tap, clip_dtype)
-            g = formed[k] = jax.vmap(lambda a_, g_, s=layer, q=p: layer_grad(s, q, a_, g_))(a, g)
+    for k, (g, a, p) in enumerate(zip(grads_out, acts32, p32)):
+        sq, m = _tap_sq_norm(
+            plan, k, stored[k], a, g, p, (unscale, inv), formed, clip_dtype, norm_dtype
+        )
         with wide(norm_dtype):
-            if tap.mode != "ghost":  # this layer's per-example gradient
-                size = math.prod(g.shape[1:])
-                axes = tuple(range(1, g.ndim))
-                sq = sum_of_squares(g, size, clip_dtype, norm_dtype, axes)
-                if plan.tie(k) is not None:  # its magnitude is its norm (one row)
-                    own[k] = (sq, jnp.sqrt(sq))
-                    continue
-                parts.append(sq)
-                terms += 1
-            else:
-                sq_m = tap.rule.sq_norms(plan.eqn(tap), tap.pos, a, g, clip_dtype, norm_dtype)
-                if plan.tie(k) is not None:
-                    own[k] = sq_m
-                    continue
-                parts.append(cancellation_floor(*sq_m).astype(norm_dtype))
-                terms += 1
+            if plan.tie(k) is not None:  # unfloored: its leaf's part is added below
+                own[k] = (sq, jnp.sqrt(sq) if m is None else m)
+                continue
+            parts.append(sq if m is None else cancellation_floor(sq, m).astype(norm_dtype))
+        terms += 1
     for tie in plan.ties:  # one part per tied leaf: both layers' terms and their cross term
         e, h = plan.taps[tie.embedding], plan.taps[tie.head]
         ids, dy = acts32[tie.embedding], unscale(grads_out[tie.embedding])
@@ -226,6 +201,33 @@ def _squared_norms(plan, acts, grads_out, p32, unscale, clip_dtype, norm_dtype):
             sq = sq + part
         sq = certified_sum_of_squares(sq, terms, norm_dtype).astype(clip_dtype)
     return sq, formed
+
+
+def _tap_sq_norm(plan, k, stored, a, g, p, unscale, formed, clip_dtype, norm_dtype):
+    """``(sq, m)`` of tap ``k``, per example: the certified squared norm of its unscaled
+    gradient (``norm_dtype``) and, for a ghost norm, the magnitude its cancellation floor
+    reads (``None`` where the gradient is formed: a formed gradient's norm is its
+    magnitude). ``stored``, ``a``: the stored operand as it is and in the clip dtype;
+    ``g``: the cotangent, scale inside; ``unscale``: the function and ``1 / S``. An
+    ``after`` tap's gradient is formed here and kept in ``formed``."""
+    tap = plan.taps[k]
+    unscale, inv = unscale
+    if tap.mode == "ghost" and _reads_half(tap, stored, g, clip_dtype):
+        # The rule reads the stored half values; the scale leaves its results.
+        eqn = plan.eqn(tap)
+        ratio = tap.rule.magnitude_ratio(eqn, tap.pos, clip_dtype, norm_dtype)
+        with wide(norm_dtype):
+            sq_m = tap.rule.sq_norms(eqn, tap.pos, stored, g, clip_dtype, norm_dtype)
+            return unscaled_norms(*sq_m, inv, clip_dtype, ratio)
+    g = unscale(g)  # unscale first, in the clip dtype
+    if tap.mode == "after":
+        layer = site(plan, tap, clip_dtype)
+        g = formed[k] = jax.vmap(lambda a_, g_: layer_grad(layer, p, a_, g_))(a, g)
+    with wide(norm_dtype):
+        if tap.mode == "ghost":
+            return tap.rule.sq_norms(plan.eqn(tap), tap.pos, a, g, clip_dtype, norm_dtype)
+        axes = tuple(range(1, g.ndim))  # this layer's per-example gradient
+        return sum_of_squares(g, math.prod(g.shape[1:]), clip_dtype, norm_dtype, axes), None
 
 
 def _reads_half(tap: Tap, a, g, clip_dtype) -> bool:
