@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jax_core
 
+from dpmp.clipping._jaxpr import uses as jaxpr_uses
 from dpmp.clipping._replay import aval, bind, inline
 
 __all__ = ["merged_weight", "unmerged"]
@@ -90,12 +91,7 @@ def merged_weight(w, adapter, alpha: float):
 def _dense_layers(jaxpr, named, adapters) -> dict[int, int]:
     """``{equation index: base leaf}`` of the dense layers whose adapted weight takes
     the low-rank path."""
-    uses: dict[Any, list[tuple[int, int]]] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for pos, v in enumerate(eqn.invars):
-            if not isinstance(v, jax_core.Literal):
-                uses.setdefault(v, []).append((i, pos))
-    outs = {v for v in jaxpr.outvars if not isinstance(v, jax_core.Literal)}
+    uses, outs = jaxpr_uses(jaxpr)
     found = {}
     for leaf, (v, name) in enumerate(zip(jaxpr.invars, named)):
         if name is None:

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend import core as jax_core
 
+from dpmp.clipping._jaxpr import uses as jaxpr_uses
 from dpmp.clipping._replay import aval, inline
 from dpmp.clipping.ghost._gram import CANCELLATION
 from dpmp.clipping.ghost._rule import GhostRule, Unsupported, is_float, rule_for, supported
@@ -176,12 +176,7 @@ def plan_ghost(example_loss: Callable, params, others, example) -> GhostPlan:
 def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[Tap], list[int], list[Tie]]:
     """Each parameter leaf followed to its layer, or to the two layers of a tied
     embedding and output projection (:mod:`dpmp.clipping.ghost._tied`), or found unused."""
-    uses: dict[Any, list[tuple[int, int]]] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for pos, v in enumerate(eqn.invars):
-            if not isinstance(v, jax_core.Literal):
-                uses.setdefault(v, []).append((i, pos))
-    outs = {v for v in jaxpr.outvars if not isinstance(v, jax_core.Literal)}
+    uses, outs = jaxpr_uses(jaxpr)
     param_vars = set(jaxpr.invars[:n_params])
     taps, unused, ties, claimed = [], [], [], {}
     for leaf, v in enumerate(jaxpr.invars[:n_params]):
