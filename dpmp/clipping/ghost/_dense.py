@@ -35,9 +35,9 @@ from dpmp.clipping.ghost._rule import Unsupported, is_float
 
 __all__ = [
     "DenseRule",
-    "column_ranges",
     "contract_examples",
     "dot_operands",
+    "in_blocks",
     "kn_to_operand",
     "weighted_columns",
 ]
@@ -134,11 +134,20 @@ def contract_examples(x, w, dtype):
     )
 
 
-def column_ranges(n: int, rows: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` blocks of ``n`` output columns, at most ``max(rows, 128)`` wide, for
-    a wide sum over ``rows`` (examples x tokens) that holds one block at a time."""
-    width = max(rows, 128)
-    return [(lo, min(n, lo + width)) for lo in range(0, n, width)]
+def in_blocks(out, n: int, rows: int, block, axis: int, before):
+    """``out`` with its ``n`` entries along ``axis`` written a block at a time, for a
+    wide sum over ``rows`` (examples x tokens) that holds one block at a time: blocks
+    ``[lo, hi)`` at most ``max(rows, 128)`` wide, ``block(lo, hi, done)`` giving each
+    from the one done just before it (``before`` for the first, read through
+    :func:`after`), so that each is started only once the one before is done."""
+    done, width = before, max(rows, 128)
+    for lo in range(0, n, width):
+        hi = min(n, lo + width)
+        done = block(lo, hi, done)
+        # int32 start indices: under enable_x64 Python ints would be int64, which
+        # a later vmap of this function (outside the scope) truncates with a warning.
+        out = lax.dynamic_update_slice_in_dim(out, done, np.int32(lo), axis)
+    return out
 
 
 def weighted_columns(gm, lo: int, hi: int, factor, keep, dtype):
@@ -151,19 +160,16 @@ def weighted_columns(gm, lo: int, hi: int, factor, keep, dtype):
 
 def _blocked_sum(eqn, pos, a, g, factor, keep, before, dtype, out_dtype):
     """:meth:`DenseRule.clipped_sum` accumulated in a wider ``dtype``, a block of the
-    output's columns at a time, as ``[K, N]`` in ``out_dtype``."""
+    output's columns at a time (:func:`in_blocks`), as ``[K, N]`` in ``out_dtype``."""
     am, gm = jax.vmap(lambda a_, g_: dot_operands(eqn, pos, a_, g_))(a, g)
     bt, k, n = am.shape[0] * am.shape[1], am.shape[-1], gm.shape[-1]
     x = kept_rows(am.astype(dtype), after(keep, before)).reshape(bt, k)
-    kn = jnp.zeros((k, n), out_dtype)
-    done = before
-    for lo, hi in column_ranges(n, bt):
+
+    def block(lo, hi, done):
         wg = weighted_columns(gm, lo, hi, factor, after(keep, done), dtype)
-        done = contract_examples(x, wg, dtype).astype(out_dtype)
-        # int32 start indices: under enable_x64 Python ints would be int64, which
-        # a later vmap of this function (outside the scope) truncates with a warning.
-        kn = lax.dynamic_update_slice(kn, done, (np.int32(0), np.int32(lo)))
-    return kn
+        return contract_examples(x, wg, dtype).astype(out_dtype)
+
+    return in_blocks(jnp.zeros((k, n), out_dtype), n, bt, block, 1, before)
 
 
 def _tkn(eqn, pos) -> tuple[int, int, int]:

@@ -57,16 +57,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from dpmp.clipping._rounding import HIGHEST, higham_gamma
 from dpmp.clipping._weighted import after, kept_rows, weighted_examples
 from dpmp.clipping.ghost._dense import (
     DenseRule,
-    column_ranges,
     contract_examples,
     dot_operands,
+    in_blocks,
     weighted_columns,
 )
 from dpmp.clipping.ghost._embedding import EmbeddingRule
@@ -249,13 +248,12 @@ def tied_clipped_sum(
     slot = jnp.where(valid, jnp.clip(flat_ids, 0, vocab - 1), vocab).reshape(-1)
     wdy = kept_rows(weighted_examples(dy.reshape(*flat_ids.shape, dim), factor, dtype), rows)
     wdy = wdy.reshape(-1, dim)
-    out = jnp.zeros((vocab, dim), out_dtype)
-    done = before
-    for lo, hi in column_ranges(vocab, bt):
+
+    def block(lo, hi, done):
         wg = weighted_columns(gm, lo, hi, factor, after(keep, done), dtype)
         head = contract_examples(wg, x, dtype)  # [hi - lo, D]: the table's rows
         local = jnp.where((slot >= lo) & (slot < hi), slot - lo, hi - lo)
         emb = jnp.zeros((hi - lo, dim), dtype).at[local].add(wdy, mode="drop")
-        done = (head + emb).astype(out_dtype)
-        out = lax.dynamic_update_slice(out, done, (np.int32(lo), np.int32(0)))
-    return out
+        return (head + emb).astype(out_dtype)
+
+    return in_blocks(jnp.zeros((vocab, dim), out_dtype), vocab, bt, block, 0, before)
