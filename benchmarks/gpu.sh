@@ -1,24 +1,35 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/performance.md in at most SECONDS (default 900), each benchmark under
-# its own time limit so that one slow compile cannot take the others' time. On an H100 the
-# four took about 150, 190, 110 + 100 and 180 s (mostly compiling); with less time the later
-# ones are cut or left out:
+# The GPU figures of docs/performance.md and docs/language-models.md in at most SECONDS
+# (default 900), each benchmark under its own time limit so that one slow compile cannot take
+# the others' time. The runs, in this order (name, cap in seconds):
 #
-#   1. transformers.py at GPT-2 small's shape (vocab 50257, 128 tokens, width 768, 12 blocks,
-#      batch 16): non-private, vmap and ghost private gradients, float32 and bf16;
-#   2. transformers.py on the guide ViT and the byte LM, the same methods and policies;
-#   3. peers.py on the GPU: the whole private step (dpmp's default) against Opacus's hooks and
-#      ghost modes, torch on the same GPU, for the byte LM and the guide ViT (--models gpt2 adds
-#      the GPT-2 shape; on the H100 its steps were not ready 90 s after it started);
-#   4. gpt2.py: private LoRA and full fine-tuning steps of a random GPT-2 small checkpoint
-#      against non-private ones (bf16 policy).
+#   transformers_gpt2 (190)  transformers.py at GPT-2 small's shape (vocab 50257, 128 tokens,
+#       width 768, 12 blocks, batch 16): non-private, vmap and ghost private gradients, float32
+#       and bf16;
+#   transformers (220)  transformers.py on the guide ViT and the byte LM, the same methods and
+#       policies;
+#   peers (240)  peers.py: the whole private step (dpmp's default, and with a float32 sum)
+#       against Opacus's hooks and ghost modes, torch on the same GPU, for the byte LM and the
+#       guide ViT, float32 (torch in TF32);
+#   peers_bf16 (240)  the same with dpmp's bf16 policy and torch under bf16 autocast;
+#   transformers_lm (150)  the transformers run on the byte LM alone (not in the default list:
+#       transformers includes it);
+#   gpt2 (600)  gpt2.py: private LoRA and full fine-tuning steps of a random GPT-2 small
+#       checkpoint against non-private ones (bf16 policy).
 #
-# Usage: benchmarks/gpu.sh OUTDIR [SECONDS]; the JSON files and log.txt go to OUTDIR. Run from
-# the repository root with dpmp importable (pip install -e . or PYTHONPATH=.) and, for 3,
-# torch with CUDA and opacus.
+# On an H100 transformers_gpt2, transformers, peers and gpt2 took about 150, 190, 110 + 100 and
+# 180 s (mostly compiling); with less time the later ones are cut or left out. peers.py's
+# --models gpt2 adds the GPT-2 shape (on the H100 its steps were not ready 90 s after it
+# started).
+#
+# Usage: benchmarks/gpu.sh OUTDIR [SECONDS [RUN...]] (RUN: the names above; default all); the
+# JSON files and log.txt go to OUTDIR. Run from the repository root with dpmp importable
+# (pip install -e . or PYTHONPATH=.) and, for the peers runs, torch with CUDA and opacus.
 set -u
 out=${1:?usage: benchmarks/gpu.sh OUTDIR [SECONDS]}
 budget=${2:-900}
+shift $(($# < 2 ? $# : 2))
+wanted=" ${*:-transformers_gpt2 transformers peers peers_bf16 gpt2} "
 mkdir -p "$out"
 exec > >(tee "$out/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
@@ -27,6 +38,7 @@ py=${PYTHON:-python3}
 run() {  # NAME CAP COMMAND...: at most CAP seconds, and never past the budget
     local name=$1 cap=$2 left t
     shift 2
+    [[ $wanted == *" $name "* ]] || return 0
     left=$((budget - SECONDS))
     t=$((cap < left ? cap : left))
     if [ "$t" -lt 30 ]; then
@@ -49,9 +61,14 @@ run transformers_gpt2 190 $py benchmarks/transformers.py --models lm "${gpt2_sha
     --methods $methods --repeats 3 --no-check --json "$out/transformers_gpt2.json"
 run transformers 220 $py benchmarks/transformers.py --methods $methods --repeats 3 --no-check \
     --json "$out/transformers.json"
-run peers 240 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 $py benchmarks/peers.py \
-    --models lm,guide_vit --repeats 3 \
-    --variants jax_nonprivate,dpmp,torch_nonprivate,opacus_hooks,opacus_ghost \
-    --json "$out/peers.json"
+peer_variants=jax_nonprivate,dpmp,dpmp_f32sum,torch_nonprivate,opacus_hooks,opacus_ghost
+for policy in f32 bf16; do
+    name=peers$([ $policy = bf16 ] && echo _bf16)
+    run $name 240 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 $py benchmarks/peers.py \
+        --models lm,guide_vit --repeats 3 --policy $policy --variants $peer_variants \
+        --json "$out/$name.json"
+done
+run transformers_lm 150 $py benchmarks/transformers.py --models lm --methods $methods \
+    --repeats 3 --no-check --json "$out/transformers_lm.json"
 run gpt2 600 $py benchmarks/gpt2.py --rows lora full --time 5 --rounds 1 --json "$out/gpt2.json"
 echo "== done at ${SECONDS} s"

@@ -62,6 +62,10 @@ same number by pinning the process to ``--threads`` CPUs when it may use more
 (both frameworks then share those CPUs; they never run at once). All are
 recorded in the JSON (``--json``) with the versions of every package involved.
 
+``--policy bf16`` builds the JAX models in bf16 compute (float32 parameters) with
+dpmp's ``bf16`` policy, and runs torch's forward pass and loss under ``torch.autocast``
+in bf16 (float32 parameters and Adam on both sides); the default is float32.
+
 On a GPU (``--device cuda``, the default where torch sees one) torch runs on it too,
 its float32 products in TF32 as XLA:GPU's default precision runs them, a torch step is
 timed up to ``torch.cuda.synchronize()``, and no thread count is set.
@@ -72,6 +76,7 @@ build, and Opacus); torch is imported only once the arguments are read.
     python benchmarks/peers.py --json peers.json          # all four models
     python benchmarks/peers.py --models mlp,lm --repeats 3
     python benchmarks/peers.py --quick                    # tiny batches: a smoke run
+    python benchmarks/peers.py --models lm --policy bf16  # bf16 compute, torch autocast
 """
 
 from __future__ import annotations
@@ -97,6 +102,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 JAX_VARIANTS = ("jax_nonprivate", "dpmp", "dpmp_plain", "dpmp_f32sum", "dpmp_nonoise", "jaxprivacy")
 TORCH_VARIANTS = ("torch_nonprivate", "opacus_hooks", "opacus_ghost", "opacus_functorch")
 VARIANTS = JAX_VARIANTS + TORCH_VARIANTS
+# --policy: dpmp's policy for the JAX steps; torch runs the bf16 one under autocast.
+POLICIES = {"f32": "fp32", "bf16": "bf16"}
 MODELS = ("mlp", "cnn", "vit", "lm", "guide_vit", "gpt2")
 DEFAULT_MODELS = ("mlp", "cnn", "vit", "lm")  # the CPU table; the last two are for GPUs
 # GPT-2 small's shape in benchmarks/transformers.py's language model (untied head, 128 tokens).
@@ -120,8 +127,9 @@ PACKAGES = ("dpmp", "jax", "jaxlib", "flax", "optax", "jax-privacy", "numpy", "t
 # ----------------------------------------------------------------------------- JAX
 
 
-def jax_model(model: str, batch_size: int, quick: bool):
-    """``(loss_fn, params, batch, sizes)``: the model of dpmp's own benchmarks in float32."""
+def jax_model(model: str, batch_size: int, quick: bool, policy: str = "f32"):
+    """``(loss_fn, params, batch, sizes)``: the model of dpmp's own benchmarks, computing in
+    ``policy``'s compute dtype (parameters float32)."""
     if model in ("lm", "gpt2", "guide_vit"):
         import transformers as tfm  # benchmarks/transformers.py
 
@@ -131,15 +139,15 @@ def jax_model(model: str, batch_size: int, quick: bool):
             full = tfm.LM_FULL if model == "lm" else dict(tfm.LM_FULL, **GPT2_SHAPE)
             sizes = dict(tfm.LM_QUICK if quick else full, batch=batch_size)
         family = "guide_vit" if model == "guide_vit" else "lm"
-        loss_fn, params, batch, _ = tfm.build(family, "f32", sizes)
+        loss_fn, params, batch, _ = tfm.build(family, policy, sizes)
         return loss_fn, params, batch, sizes
     import clipping  # benchmarks/clipping.py
 
-    loss_fn, params, batch = clipping.build(model, "f32", batch_size)
+    loss_fn, params, batch = clipping.build(model, POLICIES[policy], batch_size)
     return loss_fn, params, batch, {"batch": batch_size}
 
 
-def jax_steps(variants, loss_fn, params, batch) -> dict[str, Callable]:
+def jax_steps(variants, loss_fn, params, batch, policy: str = "f32") -> dict[str, Callable]:
     """Each JAX variant as ``step()``: one full training step from the state it keeps."""
     import jax
     import jax.numpy as jnp
@@ -169,7 +177,7 @@ def jax_steps(variants, loss_fn, params, batch) -> dict[str, Callable]:
         if name in variants:
             step = dpmp.private_step(
                 dpmp.private_grad(
-                    loss_fn, l2_clip_norm=CLIP, policy="fp32", accumulation=accumulation
+                    loss_fn, l2_clip_norm=CLIP, policy=POLICIES[policy], accumulation=accumulation
                 ),
                 optax.adam(LEARNING_RATE),
                 params=params,
@@ -203,11 +211,11 @@ def _stateful(fn: Callable, state) -> Callable:
     return step
 
 
-def dpmp_method(loss_fn, params, batch) -> str:
+def dpmp_method(loss_fn, params, batch, policy: str = "f32") -> str:
     """What ``dpmp.private_grad(method="auto")`` chooses for the model, and why."""
     import dpmp
 
-    g = dpmp.private_grad(loss_fn, l2_clip_norm=CLIP, policy="fp32", method="auto")
+    g = dpmp.private_grad(loss_fn, l2_clip_norm=CLIP, policy=POLICIES[policy], method="auto")
     try:
         ex = g.explain(params, batch)
     except Exception as e:  # noqa: BLE001 - informative only
@@ -338,8 +346,12 @@ def per_example_loss(module, batch):
     return (ce.view_as(m) * m).sum(1) / m.sum(1).clamp(min=1.0)
 
 
-def torch_steps(variants, model: str, sizes: dict, batch, device: str) -> tuple[dict, int]:
-    """Each PyTorch variant as ``step()`` on ``device``, and the model's parameter count."""
+def torch_steps(
+    variants, model: str, sizes: dict, batch, device: str, policy: str = "f32"
+) -> tuple[dict, int]:
+    """Each PyTorch variant as ``step()`` on ``device``, and the model's parameter count;
+    with ``policy="bf16"`` the forward pass and loss run under ``torch.autocast`` in bf16
+    (float32 parameters and optimizer, as dpmp's bf16 policy keeps them)."""
     import torch
 
     fns, count = {}, None
@@ -349,12 +361,12 @@ def torch_steps(variants, model: str, sizes: dict, batch, device: str) -> tuple[
         count = sum(p.numel() for p in module.parameters())
         optimizer = torch.optim.Adam(module.parameters(), lr=LEARNING_RATE)
         if name == "torch_nonprivate":
-            fns[name] = _torch_step(module, optimizer, batch, ghost=False)
+            fns[name] = _torch_step(module, optimizer, batch, False, device, policy)
             continue
         mode = name.removeprefix("opacus_")
         rows = len(batch["mask" if "mask" in batch else "y"])
         module, optimizer = _make_private(module, optimizer, mode, rows)
-        fns[name] = _torch_step(module, optimizer, batch, ghost=mode == "ghost")
+        fns[name] = _torch_step(module, optimizer, batch, mode == "ghost", device, policy)
     return fns, count
 
 
@@ -382,15 +394,18 @@ def _make_private(module, optimizer, mode: str, batch_size: int):
     return out[0], out[1]
 
 
-def _torch_step(module, optimizer, batch, ghost: bool) -> Callable:
+def _torch_step(module, optimizer, batch, ghost: bool, device: str, policy: str) -> Callable:
     """``step()``: forward, backward (Opacus's two passes for ghost), ``optimizer.step()``."""
+    import torch
     from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
     module.train()
+    bf16 = policy == "bf16"
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        losses = per_example_loss(module, batch)
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
+            losses = per_example_loss(module, batch)
         if ghost:
             DPTensorFastGradientClipping(module, optimizer, losses, "mean").backward()
         else:
@@ -504,20 +519,21 @@ def versions() -> dict:
 def run_model(model: str, variants, args) -> dict:
     """Build, check the parameter counts, time, and print one model's table."""
     batch_size = (QUICK_BATCH if args.quick else BATCH)[model]
-    loss_fn, params, batch, sizes = jax_model(model, batch_size, args.quick)
+    loss_fn, params, batch, sizes = jax_model(model, batch_size, args.quick, args.policy)
     import jax
 
     jax_count = sum(x.size for x in jax.tree.leaves(params))
-    fns = jax_steps([v for v in variants if v in JAX_VARIANTS], loss_fn, params, batch)
+    fns = jax_steps([v for v in variants if v in JAX_VARIANTS], loss_fn, params, batch, args.policy)
     tfns, torch_count = torch_steps(
         [v for v in variants if v in TORCH_VARIANTS],
         model,
         sizes,
         torch_batch(batch, args.device),
         args.device,
+        args.policy,
     )
     assert torch_count in (None, jax_count), f"{model}: {torch_count} torch, {jax_count} JAX params"
-    method = dpmp_method(loss_fn, params, batch)
+    method = dpmp_method(loss_fn, params, batch, args.policy)
     both = "in both" if torch_count else "(JAX only)"
     print(f"\n{model}: {jax_count:,} parameters {both}, batch {batch_size}; dpmp: {method}")
     fns, info, errors = prepare({**fns, **tfns})
@@ -561,6 +577,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5; quick 1)")
+    ap.add_argument(
+        "--policy",
+        choices=tuple(POLICIES),
+        default="f32",
+        help="compute dtype: dpmp's policy for JAX, torch.autocast for bf16 (default f32)",
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch's and XLA:CPU's threads")
     ap.add_argument(
         "--device",
@@ -616,6 +638,7 @@ def main(argv=None) -> int:
         "cpu": platform.processor() or platform.machine(),
         "versions": versions(),
         "torch_device": args.device,
+        "policy": args.policy,
         "threads": threads,
         "repeats": args.repeats,
         "quick": args.quick,
@@ -627,7 +650,8 @@ def main(argv=None) -> int:
     v = results["versions"]
     print(
         f"{results['device']}; jax {v['jax']}, dpmp {v['dpmp']}, jax-privacy {v['jax-privacy']}, "
-        f"torch {v['torch']}, opacus {v['opacus']}; threads: {threads}; {args.repeats} round(s)"
+        f"torch {v['torch']}, opacus {v['opacus']}; policy {args.policy}; threads: {threads}; "
+        f"{args.repeats} round(s)"
     )
     for model in models:
         results["models"][model] = run_model(model, variants, args)

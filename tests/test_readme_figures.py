@@ -196,27 +196,35 @@ PEER_COLUMNS = (
 )
 
 
-def peers_rows(data: dict) -> list[str]:
+def peers_rows(data: dict, ms_format: str = ",.0f") -> list[str]:
     """docs/performance.md's rows for benchmarks/peers.py's results: each variant's
-    milliseconds a step and its ratio to its own framework's non-private step, then
-    dpmp's default step over the fastest Opacus mode's."""
+    milliseconds a step (in ``ms_format``) and its ratio to its own framework's
+    non-private step, for the variants the run timed, then dpmp's default step over
+    the fastest Opacus mode's."""
     rows = []
     for model, rec in data["models"].items():
         v = rec["variants"]
         cells = [f"{model}, {rec['params']:,} params, batch {rec['batch']}"]
-        for name in PEER_COLUMNS:
-            ms = v[name]["median_s"] * 1e3
+        for name in (n for n in PEER_COLUMNS if n in v):
+            ms = f"{v[name]['median_s'] * 1e3:{ms_format}} ms"
             own = v[name]["x_own_nonprivate"]
-            cells.append(
-                f"{ms:,.0f} ms" if name.endswith("nonprivate") else f"{ms:,.0f} ms, {own:.2f}x"
-            )
+            cells.append(ms if name.endswith("nonprivate") else f"{ms}, {own:.2f}x")
         cells.append(f"{v['dpmp']['x_fastest_opacus']:.2f}x ({rec['fastest_opacus']})")
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 
 
-def test_peers_table_is_the_committed_results():
-    """docs/performance.md's table against Opacus and jax-privacy is benchmarks/peers.py's."""
-    data = json.loads((RESULTS / "cpu_2core_peers.json").read_text())
-    missing = [row for row in peers_rows(data) if row not in PAGE.read_text()]
-    assert not missing, "expected rows:\n" + "\n".join(missing)
+# (results file, how its table prints milliseconds)
+PEER_TABLES = {
+    "cpu_2core_peers.json": ",.0f",
+    "gpu_h100_peers.json": ",.2f",
+    "gpu_h100_peers_bf16.json": ",.2f",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PEER_TABLES))
+def test_peers_table_is_the_committed_results(name):
+    """docs/performance.md's tables against Opacus and jax-privacy are benchmarks/peers.py's."""
+    data = json.loads((RESULTS / name).read_text())
+    missing = [row for row in peers_rows(data, PEER_TABLES[name]) if row not in PAGE.read_text()]
+    assert not missing, f"{name}: expected rows:\n" + "\n".join(missing)
