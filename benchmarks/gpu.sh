@@ -12,13 +12,18 @@
 #       against Opacus's hooks and ghost modes, torch on the same GPU, for the byte LM and the
 #       guide ViT, float32 (torch in TF32);
 #   peers_bf16 (240)  the same with dpmp's bf16 policy and torch under bf16 autocast;
+#   profile (180)  step_profile.py: the non-private and the private step of the byte LM and
+#       the guide ViT under jax.profiler, kernel time by stage (forward/backward, norms,
+#       clipped sum, noise, optimizer) against the device's busy time and the step's wall time;
+#   profile_bf16 (180)  the same in bf16;
 #   transformers_lm (150)  the transformers run on the byte LM alone (not in the default list:
 #       transformers includes it);
 #   gpt2 (600)  gpt2.py: private LoRA and full fine-tuning steps of a random GPT-2 small
 #       checkpoint against non-private ones (bf16 policy).
 #
-# On an H100 transformers_gpt2, transformers, peers and gpt2 took about 150, 190, 110 + 100 and
-# 180 s (mostly compiling); with less time the later ones are cut or left out. peers.py's
+# On an H100 transformers_gpt2, transformers and gpt2 took about 150, 190 and 180 s (mostly
+# compiling), peers_bf16 231 s, and peers ran past its 240 s in its guide ViT (which took 137 s
+# alone); with less time the later ones are cut or left out. peers.py's
 # --models gpt2 adds the GPT-2 shape (on the H100 its steps were not ready 90 s after it
 # started).
 #
@@ -29,7 +34,7 @@ set -u
 out=${1:?usage: benchmarks/gpu.sh OUTDIR [SECONDS]}
 budget=${2:-900}
 shift $(($# < 2 ? $# : 2))
-wanted=" ${*:-transformers_gpt2 transformers peers peers_bf16 gpt2} "
+wanted=" ${*:-transformers_gpt2 transformers peers peers_bf16 profile profile_bf16 gpt2} "
 mkdir -p "$out"
 exec > >(tee "$out/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
@@ -67,6 +72,11 @@ for policy in f32 bf16; do
     run $name 240 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 $py benchmarks/peers.py \
         --models lm,guide_vit --repeats 3 --policy $policy --variants $peer_variants \
         --json "$out/$name.json"
+done
+for policy in f32 bf16; do
+    name=profile$([ $policy = bf16 ] && echo _bf16)
+    run $name 180 $py benchmarks/step_profile.py --models lm,guide_vit --policy $policy \
+        --json "$out/step_$name.json"
 done
 run transformers_lm 150 $py benchmarks/transformers.py --models lm --methods $methods \
     --repeats 3 --no-check --json "$out/transformers_lm.json"

@@ -1,7 +1,9 @@
-"""benchmarks/peers.py reads its arguments without torch, and its two frameworks' models match.
+"""benchmarks/peers.py reads its arguments without torch, and its two frameworks' models match;
+benchmarks/step_profile.py attributes a step's kernels to its stages.
 
-The benchmark itself is not part of the test suite (it takes minutes and needs
-an idle machine); these checks run its command line and its model builders.
+The benchmarks themselves are not part of the test suite (they take minutes and
+need an idle machine); these checks run their command lines, model builders and
+parsers.
 """
 
 import subprocess
@@ -73,3 +75,57 @@ def test_peers_models_have_equal_parameter_counts():
         "guide_vit": (10_694_794, 10_694_794),
         "gpt2": (162_399_313, 162_399_313),
     }
+
+
+def test_step_profile_busy_time_is_the_union_of_kernel_intervals():
+    """benchmarks/step_profile.py's device busy time: overlapping kernels count once,
+    against a count of busy nanoseconds one by one."""
+    sys.path.insert(0, str(PEERS.parent))
+    import numpy as np
+    import step_profile
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        starts = rng.integers(0, 200, size=12)
+        spans = [(int(a), int(a + d)) for a, d in zip(starts, rng.integers(0, 40, size=12))]
+        busy = np.zeros(260, bool)
+        for a, b in spans:
+            busy[a:b] = True
+        assert step_profile._union(spans) == busy.sum()
+
+
+def test_step_profile_reads_instructions_and_their_op_names():
+    sys.path.insert(0, str(PEERS.parent))
+    import jax
+    import jax.numpy as jnp
+    import step_profile
+
+    def f(x):
+        with jax.named_scope("dpmp_noise"):
+            y = jnp.sin(x) * 2
+        return jax.lax.fori_loop(0, 3, lambda i, v: v @ x, y)
+
+    x = jnp.ones((8, 8))
+    ops = step_profile.instructions(jax.jit(f).lower(x).compile().as_text())
+    assert any(opcode == "while" for opcode, _ in ops.values())
+    assert any("dpmp_noise/sin" in op for _, op in ops.values())
+
+
+@pytest.mark.slow  # ~15 s: two tiny models' steps compiled, run and traced
+def test_step_profile_attributes_the_private_steps_time_to_its_stages(tmp_path):
+    out = tmp_path / "profile.json"
+    run = subprocess.run(
+        [sys.executable, str(PEERS.parent / "step_profile.py"), "--quick", "--models", "mlp",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    import json
+
+    rec = json.loads(out.read_text())["models"]["mlp"]
+    private = rec["private"]["kernel_ms_by_stage"]
+    for stage in ("forward_backward", "norms", "clipped_sum", "noise", "optimizer"):
+        assert private.get(stage, 0) > 0, (stage, private)
+    assert set(rec["non-private"]["kernel_ms_by_stage"]) == {"rest"}
+    attributed = sum(private.values())
+    assert rec["private"]["unmatched_ms"] < 0.05 * attributed

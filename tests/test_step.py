@@ -379,3 +379,39 @@ def test_a_step_built_from_objects_on_four_devices_is_the_trainers_step(tmp_path
     got = run_on_host_devices(tmp_path, "builder_mesh.py", _MESH_MATCH, timeout=300)
     assert got["None"]["equal"] and got["48"]["equal"], got
     assert got["None"]["parts"] == 4 and got["48"]["parts"] % 4 == 0 < got["48"]["examples"]
+
+
+@pytest.mark.parametrize("method", ["ghost", "vmap"])
+def test_every_stage_of_the_private_step_is_named_in_its_program(method):
+    """A profile of the compiled step can tell its stages apart: each runs under its
+    ``jax.named_scope`` (``dpmp.precision._stages``), noise inside the optimizer."""
+    import re
+
+    from dpmp.precision._stages import STAGES, stage_of
+
+    def loss_fn(p, b):
+        h = jnp.tanh(b["x"] @ p["w1"])
+        return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w1": jax.random.normal(k1, (6, 8)), "w2": jax.random.normal(k2, (8, 1))}
+    batch = {"x": jnp.ones((4, 6)), "y": jnp.zeros((4, 1))}
+    grad_fn = dpmp.private_grad(loss_fn, l2_clip_norm=1.0, policy="fp32", method=method)
+    step = dpmp.private_step(
+        grad_fn,
+        optax.adam(1e-3),
+        params=params,
+        batch=batch,
+        noise_multiplier=1.0,
+        noise_key=jax.random.key(1),
+        expected_batch_size=4,
+        padded_batch_size=4,
+    )
+    pad = jnp.zeros((4,), bool)
+    text = jax.jit(lambda s: step(s, batch, pad)[0]).lower(step.init(params)).compile().as_text()
+    op_names = re.findall(r'op_name="([^"]*)"', text)
+    assert {stage_of(op) for op in op_names} >= set(STAGES)
+    noise = [op for op in op_names if stage_of(op) == "noise"]
+    assert noise and all(STAGES["optimizer"] in op for op in noise)
+    plain = jax.jit(jax.grad(loss_fn)).lower(params, batch).compile().as_text()
+    assert {stage_of(op) for op in re.findall(r'op_name="([^"]*)"', plain)} == {None}

@@ -14,6 +14,7 @@ from dpmp.clipping._chunks import by_example_chunks
 from dpmp.clipping._rounding import certified_sum_of_squares, wide
 from dpmp.clipping._setup import Setup
 from dpmp.clipping._weighted import weighted_example_sum
+from dpmp.precision._stages import STAGES
 
 __all__ = ["vmap_clipped_sum"]
 
@@ -27,23 +28,25 @@ def vmap_clipped_sum(setup: Setup, params, s, others, is_padding, *batch):
     clip_dtype, acc_dtype = setup.clip_dtype, setup.acc_dtype
     per_example = functools.partial(_per_example, setup)
     in_axes = (None, None, None) + (0,) * len(setup.argnums)
-    grads, losses = jax.vmap(per_example, in_axes=in_axes)(params, s, others, *batch)
+    with jax.named_scope(STAGES["forward_backward"]):
+        grads, losses = jax.vmap(per_example, in_axes=in_axes)(params, s, others, *batch)
     # Per-example gradients are B x P values. Reduced in float32, XLA:CPU keeps
     # the products it reduces (squares, weighted gradients) at that size; reduced
     # in float64 its products would be twice as large, so there the gradients are
     # read a chunk of examples at a time (:func:`by_example_chunks`).
     widened = jnp.dtype(acc_dtype) != jnp.dtype(setup.sum_dtype)
     sq_norms = jax.vmap(functools.partial(_example_sq_norm, setup), in_axes=(0, None))
-    if jnp.dtype(setup.norm_dtype) != jnp.dtype(clip_dtype):
-        sq = by_example_chunks(lambda g: (None, sq_norms(g, s)), grads)[1]
-    else:
-        sq = sq_norms(grads, s)
-    norms = jnp.sqrt(sq)
-    finite = jnp.isfinite(sq)
-    keep = finite & ~is_padding
-    safe = jnp.where(keep, norms, jnp.ones_like(norms))
-    factor = jnp.minimum(jnp.ones_like(safe), jnp.asarray(setup.clip_norm, clip_dtype) / safe)
-    factor = jnp.where(keep, factor, jnp.zeros_like(factor)) / s.astype(clip_dtype)
+    with jax.named_scope(STAGES["norms"]):
+        if jnp.dtype(setup.norm_dtype) != jnp.dtype(clip_dtype):
+            sq = by_example_chunks(lambda g: (None, sq_norms(g, s)), grads)[1]
+        else:
+            sq = sq_norms(grads, s)
+        norms = jnp.sqrt(sq)
+        finite = jnp.isfinite(sq)
+        keep = finite & ~is_padding
+        safe = jnp.where(keep, norms, jnp.ones_like(norms))
+        factor = jnp.minimum(jnp.ones_like(safe), jnp.asarray(setup.clip_norm, clip_dtype) / safe)
+        factor = jnp.where(keep, factor, jnp.zeros_like(factor)) / s.astype(clip_dtype)
 
     def weighted_sums(chunk):
         g, f, k = chunk
@@ -51,10 +54,11 @@ def vmap_clipped_sum(setup: Setup, params, s, others, is_padding, *batch):
             sums = jax.tree.map(lambda x: weighted_example_sum(x, f, k, acc_dtype), g)
         return sums, None
 
-    if widened:
-        sums = by_example_chunks(weighted_sums, (grads, factor, keep), acc_dtype)[0]
-    else:
-        sums = weighted_sums((grads, factor, keep))[0]
+    with jax.named_scope(STAGES["clipped_sum"]):
+        if widened:
+            sums = by_example_chunks(weighted_sums, (grads, factor, keep), acc_dtype)[0]
+        else:
+            sums = weighted_sums((grads, factor, keep))[0]
     return sums, (norms, finite, losses)
 
 

@@ -41,6 +41,7 @@ from dpmp.noise._entropy import key_from
 from dpmp.noise._registry import drawn_sampler
 from dpmp.noise._sharding import NoiseSharding
 from dpmp.precision._policy import Policy
+from dpmp.precision._stages import STAGES
 
 __all__ = ["draws_snapped", "gaussian_privatizer", "private_optimizer"]
 
@@ -129,8 +130,9 @@ def gaussian_privatizer(
     def update(sum_of_clipped_grads, noise_state, params=None):
         # ``noise_state`` is jax-privacy's name for it: callers may pass it by keyword.
         del params
-        grads = _lift_to(sum_of_clipped_grads, policy.noise)
-        return drawn.update(inner, grads, noise_state, stddev=stddev, sharding=sharding)
+        with jax.named_scope(STAGES["noise"]):
+            grads = _lift_to(sum_of_clipped_grads, policy.noise)
+            return drawn.update(inner, grads, noise_state, stddev=stddev, sharding=sharding)
 
     return optax.GradientTransformation(init, update)
 
@@ -184,9 +186,10 @@ def private_optimizer(
                         f"params: master parameters must be float32 or wider, got {p.dtype}; "
                         "keep params in policy.param and cast to the compute dtype in the loss"
                     )
-        updates, state = chained.update(grads, state, params)
-        if params is not None:
-            updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
-        return updates, state
+        with jax.named_scope(STAGES["optimizer"]):
+            updates, state = chained.update(grads, state, params)
+            if params is not None:
+                updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+            return updates, state
 
     return optax.GradientTransformation(chained.init, update)

@@ -37,6 +37,7 @@ from dpmp.clipping.ghost._tied import (
     tied_sq_norm,
 )
 from dpmp.clipping.ghost._window import from_view
+from dpmp.precision._stages import STAGES
 
 __all__ = ["ghost_clipped_sum"]
 
@@ -67,26 +68,29 @@ def ghost_clipped_sum(
     """
     norm_dtype = clip_dtype if norm_dtype is None else norm_dtype
     out_dtype = sum_dtype if out_dtype is None else out_dtype
-    losses, acts, grads_out = _tapped_backward(
-        plan, params_leaves, others_leaves, batch_leaves, scale, clip_dtype
-    )
+    with jax.named_scope(STAGES["forward_backward"]):
+        losses, acts, grads_out = _tapped_backward(
+            plan, params_leaves, others_leaves, batch_leaves, scale, clip_dtype
+        )
     acts32 = [None if a is None else _cast_act(a, clip_dtype) for a in acts]
     p32 = [view(plan, t, params_leaves[t.leaf]).astype(clip_dtype) for t in plan.taps]
     inv = (1 / scale.astype(clip_dtype)).astype(clip_dtype)
     unscale = functools.partial(_unscale, inv=inv, dtype=clip_dtype)
-    sq, formed = _squared_norms(
-        plan, (acts, acts32), grads_out, p32, (unscale, inv), clip_dtype, norm_dtype
-    )
-    finite = jnp.isfinite(sq)
-    norms = jnp.sqrt(sq)
+    with jax.named_scope(STAGES["norms"]):
+        sq, formed = _squared_norms(
+            plan, (acts, acts32), grads_out, p32, (unscale, inv), clip_dtype, norm_dtype
+        )
+        finite = jnp.isfinite(sq)
+        norms = jnp.sqrt(sq)
 
-    keep = finite & ~is_padding
-    safe = jnp.where(keep, norms, jnp.ones_like(norms))
-    factor = jnp.minimum(jnp.ones_like(safe), jnp.asarray(clip_norm, clip_dtype) / safe)
-    factor = jnp.where(keep, factor, jnp.zeros_like(factor))
+        keep = finite & ~is_padding
+        safe = jnp.where(keep, norms, jnp.ones_like(norms))
+        factor = jnp.minimum(jnp.ones_like(safe), jnp.asarray(clip_norm, clip_dtype) / safe)
+        factor = jnp.where(keep, factor, jnp.zeros_like(factor))
 
     reads = _Reads(plan, acts32, grads_out, p32, formed, unscale, factor, keep)
-    sums = _clipped_sums(reads, len(params_leaves), sum_dtype, out_dtype)
+    with jax.named_scope(STAGES["clipped_sum"]):
+        sums = _clipped_sums(reads, len(params_leaves), sum_dtype, out_dtype)
     for leaf in plan.unused:
         with wide(sum_dtype):
             sums[leaf] = jnp.zeros(jnp.shape(params_leaves[leaf]), sum_dtype)

@@ -1,0 +1,236 @@
+"""Where a private step's time goes: a profile of its compiled program, stage by stage.
+
+For each model (those of ``benchmarks/peers.py``), this compiles the non-private step
+(``jax.grad`` of the batch's mean loss, Adam) and dpmp's default private step
+(``dpmp.private_step`` around ``dpmp.private_grad(method=--method)``, snapped noise at
+noise multiplier 1, Adam), times ``--steps`` steps of each untraced, then runs them
+again under ``jax.profiler`` and adds up the time of the compiled program's kernels
+(XLA:GPU) or thunks (XLA:CPU) by the stage their HLO ``op_name`` names
+(``dpmp.precision._stages``): forward and backward passes that clipping reads, clipping
+norms, clipped sum, noise, optimizer, and the rest (the model's own passes in the
+non-private step, the step's glue in the private one).
+
+On a GPU the kernels of one stream run one at a time, so the report also gives the
+device's busy time per step (the union of its kernels' intervals) against the step's
+wall time: what is left is time the GPU waited for the host (kernel launches, a
+conditional's predicate read back, synchronisation). On a CPU the thunks of several
+threads overlap, so their times are summed over threads and no busy time is given.
+
+    python benchmarks/step_profile.py --models lm,guide_vit --json profile.json
+    python benchmarks/step_profile.py --models mlp --policy bf16 --steps 3
+    python benchmarks/step_profile.py --quick        # tiny sizes: a smoke run
+
+Times under the profiler are a little longer than untraced ones; the shares are
+what this is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}  # hold other thunks
+
+
+def build_steps(model: str, batch_size: int, quick: bool, policy: str, method: str) -> dict:
+    """``{"non-private": (fn, state, args), "private": ...}`` with ``fn`` jitted."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import peers
+
+    import dpmp
+
+    loss_fn, params, batch, _ = peers.jax_model(model, batch_size, quick, policy)
+    opt = optax.adam(peers.LEARNING_RATE)
+
+    @jax.jit
+    def nonprivate(state):
+        p, s = state
+        updates, s = opt.update(jax.grad(loss_fn)(p, batch), s, p)
+        return optax.apply_updates(p, updates), s
+
+    g = dpmp.private_grad(
+        loss_fn, l2_clip_norm=peers.CLIP, policy=peers.POLICIES[policy], method=method
+    )
+    b = len(jax.tree.leaves(batch)[0])
+    step = dpmp.private_step(
+        g,
+        opt,
+        params=params,
+        batch=batch,
+        noise_multiplier=peers.SIGMA,
+        noise_key=jax.random.key(0),  # a benchmark's key; never a training run's
+        expected_batch_size=b,
+        padded_batch_size=b,
+    )
+    pad = jnp.zeros((b,), bool)
+    private = jax.jit(lambda s: step(s, batch, pad)[0])
+    return {
+        "non-private": (nonprivate, (params, opt.init(params))),
+        "private": (private, step.init(params)),
+    }
+
+
+def instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """``{instruction name: (opcode, op_name)}`` of a compiled module's HLO text."""
+    out = {}
+    pattern = r"\s*(?:ROOT )?%?([\w.\-]+) = \S+(?: \S+)*? ([a-z][\w\-]*)\("
+    for line in hlo_text.splitlines():
+        m = re.match(pattern, line)
+        if m:
+            op = re.search(r'op_name="([^"]*)"', line)
+            out[m.group(1)] = (m.group(2), op.group(1) if op else "")
+    return out
+
+
+def _stat(event, key: str):
+    for k, v in event.stats:
+        if k == key:
+            return v
+    return None
+
+
+def profile(fn, state, steps: int) -> dict:
+    """Untraced and traced times of ``steps`` calls, and the traced kernel time by stage."""
+    import jax
+
+    from dpmp.precision._stages import stage_of
+
+    compiled = fn.lower(state).compile()
+    ops = instructions(compiled.as_text())
+    module = re.match(r"HloModule (\S+?),", compiled.as_text()).group(1)
+    for _ in range(3):
+        state = jax.block_until_ready(compiled(state))
+    t = time.perf_counter()
+    for _ in range(steps):
+        state = compiled(state)
+    jax.block_until_ready(state)
+    wall = (time.perf_counter() - t) / steps
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        t = time.perf_counter()
+        for _ in range(steps):
+            state = compiled(state)
+        jax.block_until_ready(state)
+        traced = (time.perf_counter() - t) / steps
+        jax.profiler.stop_trace()
+        data = jax.profiler.ProfileData.from_file(
+            glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
+        )
+    per_stage, kernels = collections.Counter(), collections.Counter()
+    intervals, unmatched = [], 0.0
+    for plane in data.planes:
+        on_device = plane.name.startswith("/device:")
+        for line in plane.lines:
+            for ev in line.events:
+                name = _stat(ev, "hlo_op") or (ev.name if on_device else None)
+                if name is None or _stat(ev, "hlo_module") not in (None, module):
+                    continue
+                opcode, op_name = ops.get(name, ("", ""))
+                if opcode in CONTAINERS:
+                    continue
+                ms = ev.duration_ns / 1e6 / steps
+                if not op_name and name not in ops:
+                    unmatched += ms
+                    continue
+                per_stage[stage_of(op_name) or "rest"] += ms
+                kernels[name] += ms
+                if on_device:
+                    intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+    busy = _union(intervals) / 1e6 / steps if intervals else None
+    return {
+        "ms_per_step": wall * 1e3,
+        "traced_ms_per_step": traced * 1e3,
+        "device_busy_ms_per_step": busy,
+        "kernel_ms_by_stage": dict(per_stage.most_common()),
+        "kernels_per_step": sum(1 for _ in kernels),
+        "top_kernels_ms": [(k, ops.get(k, ("", ""))[1], v) for k, v in kernels.most_common(12)],
+        "unmatched_ms": unmatched,
+    }
+
+
+def _union(intervals) -> float:
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
+
+
+STAGE_ORDER = ("forward_backward", "norms", "clipped_sum", "noise", "optimizer", "rest")
+
+
+def report(model: str, rec: dict) -> None:
+    for kind in ("non-private", "private"):
+        r = rec[kind]
+        busy = r["device_busy_ms_per_step"]
+        idle = "" if busy is None else f", device busy {busy:.2f} ms"
+        print(
+            f"\n{model} {kind}: {r['ms_per_step']:.2f} ms/step "
+            f"({r['traced_ms_per_step']:.2f} traced{idle}); {r['kernels_per_step']} kernels"
+        )
+        total = sum(r["kernel_ms_by_stage"].values()) or 1.0
+        for stage in STAGE_ORDER:
+            ms = r["kernel_ms_by_stage"].get(stage)
+            if ms is not None:
+                print(f"  {stage:18} {ms:9.2f} ms  {ms / total:6.1%}")
+        for name, op_name, ms in r["top_kernels_ms"][:6]:
+            print(f"    {ms:8.2f} ms  {name[:40]:40} {op_name[-70:]}")
+
+
+def main(argv=None) -> int:
+    import peers
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="lm", help=f"comma-separated: {', '.join(peers.MODELS)}")
+    ap.add_argument("--policy", choices=tuple(peers.POLICIES), default="f32")
+    ap.add_argument("--method", default="auto", help="private_grad's method (default auto)")
+    ap.add_argument("--steps", type=int, default=10, help="steps timed and traced (default 10)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes and batches, 2 steps")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    for m in models:
+        if m not in peers.MODELS:
+            ap.error(f"--models: unknown {m!r}; allowed: {', '.join(peers.MODELS)}")
+    steps = 2 if args.quick else args.steps
+    import jax
+
+    device = jax.devices()[0]
+    out = {
+        "device": f"{device.platform} {device.device_kind}",
+        "jax": jax.__version__,
+        "policy": args.policy,
+        "method": args.method,
+        "steps": steps,
+        "models": {},
+    }
+    print(f"{out['device']}, jax {jax.__version__}, policy {args.policy}, {steps} steps")
+    for model in models:
+        batch = (peers.QUICK_BATCH if args.quick else peers.BATCH)[model]
+        built = build_steps(model, batch, args.quick, args.policy, args.method)
+        rec = {"batch": batch}
+        for kind, (fn, state) in built.items():
+            rec[kind] = profile(fn, state, steps)
+        report(model, rec)
+        out["models"][model] = rec
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
