@@ -3,12 +3,14 @@
 For each model (those of ``benchmarks/peers.py``), this compiles the non-private step
 (``jax.grad`` of the batch's mean loss, Adam) and dpmp's default private step
 (``dpmp.private_step`` around ``dpmp.private_grad(method=--method)``, snapped noise at
-noise multiplier 1, Adam), times ``--steps`` steps of each untraced, then runs them
-again under ``jax.profiler`` and adds up the time of the compiled program's kernels
+noise multiplier 1, Adam), times three rounds of ``--steps`` steps of each untraced
+(the median round per step), then runs them again under ``jax.profiler`` and adds up
+the time of the compiled program's kernels
 (XLA:GPU) or thunks (XLA:CPU) by the stage their HLO ``op_name`` names
 (``dpmp.precision._stages``): forward and backward passes that clipping reads, clipping
 norms, clipped sum, noise, optimizer, and the rest (the model's own passes in the
-non-private step, the step's glue in the private one).
+non-private step, the step's glue in the private one); "unnamed" is the time of kernels
+whose metadata XLA dropped (on XLA:CPU some batched products of attention).
 
 On a GPU the kernels of one stream run one at a time, so the report also gives the
 device's busy time per step (the union of its kernels' intervals) against the step's
@@ -32,12 +34,14 @@ import glob
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+ROUNDS = 3  # untraced rounds of --steps steps; their median is the step's time
 CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}  # hold other thunks
 
 
@@ -82,14 +86,31 @@ def build_steps(model: str, batch_size: int, quick: bool, policy: str, method: s
 
 
 def instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
-    """``{instruction name: (opcode, op_name)}`` of a compiled module's HLO text."""
-    out = {}
-    pattern = r"\s*(?:ROOT )?%?([\w.\-]+) = \S+(?: \S+)*? ([a-z][\w\-]*)\("
+    """``{instruction name: (opcode, op_name)}`` of a compiled module's HLO text. A fusion
+    without metadata of its own (XLA:CPU's library fusions) takes the op_name of the
+    computation it calls (its root's, else its first instruction's that has one)."""
+    out, calls, first = {}, {}, {}
+    computation = None
+    pattern = r"\s*(ROOT )?%?([\w.\-]+) = \S+(?: \S+)*? ([a-z][\w\-]*)\("
     for line in hlo_text.splitlines():
+        header = re.match(r"(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$", line)
+        if header:
+            computation = header.group(1)
+            continue
         m = re.match(pattern, line)
-        if m:
-            op = re.search(r'op_name="([^"]*)"', line)
-            out[m.group(1)] = (m.group(2), op.group(1) if op else "")
+        if not m:
+            continue
+        op = re.search(r'op_name="([^"]*)"', line)
+        op_name = op.group(1) if op else ""
+        out[m.group(2)] = (m.group(3), op_name)
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        if called:
+            calls[m.group(2)] = called.group(1)
+        if op_name and computation and (m.group(1) or computation not in first):
+            first[computation] = op_name  # a root's op_name wins over the first one
+    for name, (opcode, op_name) in out.items():
+        if not op_name and name in calls:
+            out[name] = (opcode, first.get(calls[name], ""))
     return out
 
 
@@ -111,11 +132,14 @@ def profile(fn, state, steps: int) -> dict:
     module = re.match(r"HloModule (\S+?),", compiled.as_text()).group(1)
     for _ in range(3):
         state = jax.block_until_ready(compiled(state))
-    t = time.perf_counter()
-    for _ in range(steps):
-        state = compiled(state)
-    jax.block_until_ready(state)
-    wall = (time.perf_counter() - t) / steps
+    rounds = []
+    for _ in range(ROUNDS):
+        t = time.perf_counter()
+        for _ in range(steps):
+            state = compiled(state)
+        jax.block_until_ready(state)
+        rounds.append((time.perf_counter() - t) / steps)
+    wall = statistics.median(rounds)
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         t = time.perf_counter()
@@ -127,7 +151,7 @@ def profile(fn, state, steps: int) -> dict:
         data = jax.profiler.ProfileData.from_file(
             glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
         )
-    per_stage, kernels = collections.Counter(), collections.Counter()
+    per_stage, kernels, stages = collections.Counter(), collections.Counter(), {}
     intervals, unmatched = [], 0.0
     for plane in data.planes:
         on_device = plane.name.startswith("/device:")
@@ -143,8 +167,10 @@ def profile(fn, state, steps: int) -> dict:
                 if not op_name and name not in ops:
                     unmatched += ms
                     continue
-                per_stage[stage_of(op_name) or "rest"] += ms
+                stage = (stage_of(op_name) or "rest") if op_name else "unnamed"
+                per_stage[stage] += ms
                 kernels[name] += ms
+                stages[name] = stage
                 if on_device:
                     intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
     busy = _union(intervals) / 1e6 / steps if intervals else None
@@ -154,7 +180,10 @@ def profile(fn, state, steps: int) -> dict:
         "device_busy_ms_per_step": busy,
         "kernel_ms_by_stage": dict(per_stage.most_common()),
         "kernels_per_step": sum(1 for _ in kernels),
-        "top_kernels_ms": [(k, ops.get(k, ("", ""))[1], v) for k, v in kernels.most_common(12)],
+        "top_kernels_ms": {
+            stage: [(k, ops[k][1], v) for k, v in kernels.most_common() if stages[k] == stage][:5]
+            for stage in per_stage
+        },
         "unmatched_ms": unmatched,
     }
 
@@ -169,7 +198,7 @@ def _union(intervals) -> float:
     return total
 
 
-STAGE_ORDER = ("forward_backward", "norms", "clipped_sum", "noise", "optimizer", "rest")
+STAGE_ORDER = ("forward_backward", "norms", "clipped_sum", "noise", "optimizer", "rest", "unnamed")
 
 
 def report(model: str, rec: dict) -> None:
@@ -186,8 +215,8 @@ def report(model: str, rec: dict) -> None:
             ms = r["kernel_ms_by_stage"].get(stage)
             if ms is not None:
                 print(f"  {stage:18} {ms:9.2f} ms  {ms / total:6.1%}")
-        for name, op_name, ms in r["top_kernels_ms"][:6]:
-            print(f"    {ms:8.2f} ms  {name[:40]:40} {op_name[-70:]}")
+            for name, op_name, ms in r["top_kernels_ms"].get(stage, [])[:2]:
+                print(f"      {ms:8.2f} ms  {name[:32]:32} {op_name[-64:]}")
 
 
 def main(argv=None) -> int:

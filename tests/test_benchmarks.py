@@ -126,6 +126,6 @@ def test_step_profile_attributes_the_private_steps_time_to_its_stages(tmp_path):
     private = rec["private"]["kernel_ms_by_stage"]
     for stage in ("forward_backward", "norms", "clipped_sum", "noise", "optimizer"):
         assert private.get(stage, 0) > 0, (stage, private)
-    assert set(rec["non-private"]["kernel_ms_by_stage"]) == {"rest"}
+    assert set(rec["non-private"]["kernel_ms_by_stage"]) <= {"rest", "unnamed"}
     attributed = sum(private.values())
     assert rec["private"]["unmatched_ms"] < 0.05 * attributed

@@ -228,3 +228,37 @@ def test_peers_table_is_the_committed_results(name):
     data = json.loads((RESULTS / name).read_text())
     missing = [row for row in peers_rows(data, PEER_TABLES[name]) if row not in PAGE.read_text()]
     assert not missing, f"{name}: expected rows:\n" + "\n".join(missing)
+
+
+PROFILE_STAGES = (
+    "forward_backward",
+    "norms",
+    "clipped_sum",
+    "noise",
+    "optimizer",
+    "rest",
+    "unnamed",
+)
+
+
+def profile_rows(data: dict) -> list[str]:
+    """docs/performance.md's rows for benchmarks/step_profile.py's results: the steps'
+    times, then the private step's kernel (thunk) milliseconds by stage."""
+    rows = []
+    for model, rec in data["models"].items():
+        n, p = rec["non-private"], rec["private"]
+        cells = [
+            f"{model}, batch {rec['batch']}",
+            f"{n['ms_per_step']:,.0f} ms",
+            f"{p['ms_per_step']:,.0f} ms, {p['ms_per_step'] / n['ms_per_step']:.2f}x",
+        ]
+        by_stage = p["kernel_ms_by_stage"]
+        cells += [f"{by_stage[s]:,.1f}" if s in by_stage else "-" for s in PROFILE_STAGES]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def test_step_profile_table_is_the_committed_results():
+    data = json.loads((RESULTS / "cpu_2core_step_profile.json").read_text())
+    missing = [row for row in profile_rows(data) if row not in PAGE.read_text()]
+    assert not missing, "expected rows:\n" + "\n".join(missing)

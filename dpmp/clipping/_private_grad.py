@@ -100,6 +100,7 @@ from dpmp.clipping._vmap import vmap_clipped_sum
 from dpmp.precision._casting import cast_tree
 from dpmp.precision._loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from dpmp.precision._policy import Policy
+from dpmp.precision._stages import STAGES
 
 __all__ = [
     "PrivateGrad",
@@ -319,7 +320,8 @@ def _clipped_grad(
     wide_sums, (norms, finite, losses) = _summed_fn(setup, plan)(
         diff_params, s, others, is_padding_example, *batch_args
     )
-    with wide(setup.acc_dtype):  # the one rounding of the float64 sum
+    with wide(setup.acc_dtype), jax.named_scope(STAGES["clipped_sum"]):
+        # the one rounding of the float64 sum
         sums = jax.tree.map(lambda x: x.astype(setup.sum_dtype), wide_sums)
     stats = batch_stats(norms, finite, losses, is_padding_example, s, setup.clip_norm)
     next_scale, noised = adjust_loss_scale(loss_scale, stats.num_nonfinite)

@@ -15,8 +15,8 @@ __all__ = ["STAGES", "stage_of"]
 STAGES = {
     "forward_backward": "dpmp_forward_backward",  # the loss's passes that clipping reads
     "norms": "dpmp_clip_norms",  # per-example norms and clip factors
-    "clipped_sum": "dpmp_clipped_sum",  # the clip-weighted sum over examples
-    "optimizer": "dpmp_optimizer",  # private_optimizer: noise, 1/B, the user's optimizer
+    "clipped_sum": "dpmp_clipped_sum",  # the clip-weighted sum over examples, rounded
+    "optimizer": "dpmp_optimizer",  # noise, 1/B, the optimizer, the parameters updated
     "noise": "dpmp_noise",  # the noise's draw and addition (inside the optimizer)
 }
 _BY_SCOPE = {scope: stage for stage, scope in STAGES.items()}

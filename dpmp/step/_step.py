@@ -56,6 +56,7 @@ from dpmp.clipping._private_grad import (
 )
 from dpmp.noise._noise import NoiseSharding, private_optimizer
 from dpmp.precision._loss_scale import NoOpLossScale, StaticLossScale
+from dpmp.precision._stages import STAGES
 from dpmp.step._mesh import AXIS, DataParallelMesh
 
 __all__ = [
@@ -354,7 +355,8 @@ def _static(loss_scale):
 def _apply(optimizer, params, grads, opt_state, loss_scale, num_nonfinite):
     """Noise, update and the next loss scale, from a step's clipped sum."""
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    with jax.named_scope(STAGES["optimizer"]):
+        params = optax.apply_updates(params, updates)
     next_scale, noised = adjust_loss_scale(loss_scale, num_nonfinite)
     return params, opt_state, next_scale, noised
 
