@@ -153,26 +153,25 @@ def profile(fn, state, steps: int) -> dict:
         )
     per_stage, kernels, stages = collections.Counter(), collections.Counter(), {}
     intervals, unmatched = [], 0.0
-    for plane in data.planes:
+    for plane, line in _kernel_lines(data):
         on_device = plane.name.startswith("/device:")
-        for line in plane.lines:
-            for ev in line.events:
-                name = _stat(ev, "hlo_op") or (ev.name if on_device else None)
-                if name is None or _stat(ev, "hlo_module") not in (None, module):
-                    continue
-                opcode, op_name = ops.get(name, ("", ""))
-                if opcode in CONTAINERS:
-                    continue
-                ms = ev.duration_ns / 1e6 / steps
-                if not op_name and name not in ops:
-                    unmatched += ms
-                    continue
-                stage = (stage_of(op_name) or "rest") if op_name else "unnamed"
-                per_stage[stage] += ms
-                kernels[name] += ms
-                stages[name] = stage
-                if on_device:
-                    intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+        for ev in line.events:
+            if on_device:  # copies and kernels of other modules keep the device busy too
+                intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+            name = _stat(ev, "hlo_op") or (ev.name if on_device else None)
+            if name is None or not str(_stat(ev, "hlo_module") or module).startswith(module):
+                continue
+            opcode, op_name = ops.get(name, ("", ""))
+            if opcode in CONTAINERS:
+                continue
+            ms = ev.duration_ns / 1e6 / steps
+            if not op_name and name not in ops:
+                unmatched += ms
+                continue
+            stage = (stage_of(op_name) or "rest") if op_name else "unnamed"
+            per_stage[stage] += ms
+            kernels[name] += ms
+            stages[name] = stage
     busy = _union(intervals) / 1e6 / steps if intervals else None
     return {
         "ms_per_step": wall * 1e3,
@@ -186,6 +185,19 @@ def profile(fn, state, steps: int) -> dict:
         },
         "unmatched_ms": unmatched,
     }
+
+
+def _kernel_lines(data):
+    """``(plane, line)`` of a trace whose events are the program's kernels or thunks: a
+    device's stream lines (its other lines repeat the same spans by module and op), and
+    every line of the host (XLA:CPU's thunks carry an ``hlo_op``)."""
+    for plane in data.planes:
+        lines = list(plane.lines)
+        if plane.name.startswith("/device:"):
+            streams = [ln for ln in lines if ln.name.startswith("Stream")]
+            lines = streams or lines
+        for line in lines:
+            yield plane, line
 
 
 def _union(intervals) -> float:
