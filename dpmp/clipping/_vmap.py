@@ -13,7 +13,7 @@ from dpmp.clipping import _replay as replay
 from dpmp.clipping._chunks import by_example_chunks
 from dpmp.clipping._rounding import certified_sum_of_squares, wide
 from dpmp.clipping._setup import Setup
-from dpmp.clipping._weighted import weighted_example_sum
+from dpmp.clipping._weighted import clip_factors, weighted_example_sum
 from dpmp.precision._stages import STAGES
 
 __all__ = ["vmap_clipped_sum"]
@@ -41,12 +41,8 @@ def vmap_clipped_sum(setup: Setup, params, s, others, is_padding, *batch):
             sq = by_example_chunks(lambda g: (None, sq_norms(g, s)), grads)[1]
         else:
             sq = sq_norms(grads, s)
-        norms = jnp.sqrt(sq)
-        finite = jnp.isfinite(sq)
-        keep = finite & ~is_padding
-        safe = jnp.where(keep, norms, jnp.ones_like(norms))
-        factor = jnp.minimum(jnp.ones_like(safe), jnp.asarray(setup.clip_norm, clip_dtype) / safe)
-        factor = jnp.where(keep, factor, jnp.zeros_like(factor)) / s.astype(clip_dtype)
+        norms, finite, keep, factor = clip_factors(sq, is_padding, setup.clip_norm, clip_dtype)
+        factor = factor / s.astype(clip_dtype)
 
     def weighted_sums(chunk):
         g, f, k = chunk

@@ -14,12 +14,25 @@ from dpmp.clipping._rounding import HIGHEST
 
 __all__ = [
     "after",
+    "clip_factors",
     "kept_rows",
     "weighted_example_dot",
     "weighted_example_sum",
     "weighted_examples",
     "weighted_kept_sum",
 ]
+
+
+def clip_factors(sq, is_padding, clip_norm: float, dtype):
+    """``(norms, finite, keep, factor)`` per example from its squared norm ``sq``:
+    ``keep`` the finite, unpadded examples, ``factor = min(1, clip_norm / norm)`` for
+    them and exactly 0 for the others (never a quotient of a non-finite norm)."""
+    norms = jnp.sqrt(sq)
+    finite = jnp.isfinite(sq)
+    keep = finite & ~is_padding
+    safe = jnp.where(keep, norms, jnp.ones_like(norms))
+    factor = jnp.minimum(jnp.ones_like(safe), jnp.asarray(clip_norm, dtype) / safe)
+    return norms, finite, keep, jnp.where(keep, factor, jnp.zeros_like(factor))
 
 
 def weighted_example_sum(x, factor, keep, dtype):

@@ -24,7 +24,7 @@ from jax import lax
 
 from dpmp.clipping._replay import vary_like
 from dpmp.clipping._rounding import certified_sum_of_squares, sum_of_squares, wide
-from dpmp.clipping._weighted import after, weighted_examples, weighted_kept_sum
+from dpmp.clipping._weighted import after, clip_factors, weighted_examples, weighted_kept_sum
 from dpmp.clipping.ghost._gram import cancellation_floor
 from dpmp.clipping.ghost._layers import example_layer, forward, layer_grad, replay_chain, site, view
 from dpmp.clipping.ghost._operands import half_operands, unscaled_norms
@@ -80,13 +80,7 @@ def ghost_clipped_sum(
         sq, formed = _squared_norms(
             plan, (acts, acts32), grads_out, p32, (unscale, inv), clip_dtype, norm_dtype
         )
-        finite = jnp.isfinite(sq)
-        norms = jnp.sqrt(sq)
-
-        keep = finite & ~is_padding
-        safe = jnp.where(keep, norms, jnp.ones_like(norms))
-        factor = jnp.minimum(jnp.ones_like(safe), jnp.asarray(clip_norm, clip_dtype) / safe)
-        factor = jnp.where(keep, factor, jnp.zeros_like(factor))
+        norms, finite, keep, factor = clip_factors(sq, is_padding, clip_norm, clip_dtype)
 
     reads = _Reads(plan, acts32, grads_out, p32, formed, unscale, factor, keep)
     with jax.named_scope(STAGES["clipped_sum"]):
