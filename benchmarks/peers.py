@@ -96,6 +96,7 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,6 +110,7 @@ DEFAULT_MODELS = ("mlp", "cnn", "vit", "lm")  # the CPU table; the last two are 
 # GPT-2 small's shape in benchmarks/transformers.py's language model (untied head, 128 tokens).
 GPT2_SHAPE = dict(vocab=50257, context=128, width=768, mlp=3072, heads=12, depth=12)
 CLIP, SIGMA, LEARNING_RATE = 1.0, 1.0, 1e-3
+NOISE_KEY_SEED = 0  # the benchmarks' noise key: public, as a benchmark may; never a run's
 # dpmp's variants: (noise sampler, accumulation of the clipped sum, noise multiplier). The
 # last two are not private steps of the default kind; they say what the default's parts cost.
 DPMP_VARIANTS = {
@@ -150,54 +152,90 @@ def jax_model(model: str, batch_size: int, quick: bool, policy: str = "f32"):
 def jax_steps(variants, loss_fn, params, batch, policy: str = "f32") -> dict[str, Callable]:
     """Each JAX variant as ``step()``: one full training step from the state it keeps."""
     import jax
-    import jax.numpy as jnp
     import optax
     from jax_privacy import clipping as jp_clipping
     from jax_privacy import noise_addition
 
-    import dpmp
-
     b = len(jax.tree.leaves(batch)[0])
-    key = jax.random.key(0)  # a benchmark's noise: a known key is fine here, never in training
-    pad = jnp.zeros((b,), bool)
     fns = {}
-
-    def optax_step(grad_fn, optimizer):
-        @jax.jit
-        def step(state):
-            p, s = state
-            updates, s = optimizer.update(grad_fn(p, batch), s, p)
-            return optax.apply_updates(p, updates), s
-
-        return _stateful(step, (params, optimizer.init(params)))
-
     if "jax_nonprivate" in variants:
-        fns["jax_nonprivate"] = optax_step(jax.grad(loss_fn), optax.adam(LEARNING_RATE))
+        fns["jax_nonprivate"] = _stateful(
+            *optax_step(jax.grad(loss_fn), optax.adam(LEARNING_RATE), params, batch)
+        )
     for name, (sampler, accumulation, sigma) in DPMP_VARIANTS.items():
         if name in variants:
-            step = dpmp.private_step(
-                dpmp.private_grad(
-                    loss_fn, l2_clip_norm=CLIP, policy=POLICIES[policy], accumulation=accumulation
-                ),
-                optax.adam(LEARNING_RATE),
-                params=params,
-                batch=batch,
-                noise_multiplier=sigma,
-                noise_key=key,
-                expected_batch_size=b,
-                padded_batch_size=b,
-                noise_sampler=sampler,
+            step, pad = dpmp_step(loss_fn, params, batch, policy, sampler, accumulation, sigma)
+            fns[name] = _stateful(
+                lambda s, step=step, pad=pad: step(s, batch, pad)[0], step.init(params)
             )
-            fns[name] = _stateful(lambda s, step=step: step(s, batch, pad)[0], step.init(params))
     if "jaxprivacy" in variants:
         clipped = jp_clipping.clipped_grad(loss_fn, l2_clip_norm=CLIP, batch_argnums=1)
         optimizer = optax.chain(
-            noise_addition.gaussian_privatizer(stddev=SIGMA * CLIP, prng_key=key),
+            noise_addition.gaussian_privatizer(
+                stddev=SIGMA * CLIP, prng_key=jax.random.key(NOISE_KEY_SEED)
+            ),
             optax.scale(1.0 / b),
             optax.adam(LEARNING_RATE),
         )
-        fns["jaxprivacy"] = optax_step(clipped, optimizer)
+        fns["jaxprivacy"] = _stateful(*optax_step(clipped, optimizer, params, batch))
     return fns
+
+
+def optax_step(grad_fn, optimizer, params, batch) -> tuple[Callable, Any]:
+    """``(step, state)``: the jitted ``step(state) -> state`` that applies ``optimizer``
+    to ``grad_fn(params, batch)``, and its first state."""
+    import jax
+    import optax
+
+    @jax.jit
+    def step(state):
+        p, s = state
+        updates, s = optimizer.update(grad_fn(p, batch), s, p)
+        return optax.apply_updates(p, updates), s
+
+    return step, (params, optimizer.init(params))
+
+
+def dpmp_step(
+    loss_fn,
+    params,
+    batch,
+    policy: str = "f32",
+    sampler: str = "snapped",
+    accumulation: str = "float64",
+    sigma: float = SIGMA,
+    method: str = "auto",
+):
+    """``(step, pad)``: ``dpmp.private_step`` of ``dpmp.private_grad(loss_fn, method=...)``
+    and Adam, for the whole batch as one Poisson sample without padding (``pad``: its
+    padding mask, all False)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import dpmp
+
+    b = len(jax.tree.leaves(batch)[0])
+    grad_fn = dpmp.private_grad(
+        loss_fn,
+        l2_clip_norm=CLIP,
+        policy=POLICIES[policy],
+        method=method,
+        accumulation=accumulation,
+    )
+    step = dpmp.private_step(
+        grad_fn,
+        optax.adam(LEARNING_RATE),
+        params=params,
+        batch=batch,
+        noise_multiplier=sigma,
+        # a benchmark's noise: a known key is fine here, never in training
+        noise_key=jax.random.key(NOISE_KEY_SEED),
+        expected_batch_size=b,
+        padded_batch_size=b,
+        noise_sampler=sampler,
+    )
+    return step, jnp.zeros((b,), bool)
 
 
 def _stateful(fn: Callable, state) -> Callable:

@@ -46,42 +46,26 @@ CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}  # ho
 
 
 def build_steps(model: str, batch_size: int, quick: bool, policy: str, method: str) -> dict:
-    """``{"non-private": (fn, state, args), "private": ...}`` with ``fn`` jitted."""
+    """``{"non-private": (fn, args, advance), "private": ...}``: each step's jitted
+    function, its first arguments, and ``advance(out, args)``, the next call's arguments.
+    The private one is ``dpmp.private_step``'s own jitted ``step_fn``, statistics and
+    all."""
     import jax
-    import jax.numpy as jnp
     import optax
     import peers
 
-    import dpmp
-
     loss_fn, params, batch, _ = peers.jax_model(model, batch_size, quick, policy)
-    opt = optax.adam(peers.LEARNING_RATE)
-
-    @jax.jit
-    def nonprivate(state):
-        p, s = state
-        updates, s = opt.update(jax.grad(loss_fn)(p, batch), s, p)
-        return optax.apply_updates(p, updates), s
-
-    g = dpmp.private_grad(
-        loss_fn, l2_clip_norm=peers.CLIP, policy=peers.POLICIES[policy], method=method
-    )
-    b = len(jax.tree.leaves(batch)[0])
-    step = dpmp.private_step(
-        g,
-        opt,
-        params=params,
-        batch=batch,
-        noise_multiplier=peers.SIGMA,
-        noise_key=jax.random.key(0),  # a benchmark's key; never a training run's
-        expected_batch_size=b,
-        padded_batch_size=b,
-    )
-    pad = jnp.zeros((b,), bool)
-    private = jax.jit(lambda s: step(s, batch, pad)[0])
+    grad = jax.grad(loss_fn)
+    nonprivate, state = peers.optax_step(grad, optax.adam(peers.LEARNING_RATE), params, batch)
+    step, pad = peers.dpmp_step(loss_fn, params, batch, policy, method=method)
+    s = step.init(params)
     return {
-        "non-private": (nonprivate, (params, opt.init(params))),
-        "private": (private, step.init(params)),
+        "non-private": (nonprivate, (state,), lambda out, args: (out,)),
+        "private": (
+            step.step_fn,
+            (s.params, batch, pad, s.opt_state, s.loss_scale),
+            lambda out, args: (out[0], args[1], args[2], out[1], out[2]),
+        ),
     }
 
 
@@ -121,36 +105,46 @@ def _stat(event, key: str):
     return None
 
 
-def profile(fn, state, steps: int) -> dict:
-    """Untraced and traced times of ``steps`` calls, and the traced kernel time by stage."""
+def profile(fn, args, advance, steps: int) -> dict:
+    """Untraced and traced times of ``steps`` calls of ``fn`` (each on the arguments
+    ``advance`` makes of the call before), and the traced kernel time by stage."""
     import jax
 
-    from dpmp.precision._stages import stage_of
-
-    compiled = fn.lower(state).compile()
+    compiled = fn.lower(*args).compile()
     ops = instructions(compiled.as_text())
     module = re.match(r"HloModule (\S+?),", compiled.as_text()).group(1)
-    for _ in range(3):
-        state = jax.block_until_ready(compiled(state))
+
+    def run(args, n):
+        t = time.perf_counter()
+        for _ in range(n):
+            args = advance(compiled(*args), args)
+        jax.block_until_ready(args)
+        return args, (time.perf_counter() - t) / n
+
+    args, _ = run(args, 3)  # warm-up
     rounds = []
     for _ in range(ROUNDS):
-        t = time.perf_counter()
-        for _ in range(steps):
-            state = compiled(state)
-        jax.block_until_ready(state)
-        rounds.append((time.perf_counter() - t) / steps)
-    wall = statistics.median(rounds)
+        args, seconds = run(args, steps)
+        rounds.append(seconds)
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
-        t = time.perf_counter()
-        for _ in range(steps):
-            state = compiled(state)
-        jax.block_until_ready(state)
-        traced = (time.perf_counter() - t) / steps
+        args, traced = run(args, steps)
         jax.profiler.stop_trace()
         data = jax.profiler.ProfileData.from_file(
             glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
         )
+    return {
+        "ms_per_step": statistics.median(rounds) * 1e3,
+        "traced_ms_per_step": traced * 1e3,
+        **_by_stage(data, ops, module, steps),
+    }
+
+
+def _by_stage(data, ops: dict, module: str, steps: int) -> dict:
+    """A trace's kernel (thunk) milliseconds a step of ``module``, by stage; the device's
+    busy time; the kernels per step and the top ones of each stage."""
+    from dpmp.precision._stages import stage_of
+
     per_stage, kernels, stages = collections.Counter(), collections.Counter(), {}
     intervals, unmatched = [], 0.0
     for plane, line in _kernel_lines(data):
@@ -174,11 +168,9 @@ def profile(fn, state, steps: int) -> dict:
             stages[name] = stage
     busy = _union(intervals) / 1e6 / steps if intervals else None
     return {
-        "ms_per_step": wall * 1e3,
-        "traced_ms_per_step": traced * 1e3,
         "device_busy_ms_per_step": busy,
         "kernel_ms_by_stage": dict(per_stage.most_common()),
-        "kernels_per_step": sum(1 for _ in kernels),
+        "kernels_per_step": len(kernels),
         "top_kernels_ms": {
             stage: [(k, ops[k][1], v) for k, v in kernels.most_common() if stages[k] == stage][:5]
             for stage in per_stage
@@ -263,8 +255,8 @@ def main(argv=None) -> int:
         batch = (peers.QUICK_BATCH if args.quick else peers.BATCH)[model]
         built = build_steps(model, batch, args.quick, args.policy, args.method)
         rec = {"batch": batch}
-        for kind, (fn, state) in built.items():
-            rec[kind] = profile(fn, state, steps)
+        for kind, (fn, first, advance) in built.items():
+            rec[kind] = profile(fn, first, advance, steps)
         report(model, rec)
         out["models"][model] = rec
         if args.json:
