@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,12 +221,41 @@ def test_a_coordinates_noise_depends_on_its_index_alone():
             )
         )(words, x)
         np.testing.assert_array_equal(np.asarray(chunked), whole)
+    for size in (16_384, 50_000):  # the form compiled for GPUs: no conditional
+        pieces = jax.jit(
+            lambda w, x, size=size: noise._snap_pieces(x, 0.7, noise._words_by_index(w), size)
+        )(words, x)
+        np.testing.assert_array_equal(np.asarray(pieces), whole)
     part = np.asarray(
         jax.jit(noise._snap_values, static_argnums=3)(words, x[777:2000], index[777:2000], 0.7)
     )
     np.testing.assert_array_equal(part, whole[777:2000])
     reshaped = np.asarray(dpmp.snapped_gaussian(key, x.reshape(250, 200), 0.7))
     np.testing.assert_array_equal(reshaped.reshape(-1), whole)
+
+
+def test_the_draw_takes_its_pieces_from_the_backend_it_is_traced_for(monkeypatch):
+    """Traced for XLA:CPU, a leaf is drawn in pieces of ``chunk_size`` (a loop), each
+    inside a conditional; traced for any other backend, a leaf of up to
+    ``SNAP_CHUNK`` coordinates is drawn in one piece, with no loop and no
+    conditional, and the same values."""
+    from dpmp.noise import _snapped as noise
+
+    key = jax.random.key(3)
+    x = jnp.linspace(-3.0, 3.0, 50_000, dtype=jnp.float32)
+
+    def traced():  # a new function each time: jit's cache keeps the first trace
+        text = str(jax.make_jaxpr(lambda k, x: dpmp.snapped_gaussian(k, x, 0.7))(key, x))
+        loops = len(re.findall(r"= (?:while|scan)\[", text))  # fori_loop traces as a scan
+        conds = len(re.findall(r"= cond\[", text))
+        return loops, conds, jax.jit(lambda k, x: dpmp.snapped_gaussian(k, x, 0.7))(key, x)
+
+    loops, conds, on_cpu = traced()
+    assert noise._threaded_pieces() and loops == 1 and conds == 2
+    monkeypatch.setattr(noise, "_threaded_pieces", lambda: False)
+    loops, conds, elsewhere = traced()
+    assert loops == conds == 0
+    np.testing.assert_array_equal(np.asarray(elsewhere), np.asarray(on_cpu))
 
 
 def test_small_leaves_drawn_together_get_their_own_leafs_noise():

@@ -205,34 +205,65 @@ def chunk_size(n: int) -> int:
 
 
 def _snap_flat(flat: jax.Array, stddev: float, words_of: Callable, chunk: int, secret):
-    """``flat`` (1-D) with snapped noise added in place, ``chunk`` coordinates at a
-    time: a loop over pieces read and written back with dynamic slices (XLA updates
-    the loop's carry in place), then the remainder. ``words_of(positions)`` gives
-    the four random words (``_noise_words``) of positions (int32) of ``flat``;
-    ``secret`` is a uint32 word of the key.
+    """``flat`` (1-D) with snapped noise added in place, in pieces: a loop over
+    pieces read and written back with dynamic slices (XLA updates the loop's carry
+    in place), then the remainder. ``words_of(positions)`` gives the four random
+    words (``_noise_words``) of positions (int32) of ``flat``; ``secret`` is a
+    uint32 word of the key. The result does not depend on the pieces.
 
-    Each piece is drawn inside a ``lax.cond`` whose predicate is always true (but
-    not known to XLA: it reads ``secret``): XLA:CPU runs the body of a while loop
-    on one thread and the branches of a conditional on all of them (2 cores, 16.8M
-    coordinates in pieces of 2^22: 283 ms without the conditional, 166 ms with it;
-    the plain float32 sampler 194 ms)."""
+    The pieces depend on the backend the draw is traced for (JAX's default):
+
+    - XLA:CPU: ``chunk`` coordinates (``chunk_size``), each piece drawn inside a
+      ``lax.cond`` whose predicate is always true (but not known to XLA: it reads
+      ``secret``). XLA:CPU runs the body of a while loop on one thread and the
+      branches of a conditional on all of them (2 cores, 16.8M coordinates in
+      pieces of 2^22: 283 ms without the conditional, 166 ms with it; the plain
+      float32 sampler 194 ms).
+    - Elsewhere: pieces of ``SNAP_CHUNK`` (a leaf up to that size in one kernel),
+      without the conditional. XLA:GPU runs a while loop from the host, one
+      iteration's kernels at a time, and reads a conditional's predicate back to
+      the host (the guide ViT's step on an H100: 37 loops and 37 conditionals,
+      10.8 ms of kernels a step; without them 7.7 ms).
+
+    The choice is made when the draw is traced (``jax.default_backend()``), not by
+    ``lax.platform_dependent``, whose program holds both forms: the precision
+    audit would read every draw twice."""
     n = flat.shape[0]
-    full, rest = divmod(n, chunk)
-    always = (secret | np.uint32(1)) != 0
+    if _threaded_pieces():
+        return _snap_pieces(flat, stddev, words_of, chunk, secret)
+    return _snap_pieces(flat, stddev, words_of, max(chunk, min(n, SNAP_CHUNK)))
+
+
+def _threaded_pieces() -> bool:
+    """Whether draws are traced for XLA:CPU (``_snap_flat``)."""
+    return jax.default_backend() == "cpu"
+
+
+def _snap_pieces(flat: jax.Array, stddev: float, words_of: Callable, size: int, secret=None):
+    """``_snap_flat`` in pieces of ``size``, each inside an always-true ``lax.cond``
+    on ``secret`` if one is given."""
+    n = flat.shape[0]
+
+    def draw(start, part):
+        positions = start + jax.lax.iota(jnp.int32, part.shape[0])
+        return _snap_words(words_of(positions), part, stddev)
 
     def piece(start, size, x):
         part = jax.lax.dynamic_slice(x, (start,), (size,))
-
-        def draw(part):
-            return _snap_words(words_of(start + jax.lax.iota(jnp.int32, size)), part, stddev)
-
-        noisy = jax.lax.cond(always, draw, lambda part: part, part)
+        if secret is None:
+            noisy = draw(start, part)
+        else:
+            always = (secret | np.uint32(1)) != 0
+            noisy = jax.lax.cond(always, lambda part: draw(start, part), lambda part: part, part)
         return jax.lax.dynamic_update_slice(x, noisy, (start,))
 
-    if full:
-        flat = jax.lax.fori_loop(0, full, lambda c, x: piece(c * chunk, chunk, x), flat)
+    full, rest = divmod(n, size)
+    if full == 1:
+        flat = piece(0, size, flat)
+    elif full:
+        flat = jax.lax.fori_loop(0, full, lambda c, x: piece(c * size, size, x), flat)
     if rest:
-        flat = piece(full * chunk, rest, flat)
+        flat = piece(full * size, rest, flat)
     return flat
 
 
