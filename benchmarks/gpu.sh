@@ -16,6 +16,10 @@
 #       the guide ViT under jax.profiler, kernel time by stage (forward/backward, norms,
 #       clipped sum, noise, optimizer) against the device's busy time and the step's wall time;
 #   profile_bf16 (180)  the same in bf16;
+#   profile_host (4 x 130)  the guide ViT's f32 profile four ways: as is, with donated
+#       state (--donate), without CUDA graphs (--xla xla_gpu_enable_command_buffer=), and
+#       both: whether the host's updates of the step's CUDA graph (9.3 ms a step on the
+#       H100) are what its wall time waits on (not in the default list);
 #   transformers_lm (150)  the transformers run on the byte LM alone (not in the default list:
 #       transformers includes it);
 #   gpt2 (600)  gpt2.py: private LoRA and full fine-tuning steps of a random GPT-2 small
@@ -77,6 +81,14 @@ for policy in f32 bf16; do
     name=profile$([ $policy = bf16 ] && echo _bf16)
     run $name 180 $py benchmarks/step_profile.py --models lm,guide_vit --policy $policy \
         --json "$out/step_$name.json"
+done
+no_graphs=(--xla xla_gpu_enable_command_buffer=)
+for variant in plain donate no_graphs donate_no_graphs; do
+    flags=()
+    [[ $variant == *donate* ]] && flags+=(--donate)
+    [[ $variant == *no_graphs ]] && flags+=("${no_graphs[@]}")
+    run profile_host 130 $py benchmarks/step_profile.py --models guide_vit --steps 5 \
+        "${flags[@]}" --json "$out/step_profile_host_$variant.json"
 done
 run transformers_lm 150 $py benchmarks/transformers.py --models lm --methods $methods \
     --repeats 3 --no-check --json "$out/transformers_lm.json"

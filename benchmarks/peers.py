@@ -149,24 +149,35 @@ def jax_model(model: str, batch_size: int, quick: bool, policy: str = "f32"):
     return loss_fn, params, batch, {"batch": batch_size}
 
 
-def jax_steps(variants, loss_fn, params, batch, policy: str = "f32") -> dict[str, Callable]:
-    """Each JAX variant as ``step()``: one full training step from the state it keeps."""
+def jax_steps(
+    variants, loss_fn, params, batch, policy: str = "f32", donate: bool = False
+) -> dict[str, Callable]:
+    """Each JAX variant as ``step()``: one full training step from the state it keeps;
+    ``donate``: dpmp's steps and the non-private one take over their state's buffers
+    (each from its own copy of ``params``)."""
     import jax
+    import jax.numpy as jnp
     import optax
     from jax_privacy import clipping as jp_clipping
     from jax_privacy import noise_addition
 
+    def own():  # a donating step deletes the state it is given
+        return jax.tree.map(jnp.copy, params) if donate else params
+
     b = len(jax.tree.leaves(batch)[0])
     fns = {}
     if "jax_nonprivate" in variants:
+        adam = optax.adam(LEARNING_RATE)
         fns["jax_nonprivate"] = _stateful(
-            *optax_step(jax.grad(loss_fn), optax.adam(LEARNING_RATE), params, batch)
+            *optax_step(jax.grad(loss_fn), adam, own(), batch, donate=donate)
         )
     for name, (sampler, accumulation, sigma) in DPMP_VARIANTS.items():
         if name in variants:
-            step, pad = dpmp_step(loss_fn, params, batch, policy, sampler, accumulation, sigma)
+            step, pad = dpmp_step(
+                loss_fn, params, batch, policy, sampler, accumulation, sigma, donate=donate
+            )
             fns[name] = _stateful(
-                lambda s, step=step, pad=pad: step(s, batch, pad)[0], step.init(params)
+                lambda s, step=step, pad=pad: step(s, batch, pad)[0], step.init(own())
             )
     if "jaxprivacy" in variants:
         clipped = jp_clipping.clipped_grad(loss_fn, l2_clip_norm=CLIP, batch_argnums=1)
@@ -181,13 +192,16 @@ def jax_steps(variants, loss_fn, params, batch, policy: str = "f32") -> dict[str
     return fns
 
 
-def optax_step(grad_fn, optimizer, params, batch) -> tuple[Callable, Any]:
+def optax_step(grad_fn, optimizer, params, batch, donate: bool = False) -> tuple[Callable, Any]:
     """``(step, state)``: the jitted ``step(state) -> state`` that applies ``optimizer``
-    to ``grad_fn(params, batch)``, and its first state."""
+    to ``grad_fn(params, batch)``, and its first state; ``donate``: the step takes
+    over the state's buffers."""
+    import functools
+
     import jax
     import optax
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0 if donate else ())
     def step(state):
         p, s = state
         updates, s = optimizer.update(grad_fn(p, batch), s, p)
@@ -205,10 +219,11 @@ def dpmp_step(
     accumulation: str = "float64",
     sigma: float = SIGMA,
     method: str = "auto",
+    donate: bool = False,
 ):
     """``(step, pad)``: ``dpmp.private_step`` of ``dpmp.private_grad(loss_fn, method=...)``
     and Adam, for the whole batch as one Poisson sample without padding (``pad``: its
-    padding mask, all False)."""
+    padding mask, all False); ``donate`` as ``private_step``'s."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -234,6 +249,7 @@ def dpmp_step(
         expected_batch_size=b,
         padded_batch_size=b,
         noise_sampler=sampler,
+        donate=donate,
     )
     return step, jnp.zeros((b,), bool)
 
@@ -561,7 +577,8 @@ def run_model(model: str, variants, args) -> dict:
     import jax
 
     jax_count = sum(x.size for x in jax.tree.leaves(params))
-    fns = jax_steps([v for v in variants if v in JAX_VARIANTS], loss_fn, params, batch, args.policy)
+    jax_variants = [v for v in variants if v in JAX_VARIANTS]
+    fns = jax_steps(jax_variants, loss_fn, params, batch, args.policy, args.donate)
     tfns, torch_count = torch_steps(
         [v for v in variants if v in TORCH_VARIANTS],
         model,
@@ -634,6 +651,12 @@ def main(argv=None) -> int:
         help="batches of 8 (LM: 4, tiny sizes), 1 round, ~0.05 s samples, XLA backend "
         "optimisation level 0: a smoke run",
     )
+    ap.add_argument(
+        "--donate",
+        action="store_true",
+        help="dpmp's steps and JAX's non-private one take over their state's buffers "
+        "(private_step's donate=True)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -677,6 +700,7 @@ def main(argv=None) -> int:
         "versions": versions(),
         "torch_device": args.device,
         "policy": args.policy,
+        "donate": args.donate,
         "threads": threads,
         "repeats": args.repeats,
         "quick": args.quick,

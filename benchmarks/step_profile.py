@@ -45,20 +45,24 @@ ROUNDS = 3  # untraced rounds of --steps steps; their median is the step's time
 CONTAINERS = {"while", "conditional", "call", "async-start", "async-done"}  # hold other thunks
 
 
-def build_steps(model: str, batch_size: int, quick: bool, policy: str, method: str) -> dict:
+def build_steps(
+    model: str, batch_size: int, quick: bool, policy: str, method: str, donate: bool = False
+) -> dict:
     """``{"non-private": (fn, args, advance), "private": ...}``: each step's jitted
     function, its first arguments, and ``advance(out, args)``, the next call's arguments.
     The private one is ``dpmp.private_step``'s own jitted ``step_fn``, statistics and
-    all."""
+    all; ``donate``: both steps take over their state's buffers."""
     import jax
+    import jax.numpy as jnp
     import optax
     import peers
 
     loss_fn, params, batch, _ = peers.jax_model(model, batch_size, quick, policy)
     grad = jax.grad(loss_fn)
-    nonprivate, state = peers.optax_step(grad, optax.adam(peers.LEARNING_RATE), params, batch)
-    step, pad = peers.dpmp_step(loss_fn, params, batch, policy, method=method)
-    s = step.init(params)
+    adam = optax.adam(peers.LEARNING_RATE)
+    nonprivate, state = peers.optax_step(grad, adam, params, batch, donate=donate)
+    step, pad = peers.dpmp_step(loss_fn, params, batch, policy, method=method, donate=donate)
+    s = step.init(jax.tree.map(jnp.copy, params))  # its own: a donating step deletes its state
     return {
         "non-private": (nonprivate, (state,), lambda out, args: (out,)),
         "private": (
@@ -105,14 +109,20 @@ def _stat(event, key: str):
     return None
 
 
-def profile(fn, args, advance, steps: int) -> dict:
+def profile(
+    fn, args, advance, steps: int, trace_dir: str | None = None, options: dict | None = None
+) -> dict:
     """Untraced and traced times of ``steps`` calls of ``fn`` (each on the arguments
-    ``advance`` makes of the call before), and the traced kernel time by stage."""
+    ``advance`` makes of the call before), the traced kernel time by stage, and the
+    compiled program's control flow (a conditional's predicate or a loop's condition
+    may be read back on the host). The trace is kept in ``trace_dir`` if given;
+    ``options``: XLA's options for this compilation (``compiler_options``)."""
     import jax
 
-    compiled = fn.lower(*args).compile()
+    compiled = fn.lower(*args).compile(compiler_options=options or None)
     ops = instructions(compiled.as_text())
     module = re.match(r"HloModule (\S+?),", compiled.as_text()).group(1)
+    control = collections.Counter(op for op, _ in ops.values() if op in ("while", "conditional"))
 
     def run(args, n):
         t = time.perf_counter()
@@ -127,15 +137,17 @@ def profile(fn, args, advance, steps: int) -> dict:
         args, seconds = run(args, steps)
         rounds.append(seconds)
     with tempfile.TemporaryDirectory() as d:
+        d = trace_dir or d
         jax.profiler.start_trace(d)
         args, traced = run(args, steps)
         jax.profiler.stop_trace()
         data = jax.profiler.ProfileData.from_file(
-            glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
+            sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)[-1]
         )
     return {
         "ms_per_step": statistics.median(rounds) * 1e3,
         "traced_ms_per_step": traced * 1e3,
+        "control_flow": dict(control),
         **_by_stage(data, ops, module, steps),
     }
 
@@ -151,8 +163,8 @@ def _by_stage(data, ops: dict, module: str, steps: int) -> dict:
         on_device = plane.name.startswith("/device:")
         for ev in line.events:
             if on_device:  # copies and kernels of other modules keep the device busy too
-                intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
-            name = _stat(ev, "hlo_op") or (ev.name if on_device else None)
+                intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
+            name = _instruction(ev, ops, on_device)
             if name is None or not str(_stat(ev, "hlo_module") or module).startswith(module):
                 continue
             opcode, op_name = ops.get(name, ("", ""))
@@ -169,6 +181,7 @@ def _by_stage(data, ops: dict, module: str, steps: int) -> dict:
     busy = _union(intervals) / 1e6 / steps if intervals else None
     return {
         "device_busy_ms_per_step": busy,
+        "longest_idle_us": _gaps(intervals)[:8],
         "kernel_ms_by_stage": dict(per_stage.most_common()),
         "kernels_per_step": len(kernels),
         "top_kernels_ms": {
@@ -177,6 +190,30 @@ def _by_stage(data, ops: dict, module: str, steps: int) -> dict:
         },
         "unmatched_ms": unmatched,
     }
+
+
+def _instruction(event, ops: dict, on_device: bool) -> str | None:
+    """The HLO instruction an event ran: its ``hlo_op`` statistic, else (a device's
+    kernel) its name, or the name with XLA:GPU's ``_N`` for the instruction's ``.N``.
+    A kernel of a CUDA graph has the graph's ``command_buffer_N`` for ``hlo_op``: its
+    own name tells the instruction (a library's kernel, cuBLAS's or cuDNN's, has a
+    name of its own: it stays unmatched)."""
+    name = _stat(event, "hlo_op")
+    if not on_device or (name is not None and not str(name).startswith("command_buffer")):
+        return name
+    dotted = re.sub(r"_(\d+)$", r".\1", event.name)
+    return dotted if dotted in ops and event.name not in ops else event.name
+
+
+def _gaps(intervals) -> list:
+    """``(microseconds, kernel before)`` of the device's idle gaps, longest first."""
+    out, end, last = [], None, None
+    for a, b, name in sorted(intervals):
+        if end is not None and a > end:
+            out.append((round((a - end) / 1e3, 1), last))
+        if end is None or b > end:
+            end, last = b, name
+    return sorted(out, reverse=True)
 
 
 def _kernel_lines(data):
@@ -194,7 +231,7 @@ def _kernel_lines(data):
 
 def _union(intervals) -> float:
     total, end = 0.0, None
-    for a, b in sorted(intervals):
+    for a, b, *_ in sorted(intervals):
         if end is None or a > end:
             total, end = total + b - a, b
         elif b > end:
@@ -205,6 +242,10 @@ def _union(intervals) -> float:
 STAGE_ORDER = ("forward_backward", "norms", "clipped_sum", "noise", "optimizer", "rest", "unnamed")
 
 
+def _count(control: dict) -> str:
+    return ", ".join(f"{n} {op}" for op, n in sorted(control.items())) or "no control flow"
+
+
 def report(model: str, rec: dict) -> None:
     for kind in ("non-private", "private"):
         r = rec[kind]
@@ -212,8 +253,15 @@ def report(model: str, rec: dict) -> None:
         idle = "" if busy is None else f", device busy {busy:.2f} ms"
         print(
             f"\n{model} {kind}: {r['ms_per_step']:.2f} ms/step "
-            f"({r['traced_ms_per_step']:.2f} traced{idle}); {r['kernels_per_step']} kernels"
+            f"({r['traced_ms_per_step']:.2f} traced{idle}); {r['kernels_per_step']} kernels, "
+            f"{_count(r.get('control_flow', {}))}"
         )
+        gaps = r.get("longest_idle_us") or []
+        if gaps:
+            print(
+                "  device idle longest: "
+                + ", ".join(f"{us} us after {k[:40]}" for us, k in gaps[:3])
+            )
         total = sum(r["kernel_ms_by_stage"].values()) or 1.0
         for stage in STAGE_ORDER:
             ms = r["kernel_ms_by_stage"].get(stage)
@@ -221,6 +269,16 @@ def report(model: str, rec: dict) -> None:
                 print(f"  {stage:18} {ms:9.2f} ms  {ms / total:6.1%}")
             for name, op_name, ms in r["top_kernels_ms"].get(stage, [])[:2]:
                 print(f"      {ms:8.2f} ms  {name[:32]:32} {op_name[-64:]}")
+
+
+def _option_value(text: str):
+    """An XLA option's value from the command line: a bool, an int, or the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def main(argv=None) -> int:
@@ -232,13 +290,35 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="auto", help="private_grad's method (default auto)")
     ap.add_argument("--steps", type=int, default=10, help="steps timed and traced (default 10)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes and batches, 2 steps")
+    ap.add_argument(
+        "--donate", action="store_true", help="both steps take over their state's buffers"
+    )
+    ap.add_argument(
+        "--xla",
+        action="append",
+        default=[],
+        metavar="OPTION=VALUE",
+        help="an XLA option for both steps' compilation, e.g. "
+        "xla_gpu_enable_command_buffer= (repeatable)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(
+        "--trace-dir",
+        default=None,
+        help="keep each step's trace here (MODEL_KIND/, for TensorBoard or Perfetto)",
+    )
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     for m in models:
         if m not in peers.MODELS:
             ap.error(f"--models: unknown {m!r}; allowed: {', '.join(peers.MODELS)}")
     steps = 2 if args.quick else args.steps
+    options = {}
+    for option in args.xla:
+        key, sep, value = option.partition("=")
+        if not sep or not key:
+            ap.error(f"--xla: {option!r} is not OPTION=VALUE")
+        options[key] = _option_value(value)
     import jax
 
     device = jax.devices()[0]
@@ -248,15 +328,21 @@ def main(argv=None) -> int:
         "policy": args.policy,
         "method": args.method,
         "steps": steps,
+        "donate": args.donate,
+        "xla_options": options,
         "models": {},
     }
-    print(f"{out['device']}, jax {jax.__version__}, policy {args.policy}, {steps} steps")
+    print(
+        f"{out['device']}, jax {jax.__version__}, policy {args.policy}, {steps} steps, "
+        f"donate {args.donate}, XLA options {options or 'none'}"
+    )
     for model in models:
         batch = (peers.QUICK_BATCH if args.quick else peers.BATCH)[model]
-        built = build_steps(model, batch, args.quick, args.policy, args.method)
+        built = build_steps(model, batch, args.quick, args.policy, args.method, args.donate)
         rec = {"batch": batch}
         for kind, (fn, first, advance) in built.items():
-            rec[kind] = profile(fn, first, advance, steps)
+            trace = args.trace_dir and os.path.join(args.trace_dir, f"{model}_{kind}")
+            rec[kind] = profile(fn, first, advance, steps, trace, options)
         report(model, rec)
         out["models"][model] = rec
         if args.json:

@@ -262,3 +262,49 @@ def test_step_profile_table_is_the_committed_results():
     data = json.loads((RESULTS / "cpu_2core_step_profile.json").read_text())
     missing = [row for row in profile_rows(data) if row not in PAGE.read_text()]
     assert not missing, "expected rows:\n" + "\n".join(missing)
+
+
+def test_gpu_profile_table_is_the_committed_results():
+    """The GPU profile's private rows (step, busy time, loops and conditionals) and the
+    range of its non-private step's times are benchmarks/results/gpu_h100_step_profile.json's."""
+    data = json.loads((RESULTS / "gpu_h100_step_profile.json").read_text())
+    page = PAGE.read_text()
+    labels = {
+        "pieces of chunk_size, a conditional each (d1f8d58)": "private, noise in pieces, "
+        "a conditional each (as measured above)",
+        "pieces of chunk_size, no conditional": "private, noise in pieces, no conditional",
+        "one piece per leaf up to SNAP_CHUNK, no conditional": "private, noise one piece per "
+        "leaf (now)",
+    }
+    nonprivate, busy = [], []
+    for run, label in labels.items():
+        rec = data["runs"][run]["f32"]["guide_vit"]
+        p, n = rec["private"], rec["non-private"]
+        nonprivate.append(n["ms_per_step"])
+        busy.append(n["device_busy_ms_per_step"])
+        flow = p["control_flow"]
+        row = (
+            f"| {label} | {p['ms_per_step']:.1f} ms | {p['device_busy_ms_per_step']:.1f} ms | "
+            f"{flow.get('while', 0)}, {flow.get('conditional', 0)} |"
+        )
+        assert row in page, row
+    row = (
+        f"| non-private | {min(nonprivate):.1f}-{max(nonprivate):.1f} ms | "
+        f"{min(busy):.1f}-{max(busy):.1f} ms | 0, 0 |"
+    )
+    assert row in page, row
+
+
+def test_donation_table_is_the_committed_results():
+    """docs/own-model.md's float32 rows are benchmarks/results/cpu_2core_donation.json's."""
+    data = json.loads((RESULTS / "cpu_2core_donation.json").read_text())
+    page = (ROOT / "docs" / "own-model.md").read_text()
+    for r in data["rows"]:
+        if r["policy"] != "fp32":
+            continue
+        n = r["params"]
+        row = (
+            f"| {n:,} parameters, batch {r['batch']} | {r['kept']['total'] / n:.1f} | "
+            f"{r['donated']['total'] / n:.1f} |"
+        )
+        assert row in page, row

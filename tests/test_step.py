@@ -381,6 +381,21 @@ def test_a_step_built_from_objects_on_four_devices_is_the_trainers_step(tmp_path
     assert got["None"]["parts"] == 4 and got["48"]["parts"] % 4 == 0 < got["48"]["examples"]
 
 
+def _four_row_step(grad_fn, params, batch, **options):
+    """``dpmp.private_step`` of ``grad_fn`` and Adam for batches of 4 rows, a known key."""
+    return dpmp.private_step(
+        grad_fn,
+        optax.adam(1e-2),
+        params=params,
+        batch=batch,
+        noise_multiplier=1.0,
+        noise_key=jax.random.key(1),
+        expected_batch_size=4,
+        padded_batch_size=4,
+        **options,
+    )
+
+
 @pytest.mark.parametrize("method", ["ghost", "vmap"])
 def test_every_stage_of_the_private_step_is_named_in_its_program(method):
     """A profile of the compiled step can tell its stages apart: each runs under its
@@ -397,16 +412,7 @@ def test_every_stage_of_the_private_step_is_named_in_its_program(method):
     params = {"w1": jax.random.normal(k1, (6, 8)), "w2": jax.random.normal(k2, (8, 1))}
     batch = {"x": jnp.ones((4, 6)), "y": jnp.zeros((4, 1))}
     grad_fn = dpmp.private_grad(loss_fn, l2_clip_norm=1.0, policy="fp32", method=method)
-    step = dpmp.private_step(
-        grad_fn,
-        optax.adam(1e-3),
-        params=params,
-        batch=batch,
-        noise_multiplier=1.0,
-        noise_key=jax.random.key(1),
-        expected_batch_size=4,
-        padded_batch_size=4,
-    )
+    step = _four_row_step(grad_fn, params, batch)
     pad = jnp.zeros((4,), bool)
     text = jax.jit(lambda s: step(s, batch, pad)[0]).lower(step.init(params)).compile().as_text()
     op_names = re.findall(r'op_name="([^"]*)"', text)
@@ -415,3 +421,43 @@ def test_every_stage_of_the_private_step_is_named_in_its_program(method):
     assert noise and all(STAGES["optimizer"] in op for op in noise)
     plain = jax.jit(jax.grad(loss_fn)).lower(params, batch).compile().as_text()
     assert {stage_of(op) for op in re.findall(r'op_name="([^"]*)"', plain)} == {None}
+
+
+@pytest.mark.parametrize("physical", [None, 2])
+def test_a_donating_step_is_the_same_step_written_in_place(physical):
+    """``donate=True``: the step's result is the same bit for bit, the state passed in
+    is deleted (its buffers hold the new state), and the compiled whole step aliases
+    every byte of the parameters and the optimizer state to its outputs."""
+
+    def loss_fn(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(k1, (6, 8)), "w2": jax.random.normal(k2, (8, 1))}
+    batch = {"x": jax.random.normal(k3, (4, 6)), "y": jnp.ones((4, 1))}
+    pad = jnp.array([False, False, True, False])
+    grad_fn = dpmp.private_grad(loss_fn, l2_clip_norm=1.0, policy="fp32")
+
+    kept = _four_row_step(grad_fn, params, batch, physical_batch_size=physical)
+    donating = _four_row_step(grad_fn, params, batch, physical_batch_size=physical, donate=True)
+    state = kept.init(params)
+    reference = kept(kept(state, batch, pad)[0], batch, pad)[0]
+    state = donating.init(params)
+    first = state
+    for _ in range(2):
+        state = donating(state, batch, pad)[0]
+    assert all(x.is_deleted() for x in jax.tree.leaves((first.params, first.opt_state)))
+
+    def values(tree):
+        return [
+            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+            for x in jax.tree.leaves(tree)
+        ]
+
+    for got, want in zip(values(state), values(reference), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if physical is None:
+        s = donating.init(params)
+        memory = donating.step_fn.lower(s.params, batch, pad, s.opt_state, s.loss_scale)
+        donated = sum(x.nbytes for x in jax.tree.leaves((s.params, s.opt_state)))
+        assert memory.compile().memory_analysis().alias_size_in_bytes == donated
