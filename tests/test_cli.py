@@ -1146,18 +1146,28 @@ def test_sizes_beyond_the_data_or_the_machine_are_one_line_before_any_allocation
     assert_one_line_error(capsys, "audit", needle)
 
 
-def test_the_memory_check_counts_parameters_gradients_and_adam_state(capsys, monkeypatch):
-    """The default MLP (64-256-10: 19,210 float32 parameters, by hand) needs 7
-    copies of them with Adam (the parameters, their clipped sum, two moments, and
-    the new parameters and moments): refused below that many bytes, built above."""
+def test_the_memory_check_counts_parameters_gradients_and_adam_state(capsys, monkeypatch, tmp_path):
+    """The default MLP (64-256-10: 19,210 float32 parameters, by hand) needs at least
+    6 copies of them with Adam in the audit's step (the parameters, two moments, and
+    the new parameters and moments): refused below that many bytes, built above. The
+    trainer's step writes the new state in place: 3 copies."""
     from dpmp.app.trainer import step
 
-    need = 7 * 4 * (64 * 256 + 256 + 256 * 10 + 10)
+    params = 64 * 256 + 256 + 256 * 10 + 10
+    need = 6 * 4 * params
     monkeypatch.setattr(step, "_memory_bytes", lambda: need - 1)
     assert cli.main(["audit", "--set", "training.steps=2"]) == 2
     assert_one_line_error(capsys, "audit", "model.hidden = [256]: 19,210 parameters")
     monkeypatch.setattr(step, "_memory_bytes", lambda: need)
     assert cli.main(["audit", "--set", "training.steps=2"]) == 0
+    capsys.readouterr()
+    train = ["train", "--set", "training.steps=2", "--out", str(tmp_path / "run"), "--quiet"]
+    monkeypatch.setattr(step, "_memory_bytes", lambda: 3 * 4 * params - 1)
+    assert cli.main(train) == 2
+    assert_one_line_error(capsys, "train", "model.hidden = [256]: 19,210 parameters")
+    monkeypatch.setattr(step, "_memory_bytes", lambda: 3 * 4 * params)
+    cli.main(train)  # past the shapes' check: the compiled step's own may still refuse
+    assert "19,210 parameters" not in capsys.readouterr().err
 
 
 def test_every_option_of_every_command_says_what_it_is():

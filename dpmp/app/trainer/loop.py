@@ -423,8 +423,14 @@ def _build_step(
                 loss=loss,
                 input_dtype=input_dtype(data),
             )
+        # the loop keeps only the state each step returns: the step writes it in place
         return build_private_step(
-            config, data, model=built, feature_stats=feature_stats, init_params=init_params
+            config,
+            data,
+            model=built,
+            feature_stats=feature_stats,
+            init_params=init_params,
+            donate=True,
         )
 
 

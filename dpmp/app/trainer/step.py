@@ -90,7 +90,9 @@ class PrivateStep:
       sampler: the run's sampler (Poisson, padded; or shuffled).
       plan: the ``NoisePlan`` (sigma, calibrated or given, the budget, q).
       init_state: the initial ``params``, ``opt_state`` and ``loss_scale``
-        (on the mesh, if there is one).
+        (on the mesh, if there is one). A donating step (``build_private_step(...,
+        donate=True)``, the trainer's) deletes them, and ``example_args``'
+        state, at its first call.
       clipping: ``grad_fn.explain(...)`` for this run's batches: the clip
         method requested, the one used, why, and the rule for each parameter.
       feature_stats: the standardisation statistics, or None.
@@ -209,16 +211,19 @@ def _standardized(config: Config, data: Dataset, feature_stats, seed: int):
     return standardize(data, feature_stats), feature_stats
 
 
-def _trained_model(config: Config, model: Model, init_params, init_key, shards: int):
+def _trained_model(
+    config: Config, model: Model, init_params, init_key, shards: int, donate: bool = False
+):
     """``(model, params_shape)``: the model starting from ``init_params`` (or adapting
-    them, with LoRA), and the shapes of what trains, checked to fit in memory."""
+    them, with LoRA), and the shapes of what trains, checked to fit in memory (by a
+    step that donates its state, or not)."""
     lora = bool(config.model.lora_rank)
     params_shape = jax.eval_shape(model.init, init_key)
-    _check_fits(config, params_shape, trainable=not lora, shards=shards)
+    _check_fits(config, params_shape, trainable=not lora, shards=shards, donate=donate)
     model = _starting_point(config, model, init_params, params_shape, init_key)
     if lora:  # the adapters are what trains (init_params have the model's own shapes)
         params_shape = jax.eval_shape(model.init, init_key)
-        _check_fits(config, params_shape, trainable=True, shards=shards)
+        _check_fits(config, params_shape, trainable=True, shards=shards, donate=donate)
     return model, params_shape
 
 
@@ -230,6 +235,7 @@ def build_private_step(
     keys: RunKeys | None = None,
     feature_stats: FeatureStats | None = None,
     init_params: Any = None,
+    donate: bool = False,
 ) -> PrivateStep:
     """The private step of ``config`` and real arguments for it.
 
@@ -256,6 +262,10 @@ def build_private_step(
         joined by ``.``) instead of its initialisation; with
         ``model.lora_rank`` the frozen base the adapters adapt (default: the
         model's initialisation).
+      donate: the step writes the new parameters and optimizer state into the
+        buffers of the ones it is given (``dpmp.private_step``'s ``donate``);
+        the initial state is the step's own (``model.init``'s output, never
+        ``init_params`` themselves), deleted at its first call.
     """
     policy = config.precision
     t = config.training
@@ -277,7 +287,7 @@ def build_private_step(
         model = model_from_config(config.model, data, policy)
     init_key = jax.random.split(jax.random.key(t.seed), 3)[0]
     shards = devices if t.shard_params else 1
-    model, params_shape = _trained_model(config, model, init_params, init_key, shards)
+    model, params_shape = _trained_model(config, model, init_params, init_key, shards, donate)
     sampler = make_sampler(config, data.num_train, keys.sampler_seed, devices)
     plan = noise_plan(
         config,
@@ -314,6 +324,7 @@ def build_private_step(
         mesh=mesh,
         shard_params=t.shard_params,
         frozen=model.frozen,  # an argument of the compiled step, never a constant in it
+        donate=donate,
     )
     init_state = fn.init(params, _make_loss_scale(config, keys.loss_scale))._asdict()
     batch, pad = jax.tree.map(jnp.asarray, _step_batch(data, first, mesh, size))
@@ -416,12 +427,20 @@ def check_step_memory(step: PrivateStep, limit: int | None = None) -> int:
     return need
 
 
-# What a trained parameter costs in a step, itself included: its clipped (then
-# noisy) sum, the optimizer's slots (Adam: two moments; momentum: one), and the
-# step's new parameters and slots (its arguments are not donated). The noise
-# stage adds a bounded amount (dpmp.noise._snapped.SNAP_CHUNK), not a copy. A lower
-# bound from shapes alone; ``check_step_memory`` measures the compiled step.
-_COPIES = {"adam": 7, "momentum": 5, "sgd": 3}
+# The optimizer's slots per trained parameter (Adam: two moments; momentum: one).
+_SLOTS = {"adam": 2, "momentum": 1, "sgd": 0}
+
+
+def _copies(optimizer: str, donate: bool) -> int:
+    """What a trained parameter costs in a step at least, itself included: the
+    optimizer's slots beside it, and unless the step is donating (the trainer's is)
+    the new parameters and slots beside the old. Its clipped sum, noise and update
+    are not counted: XLA consumes them a leaf at a time (compiled Adam steps in
+    float32, benchmarks/donation.py: 2.9M parameters 4.65 copies donating, 6.53
+    not; 104M parameters 3.53 and 6.17). A lower bound from shapes alone;
+    ``check_step_memory`` measures the compiled step."""
+    state = 1 + _SLOTS.get(optimizer, 1)
+    return state if donate else 2 * state
 
 
 def _memory_bytes() -> int:
@@ -432,14 +451,16 @@ def _memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _check_fits(config: Config, shapes: Any, *, trainable: bool, shards: int = 1) -> None:
+def _check_fits(
+    config: Config, shapes: Any, *, trainable: bool, shards: int = 1, donate: bool = False
+) -> None:
     """Refuses parameters (with their gradients and optimizer state when
     ``trainable``, split over ``shards`` devices) that cannot fit in memory, from
     shapes alone: a typo such as ``model.dim = 100000000000`` is one line, not an
     out-of-memory crash."""
     count, need = count_params(shapes), count_bytes(shapes)
     if trainable:
-        need = need * _COPIES.get(config.training.optimizer, 4) // shards
+        need = need * _copies(config.training.optimizer, donate) // shards
     limit = _memory_bytes()
     if need <= limit:
         return
