@@ -342,6 +342,49 @@ def test_crash_and_resume_is_bit_identical(digits, tmp_path, monkeypatch):
     assert "resumed from checkpoint_00000004.npz" in (run_dir / "train.log").read_text()
 
 
+@pytest.mark.slow  # three short runs (~15 s)
+def test_the_loop_holds_one_state_fresh_or_resumed(digits, tmp_path):
+    """The trainer's step writes each new state into the old one's buffers, and
+    neither the state built at the start nor a resumed run's discarded one stays
+    alive: between steps the hidden layer's kernel exists three times (the
+    parameter and Adam's two moments), never more."""
+    cfg = small("model.hidden=[48]")  # a kernel of a shape nothing else has: (64, 48)
+
+    def count(step, info, seen):
+        seen.append(sum(a.shape == (64, 48) for a in jax.live_arrays()))
+        if step == 6 and crash:
+            raise _Crash
+
+    seen: list[int] = []
+    crash = False
+    train(
+        cfg,
+        out_dir=tmp_path / "whole",
+        progress=False,
+        data=digits,
+        callback=lambda s, i: count(s, i, seen),
+    )
+    assert seen == [3] * 12, seen
+    crash, first = True, []
+    with pytest.raises(_Crash):
+        train(
+            cfg,
+            out_dir=tmp_path / "run",
+            progress=False,
+            data=digits,
+            callback=lambda s, i: count(s, i, first),
+        )
+    crash, resumed = False, []
+    train(
+        cfg,
+        out_dir=tmp_path / "run",
+        progress=False,
+        data=digits,
+        callback=lambda s, i: count(s, i, resumed),
+    )
+    assert first == [3] * 6 and resumed == [3] * 8, (first, resumed)  # steps 5-12
+
+
 def test_resume_on_different_data_is_refused(small_run, digits, tmp_path):
     import dataclasses
     import shutil

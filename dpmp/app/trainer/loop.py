@@ -303,13 +303,14 @@ def _train(
     if found is not None:
         check_model(found[0], run.signature, found[1])
         check_start(found[0], start, found[1])
+    del step  # the run's own (a resumed run's holds the restored state, not the built one)
     if not (resume and run.restore()):
         run.start()
     for line in told:
         run_dir.log(line)
-    _log_plan(run_dir, step)
+    _log_plan(run_dir, run.step)
     run_dir.log(f"the compiled step needs {step_bytes / 2**20:,.1f} MiB per device")
-    audit = audit_summary(step)
+    audit = audit_summary(run.step)
     verdict = {True: "ok", False: "VIOLATIONS", None: "error"}[audit["ok"]]
     run_dir.log(f"precision audit of the step: {verdict}")
     run.loop(callback, progress=progress, interrupts=interrupts)
@@ -493,6 +494,7 @@ class _Run:
         self.state, meta, path = restored
         if self.step.mesh is not None:
             self.state = self.step.mesh.put(self.state, self.step.state_shardings)
+        self.step = self.step.starting_from(self.state)  # the built state is let go
         check_config(meta, self.config, path)
         check_data(meta, self.data_fingerprint, path)
         check_model(meta, self.signature, path)

@@ -121,6 +121,13 @@ class PrivateStep:
     def __iter__(self):  # ``step_fn, example_args = build_private_step(...)``
         return iter((self.step_fn, self.example_args))
 
+    def starting_from(self, state: dict[str, Any]) -> PrivateStep:
+        """This step with ``state`` (a resumed run's) for its initial state and in
+        its ``example_args``: the state built at the start is no longer held."""
+        _, batch, pad, _, _ = self.example_args
+        args = (state["params"], batch, pad, state["opt_state"], state["loss_scale"])
+        return dataclasses.replace(self, init_state=dict(state), example_args=args)
+
     @property
     def state_shardings(self) -> dict[str, Any] | None:
         """On a mesh, the sharding of every leaf of ``init_state``; else None."""
