@@ -144,6 +144,7 @@ def test_four_devices_train_as_one_with_vmap_chunks_and_fp16(tmp_path):
     assert got["fp16"]["scale_4"] < 2**24, got["fp16"]  # backed off, the same on 1 device
 
 
+@pytest.mark.slow  # a 4-device subprocess, ~35 s; the default suite keeps the mesh's noise draw
 def test_four_devices_train_as_one(tmp_path):
     """Ghost clipping on 4 devices trains as on 1, with the state replicated and
     sharded (FSDP: each device then holds about a quarter of it); the audit of the
