@@ -350,39 +350,25 @@ def test_the_loop_holds_one_state_fresh_or_resumed(digits, tmp_path):
     parameter and Adam's two moments), never more."""
     cfg = small("model.hidden=[48]")  # a kernel of a shape nothing else has: (64, 48)
 
-    def count(step, info, seen):
-        seen.append(sum(a.shape == (64, 48) for a in jax.live_arrays()))
-        if step == 6 and crash:
-            raise _Crash
+    def copies(out_dir, crash_at=None) -> list[int]:
+        """The kernel's live copies after each step of a run (crashed at ``crash_at``)."""
+        seen = []
 
-    seen: list[int] = []
-    crash = False
-    train(
-        cfg,
-        out_dir=tmp_path / "whole",
-        progress=False,
-        data=digits,
-        callback=lambda s, i: count(s, i, seen),
-    )
-    assert seen == [3] * 12, seen
-    crash, first = True, []
-    with pytest.raises(_Crash):
-        train(
-            cfg,
-            out_dir=tmp_path / "run",
-            progress=False,
-            data=digits,
-            callback=lambda s, i: count(s, i, first),
-        )
-    crash, resumed = False, []
-    train(
-        cfg,
-        out_dir=tmp_path / "run",
-        progress=False,
-        data=digits,
-        callback=lambda s, i: count(s, i, resumed),
-    )
-    assert first == [3] * 6 and resumed == [3] * 8, (first, resumed)  # steps 5-12
+        def count(step, info):
+            seen.append(sum(a.shape == (64, 48) for a in jax.live_arrays()))
+            if step == crash_at:
+                raise _Crash
+
+        try:
+            train(cfg, out_dir=out_dir, progress=False, data=digits, callback=count)
+        except _Crash:
+            pass
+        return seen
+
+    assert copies(tmp_path / "whole") == [3] * 12
+    first = copies(tmp_path / "run", crash_at=6)
+    resumed = copies(tmp_path / "run")  # steps 5-12, from the step-4 checkpoint
+    assert first == [3] * 6 and resumed == [3] * 8, (first, resumed)
 
 
 def test_resume_on_different_data_is_refused(small_run, digits, tmp_path):

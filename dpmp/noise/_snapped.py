@@ -243,6 +243,7 @@ def _snap_pieces(flat: jax.Array, stddev: float, words_of: Callable, size: int, 
     """``_snap_flat`` in pieces of ``size``, each inside an always-true ``lax.cond``
     on ``secret`` if one is given."""
     n = flat.shape[0]
+    always = None if secret is None else (secret | np.uint32(1)) != 0
 
     def draw(start, part):
         positions = start + jax.lax.iota(jnp.int32, part.shape[0])
@@ -250,10 +251,9 @@ def _snap_pieces(flat: jax.Array, stddev: float, words_of: Callable, size: int, 
 
     def piece(start, size, x):
         part = jax.lax.dynamic_slice(x, (start,), (size,))
-        if secret is None:
+        if always is None:
             noisy = draw(start, part)
         else:
-            always = (secret | np.uint32(1)) != 0
             noisy = jax.lax.cond(always, lambda part: draw(start, part), lambda part: part, part)
         return jax.lax.dynamic_update_slice(x, noisy, (start,))
 

@@ -279,9 +279,9 @@ def private_step(
         its step is an error. Adam's float32 step then holds one copy of the
         parameters and of each moment, not two (compiled, in bytes per
         parameter: a 2.9M-parameter MLP 18.6, not 26.1; a 104M-parameter one
-        14.1, not 24.7). On XLA:GPU, which runs the step
-        as CUDA graphs and updates them on the host whenever a buffer moves,
-        the donated buffers stay where they were.
+        14.1, not 24.7). On XLA:GPU, which runs the step as CUDA graphs and
+        updates them on the host whenever a buffer moves, the donated buffers
+        stay where they were.
 
     Raises:
       ValueError: ``shard_params`` without a mesh, or a padded batch that the
