@@ -251,8 +251,8 @@ def test_the_draw_takes_its_pieces_from_the_backend_it_is_traced_for(monkeypatch
         return loops, conds, jax.jit(lambda k, x: dpmp.snapped_gaussian(k, x, 0.7))(key, x)
 
     loops, conds, on_cpu = traced()
-    assert noise._threaded_pieces() and loops == 1 and conds == 2
-    monkeypatch.setattr(noise, "_threaded_pieces", lambda: False)
+    assert noise._traced_for_cpu() and loops == 1 and conds == 2
+    monkeypatch.setattr(noise, "_traced_for_cpu", lambda: False)
     loops, conds, elsewhere = traced()
     assert loops == conds == 0
     np.testing.assert_array_equal(np.asarray(elsewhere), np.asarray(on_cpu))
@@ -280,6 +280,28 @@ def test_small_leaves_drawn_together_get_their_own_leafs_noise():
         own = noise.snapped_leaf(noise._key_words(jax.random.fold_in(key, i)), leaf, 0.9)
         assert got.dtype == leaf.dtype and got.shape == leaf.shape
         np.testing.assert_array_equal(np.asarray(got), np.asarray(own))
+
+
+def test_readers_of_same_shaped_small_leaves_compile_to_one_kernel():
+    """Small leaves drawn together are read back at offsets XLA cannot fold: the
+    compiled readers of six same-shaped leaves (the noise, then an elementwise
+    update, fused) are one computation, which XLA:CPU compiles once, and not six
+    that differ only in a constant offset (the GPT-2 shape's LoRA step compiled
+    297 optimizer-update kernels so, and its non-private step 19)."""
+    from dpmp.noise import _snapped as noise
+
+    tree = [jnp.full((64, 8), float(i)) for i in range(6)]
+    update = jax.jit(lambda k, t: [0.9 * x + 1.0 for x in noise._snap_tree(k, t, 1.0)])
+    text = update.lower(jax.random.key(0), tree).compile().as_text()
+    readers = re.findall(r"= f32\[64,8\]\{1,0\} fusion\(.*?calls=(%[\w.]+)", text)
+    assert len(readers) == 6
+
+    def body(name):  # the computation with its instructions' names and metadata dropped
+        block = re.search("\n" + re.escape(name) + r" .*?\n\}", text, re.S).group(0)
+        lines = [re.sub(r", metadata=\{.*", "", line) for line in block.splitlines()[2:]]
+        return [re.sub(r"%[\w.\-]+|param_\d+\.\d+", "%", line) for line in lines]
+
+    assert len({tuple(body(name)) for name in readers}) == 1
 
 
 @pytest.mark.parametrize("size", [5_000, 100_000, 1_000_000, 16_777_216])

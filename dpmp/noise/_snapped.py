@@ -229,13 +229,13 @@ def _snap_flat(flat: jax.Array, stddev: float, words_of: Callable, chunk: int, s
     ``lax.platform_dependent``, whose program holds both forms: the precision
     audit would read every draw twice."""
     n = flat.shape[0]
-    if _threaded_pieces():
+    if _traced_for_cpu():
         return _snap_pieces(flat, stddev, words_of, chunk, secret)
     return _snap_pieces(flat, stddev, words_of, max(chunk, min(n, SNAP_CHUNK)))
 
 
-def _threaded_pieces() -> bool:
-    """Whether draws are traced for XLA:CPU (``_snap_flat``)."""
+def _traced_for_cpu() -> bool:
+    """Whether draws are traced for XLA:CPU (``_snap_flat``, ``_snap_small``)."""
     return jax.default_backend() == "cpu"
 
 
@@ -448,8 +448,38 @@ def _snap_small(key, ids: list[int], leaves: list, stddev: float, draw: Callable
     starts = np.cumsum([0, *sizes[:-1]]).astype(np.int32)
     table = _leaf_key_words(key, jnp.asarray(ids, jnp.uint32))
     flat = jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
-    parts = jnp.split(draw(flat, table, starts, stddev), starts[1:])
+    noisy = draw(flat, table, starts, stddev)
+    if len(leaves) > 1 and _traced_for_cpu():
+        offsets = _opaque_offsets(starts, table[0, 0])
+        parts = [
+            jax.lax.dynamic_slice(noisy, (o,), (x.size,), allow_negative_indices=False)
+            for o, x in zip(offsets, leaves, strict=True)
+        ]
+    else:
+        parts = jnp.split(noisy, starts[1:])
     return [part.reshape(leaf.shape) for part, leaf in zip(parts, leaves, strict=True)]
+
+
+def _opaque_offsets(starts: np.ndarray, secret) -> tuple:
+    """``starts`` (int32 scalars) as values XLA cannot fold: the outputs of a loop that
+    runs once (its trip count reads ``secret``, a uint32 word of the key) and adds 0.
+
+    Why: XLA:CPU compiles one kernel per distinct fused computation. Each leaf's part of
+    the noisy vector is read by the optimizer's update of that leaf, fused into it; at a
+    constant offset, every leaf's update is a distinct computation (the GPT-2 shape's
+    146 LoRA adapters: 297 update kernels, 2.4 s of its compile, against 19 for the
+    non-private step's updates). At an offset the kernel takes as an argument, the
+    updates of leaves of one shape are the same computation, compiled once. XLA:CPU
+    only (``_traced_for_cpu``): XLA:GPU reads a loop's trip count back to the host
+    (``_snap_flat``), so other backends read their parts at constant offsets."""
+    once = ((secret | np.uint32(1)) != 0).astype(jnp.int32)
+
+    def add_zero(_, carry):
+        zero, offsets = carry
+        return zero, tuple(o + zero for o in offsets)
+
+    constants = tuple(jnp.int32(s) for s in starts)
+    return jax.lax.fori_loop(0, once, add_zero, (1 - once, constants))[1]
 
 
 def _group_words(table: jax.Array, starts: np.ndarray) -> Callable:
