@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -136,8 +137,8 @@ def profile(
     for _ in range(ROUNDS):
         args, seconds = run(args, steps)
         rounds.append(seconds)
-    with tempfile.TemporaryDirectory() as d:
-        d = trace_dir or d
+    kept = contextlib.nullcontext(trace_dir) if trace_dir else tempfile.TemporaryDirectory()
+    with kept as d:
         jax.profiler.start_trace(d)
         args, traced = run(args, steps)
         jax.profiler.stop_trace()
