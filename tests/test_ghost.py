@@ -13,6 +13,7 @@ from flax import nnx
 import dpmp
 from dpmp.clipping.ghost._conv import ConvRule
 from tests._devices import run_on_host_devices
+from tests._hlo import fused_bodies
 from tests._reference import (
     classification_batch,
     clipped_sum_f64,
@@ -194,6 +195,25 @@ class _ReluMLP(nn.Module):
         for width in (256, 256, 256):
             x = nn.relu(nn.Dense(width)(x))
         return nn.Dense(10)(x)
+
+
+def test_the_float64_sums_blocks_of_one_width_are_weighted_by_one_kernel():
+    """A dense layer's float64 clipped sum is formed a block of output columns at a
+    time (at most max(B T, 128) wide); each block's weighting reads its columns at an
+    offset XLA cannot fold, so the 8 blocks of a 1024-wide layer compile to two
+    kernels (the first block's, which waits on no other, and the seven others'), not
+    8 that differ in a constant offset."""
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(16, 1024)), jnp.float32)}
+    batch = {"x": jnp.asarray(rng.normal(size=(4, 16)), jnp.float32)}
+
+    def loss(p, b):
+        return jnp.mean(jnp.tanh(b["x"] @ p["w"]) ** 2)
+
+    g = dpmp.private_grad(loss, l2_clip_norm=1.0, policy="f32", method="ghost")
+    text = jax.jit(lambda p, b: g(p, b).grads).lower(params, batch).compile().as_text()
+    weightings = fused_bodies(text, "f64[4,128]{1,0}")
+    assert len(weightings) == 8 and len(set(weightings)) == 2
 
 
 @pytest.mark.parametrize("accumulation,most", [("policy", 1.1), ("float64", 1.6)])

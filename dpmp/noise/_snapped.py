@@ -36,6 +36,7 @@ import numpy as np
 
 from dpmp.accounting import GridNoiseContract
 from dpmp.noise._ndtri import ndtri_lower
+from dpmp.precision._opaque import always_true, opaque_ints, traced_for_cpu
 
 if TYPE_CHECKING:
     from dpmp.noise._sharding import NoiseSharding
@@ -235,8 +236,8 @@ def _snap_flat(flat: jax.Array, stddev: float, words_of: Callable, chunk: int, s
 
 
 def _traced_for_cpu() -> bool:
-    """Whether draws are traced for XLA:CPU (``_snap_flat``, ``_snap_small``)."""
-    return jax.default_backend() == "cpu"
+    """Whether draws are traced for XLA:CPU (``_snap_flat``)."""
+    return traced_for_cpu()
 
 
 def _snap_pieces(flat: jax.Array, stddev: float, words_of: Callable, size: int, secret=None):
@@ -449,37 +450,16 @@ def _snap_small(key, ids: list[int], leaves: list, stddev: float, draw: Callable
     table = _leaf_key_words(key, jnp.asarray(ids, jnp.uint32))
     flat = jnp.concatenate([leaf.reshape(-1) for leaf in leaves])
     noisy = draw(flat, table, starts, stddev)
-    if len(leaves) > 1 and _traced_for_cpu():
-        offsets = _opaque_offsets(starts, table[0, 0])
-        parts = [
-            jax.lax.dynamic_slice(noisy, (o,), (x.size,), allow_negative_indices=False)
-            for o, x in zip(offsets, leaves, strict=True)
-        ]
-    else:
-        parts = jnp.split(noisy, starts[1:])
+    # Each leaf's part at an offset XLA cannot fold (on XLA:CPU): the optimizer's
+    # updates of same-shaped leaves read it fused in and compile to one kernel (the
+    # GPT-2 shape's 146 LoRA adapters: 297 update kernels at constant offsets, 2.4 s
+    # of its compile, against 19 for the non-private step's updates).
+    offsets = opaque_ints(starts, always_true(table))
+    parts = [
+        jax.lax.dynamic_slice(noisy, (o,), (leaf.size,), allow_negative_indices=False)
+        for o, leaf in zip(offsets, leaves, strict=True)
+    ]
     return [part.reshape(leaf.shape) for part, leaf in zip(parts, leaves, strict=True)]
-
-
-def _opaque_offsets(starts: np.ndarray, secret) -> tuple:
-    """``starts`` (int32 scalars) as values XLA cannot fold: the outputs of a loop that
-    runs once (its trip count reads ``secret``, a uint32 word of the key) and adds 0.
-
-    Why: XLA:CPU compiles one kernel per distinct fused computation. Each leaf's part of
-    the noisy vector is read by the optimizer's update of that leaf, fused into it; at a
-    constant offset, every leaf's update is a distinct computation (the GPT-2 shape's
-    146 LoRA adapters: 297 update kernels, 2.4 s of its compile, against 19 for the
-    non-private step's updates). At an offset the kernel takes as an argument, the
-    updates of leaves of one shape are the same computation, compiled once. XLA:CPU
-    only (``_traced_for_cpu``): XLA:GPU reads a loop's trip count back to the host
-    (``_snap_flat``), so other backends read their parts at constant offsets."""
-    once = ((secret | np.uint32(1)) != 0).astype(jnp.int32)
-
-    def add_zero(_, carry):
-        zero, offsets = carry
-        return zero, tuple(o + zero for o in offsets)
-
-    constants = tuple(jnp.int32(s) for s in starts)
-    return jax.lax.fori_loop(0, once, add_zero, (1 - once, constants))[1]
 
 
 def _group_words(table: jax.Array, starts: np.ndarray) -> Callable:

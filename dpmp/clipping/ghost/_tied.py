@@ -249,11 +249,11 @@ def tied_clipped_sum(
     wdy = kept_rows(weighted_examples(dy.reshape(*flat_ids.shape, dim), factor, dtype), rows)
     wdy = wdy.reshape(-1, dim)
 
-    def block(lo, hi, done):
-        wg = weighted_columns(gm, lo, hi, factor, after(keep, done), dtype)
-        head = contract_examples(wg, x, dtype)  # [hi - lo, D]: the table's rows
-        local = jnp.where((slot >= lo) & (slot < hi), slot - lo, hi - lo)
-        emb = jnp.zeros((hi - lo, dim), dtype).at[local].add(wdy, mode="drop")
+    def block(lo, size, done):
+        wg = weighted_columns(gm, lo, size, factor, after(keep, done), dtype)
+        head = contract_examples(wg, x, dtype)  # [size, D]: the table's rows
+        local = jnp.where((slot >= lo) & (slot < lo + size), slot - lo, size)
+        emb = jnp.zeros((size, dim), dtype).at[local].add(wdy, mode="drop")
         return (head + emb).astype(out_dtype)
 
-    return in_blocks(jnp.zeros((vocab, dim), out_dtype), vocab, bt, block, 0, before)
+    return in_blocks(jnp.zeros((vocab, dim), out_dtype), vocab, bt, block, 0, before, keep)
