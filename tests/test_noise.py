@@ -252,8 +252,8 @@ def test_the_draw_takes_its_pieces_from_the_backend_it_is_traced_for(monkeypatch
         return loops, conds, jax.jit(lambda k, x: dpmp.snapped_gaussian(k, x, 0.7))(key, x)
 
     loops, conds, on_cpu = traced()
-    assert noise._traced_for_cpu() and loops == 1 and conds == 2
-    monkeypatch.setattr(noise, "_traced_for_cpu", lambda: False)
+    assert noise.traced_for_cpu() and loops == 1 and conds == 2
+    monkeypatch.setattr(noise, "traced_for_cpu", lambda: False)
     loops, conds, elsewhere = traced()
     assert loops == conds == 0
     np.testing.assert_array_equal(np.asarray(elsewhere), np.asarray(on_cpu))

@@ -230,21 +230,16 @@ def _snap_flat(flat: jax.Array, stddev: float, words_of: Callable, chunk: int, s
     ``lax.platform_dependent``, whose program holds both forms: the precision
     audit would read every draw twice."""
     n = flat.shape[0]
-    if _traced_for_cpu():
+    if traced_for_cpu():
         return _snap_pieces(flat, stddev, words_of, chunk, secret)
     return _snap_pieces(flat, stddev, words_of, max(chunk, min(n, SNAP_CHUNK)))
-
-
-def _traced_for_cpu() -> bool:
-    """Whether draws are traced for XLA:CPU (``_snap_flat``)."""
-    return traced_for_cpu()
 
 
 def _snap_pieces(flat: jax.Array, stddev: float, words_of: Callable, size: int, secret=None):
     """``_snap_flat`` in pieces of ``size``, each inside an always-true ``lax.cond``
     on ``secret`` if one is given."""
     n = flat.shape[0]
-    always = None if secret is None else (secret | np.uint32(1)) != 0
+    always = None if secret is None else always_true(secret)
 
     def draw(start, part):
         positions = start + jax.lax.iota(jnp.int32, part.shape[0])
