@@ -83,7 +83,7 @@ def test_bf16_normal_noise_takes_few_values_and_has_no_tail():
 def test_ndtri_is_within_the_accounted_relative_error():
     """The float64 inverse normal CDF the sampler uses (``ndtri_lower``), against a
     40-digit mpmath reference from p = 2^-97 (its reach, |z| = 11.3) to 1/2, with
-    its branch points on both sides (exp(-2); exp(-32), where its z = 8; the
+    its branch points on both sides (0.075; exp(-25), where sqrt(-log p) = 5; the
     quantile -8) and the uniforms' extremes: its relative error is within the
     snapped contract's ndtri_rel_error, the bound noise_residual accounts."""
     import mpmath
@@ -96,10 +96,10 @@ def test_ndtri_is_within_the_accounted_relative_error():
     p = np.concatenate(
         [np.ldexp(rng.uniform(1, 2, 1500), -exponents - 1), rng.uniform(0.02, 0.5, 500)]
     )
-    edges = [np.exp(-2.0), stats.norm.cdf(-8.0), 2.0**-78, 2.0**-77]
+    edges = [0.075, stats.norm.cdf(-8.0), 2.0**-78, 2.0**-77]
     edges = [np.nextafter(e, d) for e in edges for d in (0.0, 1.0)] + edges
-    z_is_8 = np.exp(-32.0) * (1 + np.arange(-32, 33) * 2.0**-52)  # its rounded z crosses 8
-    p = np.concatenate([p, edges, z_is_8, [2.0**-97, 2.0**-78 * (1 + 2.0**-52), 0.5 - 2.0**-53]])
+    r_is_5 = np.exp(-25.0) * (1 + np.arange(-32, 33) * 2.0**-52)  # its rounded sqrt crosses 5
+    p = np.concatenate([p, edges, r_is_5, [2.0**-97, 2.0**-78 * (1 + 2.0**-52), 0.5 - 2.0**-53]])
     p = np.append(p, 0.5)
     with jax.enable_x64(True):
         z = np.asarray(jax.jit(ndtri_lower)(jnp.asarray(p, jnp.float64)))

@@ -308,3 +308,16 @@ def test_donation_table_is_the_committed_results():
             f"{r['donated']['total'] / n:.1f} |"
         )
         assert row in page, row
+
+
+def test_ndtri_table_is_the_committed_results():
+    """docs/performance.md's ndtri table is benchmarks/results/cpu_2core_ndtri.json's."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    for r in json.loads((RESULTS / "cpu_2core_ndtri.json").read_text())["ndtri"]:
+        ns, up, cup = r["ns_per_coordinate"], r["speedup"], r["cpu_speedup"]
+        row = (
+            f"| {r['size']:,} | {ns['draw_jax']:.1f} ns | {ns['draw_dpmp']:.1f} ns | "
+            f"{up['draw']:.2f}x, {cup['draw']:.2f}x | {ns['ndtri_jax']:.1f} ns | "
+            f"{ns['ndtri_dpmp']:.1f} ns | {up['ndtri']:.2f}x, {cup['ndtri']:.2f}x |"
+        )
+        assert row in text, row
