@@ -20,9 +20,19 @@ def test_digits_split_and_shapes():
     assert data.x_train.shape == (1437, 8, 8, 1) and data.x_train.dtype == np.float32
     assert data.y_train.dtype == np.int32 and data.num_classes == 10
     assert data.input_shape == (8, 8, 1)
-    # stratified: every class in the test split in proportion
-    counts = np.bincount(data.y_test, minlength=10)
-    assert counts.min() >= 34 and counts.max() <= 38
+
+
+def test_digits_hold_out_the_positions_of_the_seeded_permutation():
+    """Not a stratified split: the held-out digits are those at
+    ``split_positions(1797, 0.2, seed)``, whatever their labels."""
+    from sklearn.datasets import load_digits
+
+    target = load_digits().target
+    for seed in (0, 1):
+        train, test = dpmp.data.split_positions(len(target), 0.2, seed)
+        data = load_data(DataConfig(), seed=seed)
+        np.testing.assert_array_equal(data.y_test, target[test])
+        np.testing.assert_array_equal(data.y_train, target[train])
 
 
 def test_digits_split_is_seeded():
@@ -42,6 +52,81 @@ def test_digits_use_their_public_pixel_range():
     expected = {tuple(row) for row in images / 8 - 1}
     got = {tuple(row) for row in data.x_train.reshape(-1, 64).astype(np.float64)}
     assert got <= expected  # every training example is its own pixels, mapped
+
+
+def _held_out(tmp_path, name, x, y):
+    """The positions an ``.npz`` of ``x, y`` (no test split) holds out: its first
+    feature column holds each record's position."""
+    x = np.concatenate([np.arange(len(y))[:, None], x], axis=1)
+    data = load_data(_npz(tmp_path, name, x=x, y=y), seed=3)
+    return sorted(data.x_test[:, 0].astype(int).tolist())
+
+
+def test_the_held_out_positions_are_a_function_of_n_and_the_seed_alone(tmp_path):
+    """Neighbours (one record's label or features changed, or two unrelated
+    datasets of equal n) are split at the same positions. A split stratified by
+    label is a function of the labels: changing one training digit's label
+    replaced 48-65 of the 360 held-out digits (40 targets, each other label)."""
+    rng = np.random.default_rng(0)
+    n = 90
+    x, y = rng.normal(size=(n, 4)), rng.integers(0, 3, n)
+    held_out = _held_out(tmp_path, "a.npz", x, y)
+    assert len(held_out) == 18 and held_out == sorted(dpmp.data.split_positions(n, 0.2, 3)[1])
+    target = next(i for i in range(n) if i not in held_out)
+    relabelled = y.copy()
+    relabelled[target] = (y[target] + 1) % 3  # one training label changed
+    moved = x.copy()
+    moved[target] = 1e6  # one training record's features changed
+    other_x, other_y = rng.normal(size=(n, 4)), rng.integers(0, 3, n)  # any data of n records
+    for name, (xs, ys) in {"b": (x, relabelled), "c": (moved, y), "d": (other_x, other_y)}.items():
+        assert _held_out(tmp_path, f"{name}.npz", xs, ys) == held_out, name
+
+
+def test_one_more_or_one_fewer_record_is_another_n(tmp_path):
+    """Under add-or-remove, n itself differs: the split is that of the other n
+    (``split_positions`` of n +- 1), the same for every dataset of that size. A
+    run publishes n (zero-out neighbours keep it), so it discloses nothing more."""
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(61, 4)), rng.integers(0, 2, 61)
+    for m in (60, 61):
+        expected = sorted(dpmp.data.split_positions(m, 0.2, 3)[1])
+        assert _held_out(tmp_path, f"{m}.npz", x[:m], y[:m]) == expected
+
+
+def test_recomputing_the_split_for_each_label_tells_nothing(tmp_path):
+    """The attack on a split that reads the labels: knowing every record but one
+    training label, compute the test split under each hypothesis for that label
+    and evaluate the released model on it; only the true label's split
+    reproduced the published test loss. Here every hypothesis gives the same
+    test arrays, bit for bit, so any number computed on them is the same."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = digits.data.astype(np.float32) / 8 - 1, digits.target
+    _, test = dpmp.data.split_positions(len(y), 0.2, 0)
+    target = next(i for i in range(len(y)) if i not in set(test))
+    splits = []
+    for label in range(10):
+        hypothesis = y.copy()
+        hypothesis[target] = label
+        data = load_data(_npz(tmp_path, f"h{label}.npz", x=x, y=hypothesis), seed=0)
+        splits.append((data.x_test.tobytes(), data.y_test.tobytes()))
+    assert len(set(splits)) == 1
+
+
+def test_text_records_are_held_out_by_position(tmp_path):
+    """Text is split as arrays are: changing one record's text moves no other record."""
+    lines = [f"record number {i:03d}, some text" for i in range(40)]
+    _, test = dpmp.data.split_positions(40, 0.2, 0)
+    target = next(i for i in range(40) if i not in set(test))
+    changed = list(lines)
+    changed[target] = "another text of another length entirely"
+    tests = []
+    for name, records in (("a.txt", lines), ("b.txt", changed)):
+        (tmp_path / name).write_text("\n".join(records))
+        data = load_data(DataConfig(dataset="text", path=str(tmp_path / name), seq_len=48), seed=0)
+        tests.append(data.x_test.tobytes())
+    assert tests[0] == tests[1]
 
 
 def test_user_features_do_not_depend_on_the_other_records(tmp_path):
@@ -329,7 +414,7 @@ def test_text_files_one_record_per_line_or_json_object(tmp_path):
         ("b.jsonl", '{"text": "ok"}\n[1, 2]\n', r"b.jsonl:2: expected an object"),
         ("c.jsonl", '{"text": "ok"}\n{oops\n', r"c.jsonl:2: not a JSON object"),
         ("d.csv", "a,b\n", "expected a .txt or .jsonl file"),
-        ("e.txt", "\n".join(["line"] * 5), "5 records of text; need at least 11"),
+        ("e.txt", "\n".join(["line"] * 5), "5 records; need at least 11"),
     ],
 )
 def test_bad_text_files_are_one_line_errors(tmp_path, name, text, match):

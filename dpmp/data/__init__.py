@@ -5,6 +5,7 @@ their preprocessing, and the Poisson and shuffled samplers.
 
 from dpmp.data._dataset import DataError as DataError
 from dpmp.data._dataset import Dataset as Dataset
+from dpmp.data._dataset import split_positions as split_positions
 from dpmp.data._sampling import PoissonSampler as PoissonSampler
 from dpmp.data._sampling import SampledBatch as SampledBatch
 from dpmp.data._sampling import ShuffledSampler as ShuffledSampler
@@ -27,4 +28,5 @@ __all__ = [
     "load_dataset",
     "register_public_text",
     "register_source",
+    "split_positions",
 ]

@@ -37,6 +37,7 @@ __all__ = [
     "RecordColumn",
     "as_dataset",
     "fingerprint",
+    "split_positions",
 ]
 
 # Bytes read at a time when a split is streamed (validation, fingerprint).
@@ -225,14 +226,30 @@ def fingerprint(data: Dataset) -> str:
     return h.hexdigest()
 
 
-def _split(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int):
-    from sklearn.model_selection import train_test_split
+def split_positions(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(train positions, test positions)`` of ``n`` records: ``ceil(test_fraction * n)``
+    of them (at least one) held out by a permutation of ``0..n-1`` seeded by ``seed``.
 
-    counts = np.bincount(y)
-    n_test = int(np.ceil(test_fraction * len(y)))
-    # Stratify when every present class can appear on both sides.
-    stratify = y if counts[counts > 0].min() >= 2 and n_test >= np.count_nonzero(counts) else None
-    return train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=stratify)
+    Which records are held out is a function of ``(n, test_fraction, seed)``
+    alone, never of the records: two datasets of ``n`` records are split at
+    the same positions, whatever their features and labels. A split that
+    reads the records (one stratified by label) is a function of the private
+    data: changing one label changes the class counts and so which records
+    are held out, and the published test accuracy and loss, computed on
+    those, would tell the neighbouring datasets apart. ``n`` is public
+    under the zero-out relation (``docs/privacy.md``).
+
+    Raises:
+      DataError: too few records to train and test on.
+    """
+    if n < MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES:
+        raise DataError(
+            f"data: {n} records; need at least {MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES} to "
+            "hold out a test split"
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    n_test = max(MIN_TEST_EXAMPLES, int(np.ceil(test_fraction * n)))
+    return order[n_test:], order[:n_test]
 
 
 def _features(name: str, x: Any, *, copy: bool = True) -> Any:

@@ -3,8 +3,9 @@
 A record (one line of a ``.txt`` file, one ``{"text": ...}`` object of a
 ``.jsonl`` file, one line of a shipped corpus) is one example, the privacy
 unit. ``encode_records`` makes it ``BOS``, its first ``seq_len`` UTF-8 bytes,
-then ``PAD``; ``text_dataset`` splits the records at random into train and
-test. ``read_text_file`` reads a user's file; ``distinct_lines`` is how the
+then ``PAD``; ``text_dataset`` splits the records into train and test at
+positions a seeded permutation picks (``split_positions``: never a function of
+the records). ``read_text_file`` reads a user's file; ``distinct_lines`` is how the
 shipped corpora (``dpmp.data.sources``) turn documents into records.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpmp.data._dataset import MIN_TEST_EXAMPLES, MIN_TRAIN_EXAMPLES, DataError, Dataset
+from dpmp.data._dataset import DataError, Dataset, split_positions
 
 __all__ = [
     "BOS",
@@ -26,7 +27,6 @@ __all__ = [
     "distinct_lines",
     "encode_records",
     "read_text_file",
-    "split_records",
     "text_dataset",
 ]
 
@@ -40,13 +40,13 @@ MIN_LINE = 16
 def text_dataset(
     records: list[str], source: str, seq_len: int, test_fraction: float, seed: int
 ) -> Dataset:
-    """A next-token ``Dataset`` of ``records`` (byte tokens), split at random.
+    """A next-token ``Dataset`` of ``records`` (byte tokens), split by ``split_positions``.
 
     ``x`` is ``[n, seq_len + 1]`` int32 tokens, ``y`` each record's token
     count, ``num_classes`` the vocabulary (``VOCAB``); ``source`` says where
     the records came from.
     """
-    train, test = split_records(len(records), test_fraction, seed)
+    train, test = split_positions(len(records), test_fraction, seed)
     tokens, counts = encode_records(records, seq_len)
     return Dataset(
         x_train=tokens[train],
@@ -62,22 +62,6 @@ def text_dataset(
         ),
         task="next_token",
     )
-
-
-def split_records(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(train rows, test rows)`` of ``n`` records: a random split, ``test_fraction``
-    (at least one record) held out.
-
-    Raises:
-      DataError: too few records to train and test on.
-    """
-    if n < MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES:
-        raise DataError(
-            f"data: {n} records of text; need at least {MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES}"
-        )
-    order = np.random.default_rng(seed).permutation(n)
-    n_test = max(MIN_TEST_EXAMPLES, int(np.ceil(test_fraction * n)))
-    return order[n_test:], order[:n_test]
 
 
 def distinct_lines(texts: Iterable[str]) -> list[str]:

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from dpmp.data._dataset import MIN_TRAIN_EXAMPLES, DataError, Dataset
-from dpmp.data._text import split_records, text_dataset
+from dpmp.data._dataset import MIN_TRAIN_EXAMPLES, DataError, Dataset, split_positions
+from dpmp.data._text import text_dataset
 from dpmp.data._tokenizer import load_tokenizer, vocab_size
 
 __all__ = [
@@ -102,7 +102,7 @@ def token_dataset(
         or there are too few records.
     """
     encoder = load_tokenizer(tokenizer, field)
-    train, test = split_records(len(records), test_fraction, seed)
+    train, test = split_positions(len(records), test_fraction, seed)
     vocab = vocab_size(encoder)
     x, y = encode_token_records([e.ids for e in encoder.encode_batch(records)], seq_len)
     _check_ids("x_train", x, vocab, low=0)  # a tokenizer's ids are below its vocab_size

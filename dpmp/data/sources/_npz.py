@@ -2,8 +2,9 @@
 
 Features of shape ``[n, h, w, c]`` keep their image shape, ``[n, h, w]``
 becomes ``[n, h, w, 1]`` and ``[n, d]`` stays flat; they are read whole into
-float32. Without a test split, one is held out (stratified where every class
-can appear on both sides). Pickled (object) arrays are refused.
+float32. Without a test split, one is held out at the positions a seeded
+permutation picks (``split_positions``: never a function of the records, not
+stratified by label). Pickled (object) arrays are refused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dpmp.data._dataset import (
     _features,
     _labels,
     _same_length,
-    _split,
+    split_positions,
 )
 from dpmp.data.sources._base import SourceOptions, register_source
 
@@ -59,7 +60,8 @@ class Npz:
                     f"{MIN_TRAIN_EXAMPLES + MIN_TEST_EXAMPLES} to hold out a test split"
                 )
             fraction, seed = options.test_fraction, options.seed
-            x_train, x_test, y_train, y_test = _split(x, y, fraction, seed)
+            train, test = split_positions(len(y), fraction, seed)
+            x_train, x_test, y_train, y_test = x[train], x[test], y[train], y[test]
             split = f"split test_fraction={fraction}, seed={seed}"
         if len(x_train) < MIN_TRAIN_EXAMPLES:
             raise DataError(
