@@ -416,6 +416,7 @@ def test_train_and_audit_config_errors(argv, needle, capsys, tmp_path):
         (["loss_scale.factor=1"], ["loss_scale.factor", "> 1"]),
         (["loss_scale.min_scale=10", "loss_scale.max_scale=1"], ["loss_scale.min_scale"]),
         (["data.dataset=npz"], ["data.path", "required"]),
+        (["data.path=mine.npz"], ["data.path", 'data.dataset = "digits" reads no file']),
         (["data.dataset=npz", "data.path=3"], ["data.path", "string"]),
         (["data.standardize=yes"], ["data.standardize", "'yes'", "none, private, nonprivate"]),
         (["data.standardize=true"], ["data.standardize", "no longer allowed", '"nonprivate"']),

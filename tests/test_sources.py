@@ -138,6 +138,23 @@ def test_a_source_that_reads_a_path_needs_one():
             load_config(None, [f"data.dataset={name}"])
     with pytest.raises(ConfigError, match='pretrain.path: required when pretrain.dataset = "text"'):
         load_config(None, ["pretrain.dataset=text", "model.kind=lm"])
+
+
+def test_a_path_for_a_source_that_reads_none_is_refused(toy_modules):
+    """The source says whether it reads a path (``needs_path``). A path given to
+    the digits was ignored: the run trained on them and its report said
+    ``"path": "mine.npz"``."""
+    for name in ("digits", "toy_blobs"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"data.dataset={name}", "data.path=mine.npz"])
+        assert str(e.value) == (
+            f"data.path: data.dataset = \"{name}\" reads no file, so 'mine.npz' would be "
+            "ignored; set data.dataset to a source that reads it (npz, npy, text)"
+        )
+        with pytest.raises(DataError, match=f"data.dataset '{name}' reads no file"):
+            load_dataset(name, path="mine.npz")
+    with pytest.raises(ConfigError, match='pretrain.dataset = "python_stdlib" reads no file'):
+        load_config(None, ["model.kind=lm", "pretrain.dataset=python_stdlib", "pretrain.path=p"])
     with pytest.raises(DataError, match='data.path: required when data.dataset = "npz"'):
         load_dataset("npz")
 

@@ -84,6 +84,20 @@ def _public_text():
     return PUBLIC_TEXT
 
 
+def _path_read(section: str, registry, dataset: str, path: str | None) -> None:
+    """``{section}.path`` is given exactly when the source ``dataset`` reads one
+    (its ``needs_path``): a path it would not read is refused, never ignored."""
+    reads = registry.get(dataset).needs_path
+    if reads and not path:
+        raise ConfigError(f'{section}.path: required when {section}.dataset = "{dataset}"')
+    if path and not reads:
+        readers = ", ".join(s.name for s in registry if s.needs_path)
+        raise ConfigError(
+            f'{section}.path: {section}.dataset = "{dataset}" reads no file, so {path!r} '
+            f"would be ignored; set {section}.dataset to a source that reads it ({readers})"
+        )
+
+
 def _families():
     from dpmp.models.families import FAMILIES
 
@@ -172,14 +186,18 @@ class DataConfig:
       least 16 characters is a record) or ``"text"`` (``path`` a ``.txt``
       file, one record per line, or a ``.jsonl`` file of ``{"text": ...}``
       objects, one record each). A record is the privacy unit.
-    path: the ``.npz`` file, the folder of ``.npy`` files, or the text file.
+    path: the ``.npz`` file, the folder of ``.npy`` files, or the text file;
+      given for a ``dataset`` that reads none (``"digits"``), it is refused.
     tokenizer: text: a ``tokenizer.json`` (Hugging Face ``tokenizers``) whose
       tokens replace the bytes; each record is still one example. With
       ``model.kind = "gpt2"``, unset means the checkpoint's own.
     seq_len: text: bytes per record (UTF-8), or with a ``tokenizer`` predicted
       tokens per record (longer records are cut, shorter ones padded; padding
       contributes nothing to the loss).
-    test_fraction: share held out for testing when the data has no test split.
+    test_fraction: share held out for testing when the data has no test split:
+      the positions a permutation seeded by ``training.seed`` puts first, never
+      a function of the records (a split stratified by label is one of the
+      private labels).
     standardize: scale features by a mean and std of the training set:
       ``"none"`` (no statistic of the training data is computed; the digits use
       their public pixel range, 0..16 mapped to [-1, 1]), ``"private"`` (the
@@ -212,8 +230,7 @@ class DataConfig:
         _positive("data.seq_len", self.seq_len, integer=True)
         if self.seq_len > 4096:
             raise ConfigError(f"data.seq_len: at most 4096, got {self.seq_len}")
-        if _sources().get(self.dataset).needs_path and not self.path:
-            raise ConfigError(f'data.path: required when data.dataset = "{self.dataset}"')
+        _path_read("data", _sources(), self.dataset, self.path)
         check_tokenizer(self.dataset, self.tokenizer)
         if isinstance(self.standardize, bool):
             raise ConfigError(
@@ -521,8 +538,8 @@ class PretrainConfig:
         _choice("pretrain.dataset", self.dataset, _pretrain_datasets())
         if self.path is not None and not isinstance(self.path, str):
             raise ConfigError(f"pretrain.path: must be a string (a text file), got {self.path!r}")
-        if self.enabled and _public_text().get(self.dataset).needs_path and not self.path:
-            raise ConfigError(f'pretrain.path: required when pretrain.dataset = "{self.dataset}"')
+        if self.enabled:
+            _path_read("pretrain", _public_text(), self.dataset, self.path)
         _positive("pretrain.steps", self.steps, integer=True, at_most=10**6)
         _positive("pretrain.batch_size", self.batch_size, integer=True, at_most=65536)
         _positive("pretrain.learning_rate", self.learning_rate)

@@ -70,7 +70,9 @@ class DataSource(Protocol):
 
     Attributes:
       name: the name it is registered and configured by (``data.dataset``).
-      needs_path: whether ``options.path`` is required.
+      needs_path: whether it reads ``options.path``: then a path is required;
+        otherwise a path given for it is refused (``load_dataset``), never
+        ignored.
       task: ``"classify"`` or ``"next_token"``: the ``Dataset.task`` it gives
         (a model family is checked against it before anything is built).
     """
@@ -108,7 +110,7 @@ class TextCorpus(Protocol):
 
 class TextSource:
     """A text corpus as a next-token data source (byte tokens, or the tokens of
-    ``options.tokenizer``; one record per example; split at random)."""
+    ``options.tokenizer``; one record per example; split by ``split_positions``)."""
 
     task = "next_token"
 
@@ -177,12 +179,17 @@ def load_dataset(
 
     Raises:
       ValueError: no source is registered as ``name``.
-      DataError: the source's data cannot be used.
+      DataError: the source's data cannot be used, or a ``path`` is given for a
+        source that reads none.
     """
     options = SourceOptions(
         path=path, test_fraction=test_fraction, seq_len=seq_len, seed=seed, tokenizer=tokenizer
     )
     source = SOURCES.get(name)
+    if path and not source.needs_path:
+        raise DataError(
+            f"data.path: data.dataset {name!r} reads no file; {path!r} would be ignored"
+        )
     if tokenizer is not None and not isinstance(source, TextSource):
         raise DataError(f"data.tokenizer: encodes text; data.dataset {name!r} is not text")
     return source.load(options)
