@@ -1196,3 +1196,74 @@ def test_the_default_run_directory_is_stated(capsys):
     assert "(default: runs/default)" in " ".join(capsys.readouterr().out.split())
     page = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
     assert "[--out RUN_DIR]   # RUN_DIR: runs/default" in page
+
+
+def _read_only(monkeypatch, folder: Path) -> None:
+    """Files opened for writing in ``folder`` fail as in a read-only folder (EPERM),
+    whoever runs the tests (root may write anywhere)."""
+    import errno
+
+    from dpmp.app import run_dir
+
+    def refused(path):
+        if Path(path).is_relative_to(folder):
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(path))
+
+    create = run_dir._create
+    monkeypatch.setattr(run_dir, "open", lambda p, *a, **k: refused(p) or open(p, *a, **k), False)
+    monkeypatch.setattr(run_dir, "_create", lambda p, *a: refused(p) or create(p, *a))
+
+
+def test_a_read_only_run_directory_is_one_line_naming_it(capsys, tmp_path, monkeypatch):
+    """It said "[Errno 1] Operation not permitted"."""
+    out = tmp_path / "run"
+    out.mkdir()
+    _read_only(monkeypatch, out)
+    assert cli.main(["train", "--quiet", "--out", str(out)]) == 2
+    assert_one_line_error(
+        capsys, "train", f"{out}: cannot write the run directory: Operation not permitted"
+    )
+    assert not list(out.iterdir())
+
+
+def _finished_run(folder: Path) -> Path:
+    folder.mkdir()
+    report = {"versions": {"dpmp": "x"}, "policy": "bf16", "steps": 3, "test_accuracy": 0.5}
+    report |= {"epsilon": 1.0, "delta": 1e-5, "private": True, "privacy_warnings": []}
+    (folder / "report.json").write_text(json.dumps(report))
+    record = {"step": 3, "epsilon": 1.0, "loss_scale": 1.0, "test_accuracy": 0.5, "test_loss": 1}
+    (folder / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    return folder
+
+
+def test_report_leaves_a_read_only_run_directory_as_it_is(capsys, tmp_path):
+    """It rewrote the plots of a folder marked read-only (as root, who may)."""
+    run = _finished_run(tmp_path / "run")
+    run.chmod(0o555)
+    try:
+        assert cli.main(["report", str(run)]) == 0
+    finally:
+        run.chmod(0o755)
+    printed = capsys.readouterr()
+    assert "epsilon" in printed.out and "plot:" not in printed.out
+    assert printed.err == f"dpmp report: {run} is read-only: its plots were not rewritten\n"
+    assert not list(run.glob("*.png"))
+
+
+def test_report_says_once_that_it_could_not_write_the_plots(capsys, tmp_path, monkeypatch):
+    import errno
+
+    from matplotlib.figure import Figure
+
+    def refused(self, path, **kwargs):
+        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(path))
+
+    monkeypatch.setattr(Figure, "savefig", refused)
+    run = _finished_run(tmp_path / "run")
+    assert cli.main(["report", str(run)]) == 0
+    printed = capsys.readouterr()
+    assert "epsilon" in printed.out and "plot:" not in printed.out
+    assert printed.err == (
+        f"dpmp report: plots not rewritten: {run / 'privacy_utility.png'}: cannot write the "
+        "plot: Operation not permitted\n"
+    )

@@ -134,17 +134,19 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     ax.set_title(f"privacy and utility (held-out test split) — {title}", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = run_dir / "privacy_utility.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    out.append(path)
-
-    fig = _precision_figure(plt, series, title)
-    path = run_dir / "precision.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    out.append(path)
+    out.append(_save(plt, fig, run_dir / "privacy_utility.png"))
+    out.append(_save(plt, _precision_figure(plt, series, title), run_dir / "precision.png"))
     return out
+
+
+def _save(plt, fig, path: Path) -> Path:
+    """Writes ``fig`` to ``path``; an ``OSError`` (a read-only folder) names the file."""
+    try:
+        with run_dir_lib.naming(path, "the plot"):
+            fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path
 
 
 def _precision_figure(plt, series, title):

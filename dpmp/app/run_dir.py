@@ -131,8 +131,9 @@ def naming(path: Path, what: str = "", tmp: Path | None = None) -> Iterator[None
 def secret_dir(path: str | Path) -> Path:
     """``path`` created if needed, readable by its owner only (0700)."""
     path = Path(path)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path.chmod(0o700)  # an older folder, or one made under a loose umask
+    with naming(path, "the owner-only folder"):
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.chmod(0o700)  # an older folder, or one made under a loose umask
     return path
 
 
@@ -209,9 +210,11 @@ def locked(path: str | Path) -> Iterator[Path]:
     if path.exists() and not path.is_dir():
         raise RunDirError(f"{path}: exists and is not a directory")
     created = not path.exists()
-    path.mkdir(parents=True, exist_ok=True)
     lock = path / LOCK_FILE
-    with open(lock, "a+") as handle:
+    with naming(path, "the run directory"):  # read-only: one line naming it
+        path.mkdir(parents=True, exist_ok=True)
+        handle = open(lock, "a+")
+    with handle:
         if fcntl is not None:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -290,7 +293,8 @@ class RunDir:
         private_readme: str = "",
     ):
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        with naming(self.path, "the run directory"):
+            self.path.mkdir(parents=True, exist_ok=True)
         self.echo = echo
         self.metrics_path = self.path / METRICS_FILE
         self.report_path = self.path / REPORT_FILE

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 from dpmp.app.cli.command import Command, UsageError
@@ -51,20 +53,36 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    plots = plot_run(Path(args.run_dir))  # its errors come before any output
+    run = Path(args.run_dir)
+    plots, skipped = [], None
+    if _read_only(run):  # a reader leaves a folder marked read-only as it is
+        skipped = f"{run} is read-only: its plots were not rewritten"
+    else:
+        try:
+            plots = plot_run(run)  # its other errors come before any output
+        except OSError as e:  # a folder this process may not write
+            skipped = f"plots not rewritten: {e}"
     print(summary(report))
     for p in plots:
         print(f"plot: {p}")
-    for line in inventory(Path(args.run_dir)):
+    for line in inventory(run):
         print(line)
+    if skipped:
+        print(f"dpmp report: {skipped}", file=sys.stderr)
     return 0
+
+
+def _read_only(run: Path) -> bool:
+    """Whether ``run`` may not be written, or is marked so (no write bit: a user
+    who may write anyway, root, still leaves it alone)."""
+    return not os.access(run, os.W_OK) or not run.stat().st_mode & 0o222
 
 
 COMMAND = Command(
     name="report",
     help="summary table and plots of a finished run",
-    description="Print a run's summary, (re)write its plots and say which of its "
-    "files are safe to publish.",
+    description="Print a run's summary, (re)write its plots (not in a read-only run "
+    "directory) and say which of its files are safe to publish.",
     add_arguments=_arguments,
     run=_run,
     imports=("dpmp.app.release", "dpmp.app.plots", "matplotlib"),
