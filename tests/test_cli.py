@@ -585,7 +585,9 @@ def test_a_runs_secrets_stay_owner_only_and_end_with_an_export(capsys, tmp_path)
     assert any(line.startswith("safe to publish") and "params.npz" in line for line in lines)
     assert not any(line.startswith("secret") for line in lines)
     assert cli.main(["export", str(out)]) == 2
-    assert_one_line_error(capsys, "export", "no checkpoint")
+    assert_one_line_error(
+        capsys, "export", "checkpoints were deleted", f"already exported: {out / 'params.npz'}"
+    )
 
 
 def test_summary_says_whether_a_run_is_private():

@@ -50,3 +50,18 @@ def test_delete_secrets_only_of_a_finished_run(tmp_path):
     assert dpmp.delete_secrets(tmp_path) == []
     with pytest.raises(CheckpointError, match="no checkpoint"):
         dpmp.export_params(tmp_path)
+
+
+def test_export_after_the_secrets_were_deleted_points_at_the_exported_parameters(tmp_path, capsys):
+    """It said "no checkpoint (has the run started?)" with params.npz beside it."""
+    from dpmp.app import cli
+
+    _run_dir(tmp_path)
+    (tmp_path / "report.json").write_text(json.dumps({"versions": {"dpmp": "x"}}))
+    assert cli.main(["export", str(tmp_path), "--delete-secrets"]) == 0
+    capsys.readouterr()
+    assert cli.main(["export", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"dpmp export: error: {tmp_path}: its checkpoints were deleted (--delete-secrets); "
+        f"the parameters are already exported: {tmp_path / 'params.npz'}\n"
+    )

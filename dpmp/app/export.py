@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from dpmp.app.checkpoint import FORMAT_VERSION, CheckpointError, _newest_readable
-from dpmp.app.run_dir import REPORT_FILE, _fsync_dir, locked
+from dpmp.app.run_dir import REPORT_FILE, _fsync_dir, locked, naming
 
 __all__ = ["PARAMS_FILE", "CHECKPOINTS_DIR", "delete_secrets", "export_params"]
 
@@ -48,10 +48,17 @@ def export_params(run_dir: str | Path, dest: str | Path | None = None) -> Path:
     (``report.json``'s ``private``).
 
     Raises:
-      CheckpointError: the run has no readable checkpoint, or it does not say
-        where its parameters are.
+      CheckpointError: the run has no readable checkpoint (the message points
+        at ``run_dir/params.npz`` when that is why: its checkpoints were
+        deleted after an export), or it does not say where its parameters are.
     """
     run_dir = Path(run_dir)
+    exported = run_dir / PARAMS_FILE
+    if not (run_dir / CHECKPOINTS_DIR).exists() and exported.is_file():
+        raise CheckpointError(
+            f"{run_dir}: its checkpoints were deleted (--delete-secrets); the parameters "
+            f"are already exported: {exported}"
+        )
     meta, leaves, path = _newest_readable(run_dir / CHECKPOINTS_DIR)
     span = meta.get("params_leaves")
     if span is None:
@@ -68,11 +75,12 @@ def export_params(run_dir: str | Path, dest: str | Path | None = None) -> Path:
     arrays["__meta__"] = np.array(json.dumps(out_meta, allow_nan=False))
     dest = run_dir / PARAMS_FILE if dest is None else Path(dest)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, dest)
+    with naming(dest, "the parameters", tmp=tmp):  # a read-only folder, a full disk
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
     _fsync_dir(dest.parent)
     return dest
 
