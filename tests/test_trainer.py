@@ -160,6 +160,18 @@ def test_report_epsilon_matches_an_independent_accountant(small_run):
     assert report["epsilon"] > 0.75 * rdp
 
 
+def test_the_start_of_run_file_list_names_only_files_a_run_writes(small_run):
+    """It named params.npz, which only ``dpmp export`` writes."""
+    from dpmp.app import release
+
+    out, _ = small_run
+    log = (out / "train.log").read_text().splitlines()
+    (line,) = [line for line in log if line.startswith("published files: ")]
+    listed = line.removeprefix("published files: ").split(";")[0].split(", ")
+    assert listed == list(release.RUN_FILES) and "params.npz" not in listed
+    assert "params.npz once `dpmp export` writes it" in release.PRIVATE_README
+
+
 def test_metrics_records(small_run):
     out, _ = small_run
     records = read_metrics(out)

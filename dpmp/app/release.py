@@ -44,7 +44,9 @@ __all__ = [
     "PRIVATE_DIR",
     "PRIVATE_NOTE",
     "PRIVATE_README",
+    "EXPORTED_PARAMS",
     "PUBLIC_FILES",
+    "RUN_FILES",
     "audit_warnings",
     "build_report",
     "config_dict",
@@ -64,14 +66,11 @@ __all__ = [
     "run_failures",
 ]
 
-PUBLIC_FILES = (
-    REPORT_FILE,
-    METRICS_FILE,
-    LOG_FILE,
-    "privacy_utility.png",
-    "precision.png",
-    "params.npz",  # ``dpmp export``: the parameters alone
-)
+# The public files a run writes (the plots: ``dpmp train`` and ``dpmp report``).
+RUN_FILES = (REPORT_FILE, METRICS_FILE, LOG_FILE, "privacy_utility.png", "precision.png")
+# ``dpmp export`` writes the parameters alone beside them.
+EXPORTED_PARAMS = "params.npz"
+PUBLIC_FILES = (*RUN_FILES, EXPORTED_PARAMS)
 PRIVATE_README = f"""{PRIVATE_NOTE}
 
 The files in this folder hold exact statistics of the private training data:
@@ -80,7 +79,7 @@ sizes, train accuracy and loss, timings. None of them is noised or accounted
 in the run's epsilon. Use them to debug the run; do not publish them.
 
 Safe to publish (privatized, held-out test, or the public plan):
-{", ".join(PUBLIC_FILES)}.
+{", ".join(RUN_FILES)}, and {EXPORTED_PARAMS} once `dpmp export` writes it.
 Secret: ../checkpoints/ (the noise keys, the sampler's seed and a fingerprint
 of the data: as secret as the data itself).
 

@@ -161,7 +161,7 @@ def _log_plan(run: RunDir, step: PrivateStep) -> None:
             "checkpoints); neighbours: zero-out (the number of records is public)"
         )
     run.log(
-        f"published files: {', '.join(release.PUBLIC_FILES)}; "
+        f"published files: {', '.join(release.RUN_FILES)}; "
         f"private/: {release.PRIVATE_NOTE}; checkpoints/: secret"
     )
 
