@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from dpmp.noise import _entropy as entropy
+from dpmp.noise._key128 import key128_impl
 
 from ._entropy import install
 
@@ -14,16 +15,18 @@ def test_fresh_key_is_the_entropy_bytes(monkeypatch):
     key = entropy.fresh_key()
     assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
     data = np.asarray(jax.random.key_data(key))
-    # the default threefry key: two uint32 words, 64 bits, all from the stream
+    # dpmp's key: four uint32 words, 128 bits, all from the stream
     want = np.frombuffer(type(fake)(5)(data.nbytes), data.dtype).reshape(data.shape)
     np.testing.assert_array_equal(data, want)
-    assert data.nbytes == 8 and fake.calls == 1
+    assert data.nbytes == 16 and fake.calls == 1
+    assert jax.random.key_impl(key) == key128_impl()
 
 
 def test_fresh_keys_and_seeds_differ_and_use_all_their_bits():
     keys = np.array([np.asarray(jax.random.key_data(entropy.fresh_key())) for _ in range(64)])
     assert len({k.tobytes() for k in keys}) == 64
-    # both 32-bit words vary, and their top bits are set about half of the time
+    # all four 32-bit words vary, and their top bits are set about half of the time
+    assert keys.shape == (64, 4)
     assert all(len(np.unique(keys[:, w])) == 64 for w in range(keys.shape[1]))
     top = (keys >> 31) & 1
     assert 0.2 < top.mean() < 0.8
@@ -40,7 +43,8 @@ def test_key_from():
     )
     k = jax.random.key(9)
     assert entropy.key_from(k) is k
-    raw = np.array([1, 2], np.uint32)
-    np.testing.assert_array_equal(jax.random.key_data(entropy.key_from(raw)), raw)
+    for raw in (np.array([1, 2], np.uint32), np.array([1, 2, 3, 4], np.uint32)):
+        np.testing.assert_array_equal(jax.random.key_data(entropy.key_from(raw)), raw)
+    assert jax.random.key_impl(entropy.key_from(raw)) == key128_impl()
     with pytest.raises(TypeError, match="prng_key"):
         entropy.key_from(True)

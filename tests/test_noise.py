@@ -165,42 +165,30 @@ def test_half_uniform_reaches_2_to_the_minus_77_with_relative_resolution():
             assert abs(z[1] - z[0]) < 1e-10
 
 
-def test_the_written_out_threefry_is_jaxs_primitive_bit_for_bit():
-    """The sampler's Threefry-2x32 (written out so that XLA:CPU fuses it) against
-    JAX's ``threefry2x32`` primitive on random keys and counters, and on the
-    Random123 known-answer vector for key and counter zero."""
-    from jax.extend.random import threefry2x32_p
-
-    from dpmp.noise._snapped import _threefry2x32
-
-    rng = np.random.default_rng(2)
-    for _ in range(3):
-        k = jnp.asarray(rng.integers(0, 2**32, 2, dtype=np.uint32))
-        x = jnp.asarray(rng.integers(0, 2**32, (2, 100_000), dtype=np.uint32))
-        ref = jax.jit(lambda k, x: threefry2x32_p.bind(k[0], k[1], x[0], x[1]))(k, x)
-        mine = jax.jit(lambda k, x: _threefry2x32(k[0], k[1], x[0], x[1]))(k, x)
-        for a, b in zip(ref, mine):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    zero = jnp.zeros(1, jnp.uint32)
-    out = _threefry2x32(zero[0], zero[0], zero, zero)
-    assert [int(w[0]) for w in out] == [0x6B200159, 0x99BA4EFE]  # Random123's kat_vectors
-
-
 def test_the_written_out_key_table_and_split_are_jaxs():
-    """The leaves' key words (``_leaf_key_words``: ``bits(fold_in(key, i), (2,),
-    uint32)`` written out) and the step's ``_split`` are JAX's own, bit for bit,
-    for Threefry keys; another key implementation takes JAX's functions."""
+    """The leaves' key words (``_leaf_key_words``: ``bits(fold_in(key, i), (4,),
+    uint32)`` written out; a 128-bit key's ``fold_in`` data) and the step's
+    ``_split`` are JAX's own, bit for bit, for Threefry and 128-bit keys; another
+    key implementation takes JAX's functions."""
+    from dpmp.noise import fresh_key
+    from dpmp.noise._key128 import key128_impl
     from dpmp.noise._snapped import _key_words, _leaf_key_words, _split
 
     ids = jnp.asarray([0, 1, 2, 49, 1000, 2**32 - 1], jnp.uint32)
-    for key in (jax.random.key(0), jax.random.key(2**31 - 1), jax.random.key(7, impl="rbg")):
-        ref = jax.vmap(lambda i, key=key: jax.random.bits(jax.random.fold_in(key, i), (2,)))(ids)
+    keys = (jax.random.key(0), jax.random.key(2**31 - 1), jax.random.key(7, impl="rbg"))
+    for key in keys:
+        ref = jax.vmap(lambda i, key=key: jax.random.bits(jax.random.fold_in(key, i), (4,)))(ids)
         table = jax.jit(_leaf_key_words)(key, ids)
         np.testing.assert_array_equal(np.asarray(table), np.asarray(ref))
         words = jax.jit(_key_words)(key)
-        np.testing.assert_array_equal(np.asarray(words), np.asarray(jax.random.bits(key, (2,))))
+        np.testing.assert_array_equal(np.asarray(words), np.asarray(jax.random.bits(key, (4,))))
         for mine, theirs in zip(jax.jit(_split)(key), jax.random.split(key), strict=True):
             np.testing.assert_array_equal(jax.random.key_data(mine), jax.random.key_data(theirs))
+    key = fresh_key()
+    assert jax.random.key_impl(key) == key128_impl()
+    ref = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(key, i)))(ids)
+    np.testing.assert_array_equal(np.asarray(jax.jit(_leaf_key_words)(key, ids)), ref)
+    np.testing.assert_array_equal(jax.jit(_key_words)(key), jax.random.key_data(key))
 
 
 def test_a_coordinates_noise_depends_on_its_index_alone():

@@ -30,6 +30,7 @@ from dpmp.app.plots import plot_series
 from dpmp.app.release import privacy_warnings as release_warnings
 from dpmp.app.run_dir import read_metrics
 from dpmp.app.trainer import audit_step, build_private_step, train
+from dpmp.noise._key128 import key128_impl
 
 from . import _entropy
 
@@ -417,11 +418,35 @@ def test_runs_differ_and_rerunning_the_report_config_does_not_reproduce(
     b = _final_params(tmp_path, rerun_config, digits)
     for x, y in zip(a, b, strict=True):
         assert not np.array_equal(x, y)
+    keys = [_checkpoint_keys(d) for d in (ref_dir, tmp_path)]
+    for a, b in zip(*keys, strict=True):  # 128 bits each, drawn afresh
+        assert a.size * 32 >= 128 and not np.array_equal(a, b)
     seeds = [_params(d)[1]["sampler"]["seed"] for d in (ref_dir, tmp_path)]
     assert seeds[0] != seeds[1] and min(seeds) >= 0 and max(seeds) > 2**64
     for seed in seeds:  # the sampler's seed lives in the checkpoint only
         for name in ("report.json", "metrics.jsonl", "train.log"):
             assert str(seed) not in (ref_dir / name).read_text()
+
+
+def _checkpoint_keys(run_dir) -> list[np.ndarray]:
+    """The key data of every PRNG key a run's newest checkpoint stores."""
+    leaves, meta = _params(run_dir)
+    kinds = [info.get("kind") for info in meta["leaves"]]
+    return [leaf for leaf, kind in zip(leaves, kinds, strict=True) if kind == "prng_key"]
+
+
+def test_a_fresh_runs_checkpoint_holds_128_bit_keys(small_run):
+    """Every secret key of a fresh run (the gradient noise's, the loss scale's) is
+    128 bits of key data, and the keys differ from each other."""
+    run_dir, _ = small_run
+    keys = _checkpoint_keys(run_dir)
+    assert len(keys) >= 1
+    for data in keys:
+        assert data.dtype == np.uint32 and data.size * 32 >= 128, data
+    assert len({k.tobytes() for k in keys}) == len(keys)
+    _, meta = _params(run_dir)
+    impls = {info["impl"] for info in meta["leaves"] if info.get("kind") == "prng_key"}
+    assert impls == {str(key128_impl())}
 
 
 def test_reproducible_noise_derives_the_keys_from_the_seed():
@@ -444,7 +469,7 @@ def test_reproducible_noise_derives_the_keys_from_the_seed():
     cfg = small("privacy.reproducible_noise=true", "training.seed=3")
     again = [run_keys(cfg) for _ in range(2)]
     assert all(k.reproducible for k in again) and data(again[0]) == data(again[1])
-    _, noise, scale = jax.random.split(jax.random.key(3), 3)
+    _, noise, scale = jax.random.split(jax.random.key(3, impl=key128_impl()), 3)
     want = [np.asarray(jax.random.key_data(k)).tolist() for k in (noise, scale)]
     assert list(data(again[0])[:2]) == want and again[0].sampler_seed == 3
     report_warning = [w for w in release_warnings(cfg) if "reproducible_noise" in w]

@@ -170,6 +170,12 @@ def load_checkpoint(path: str | Path, template: Any) -> tuple[Any, dict[str, Any
         if _is_key(ref):
             if info.get("kind") != "prng_key":
                 raise CheckpointError(f"{path}: leaf {i} should be a PRNG key")
+            impl = str(jax.random.key_impl(ref))
+            if info.get("impl") != impl or arr.shape != jax.random.key_data(ref).shape:
+                raise CheckpointError(
+                    f"{path}: leaf {i} is a {info.get('impl')} key of {arr.size} words, the "
+                    f"state expects a {impl} key (a checkpoint of an older dpmp: start afresh)"
+                )
             value = jax.random.wrap_key_data(jnp.asarray(arr), impl=jax.random.key_impl(ref))
         else:
             want = np.dtype(ref.dtype) if hasattr(ref, "dtype") else np.asarray(ref).dtype

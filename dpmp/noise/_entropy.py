@@ -7,9 +7,18 @@ knows the seed and every other record can rerun the training under each
 hypothesis about the remaining record, and only the true dataset reproduces the
 released parameters bit for bit. So dpmp draws these from ``os.urandom``:
 
-    fresh_key()    a JAX PRNG key whose every key bit comes from os.urandom
-                   (64 bits for the default threefry key), not a 32-bit seed
+    fresh_key()    a 128-bit JAX PRNG key (``dpmp.noise._key128``, Threefry-4x32)
+                   whose every bit comes from os.urandom, not a 32-bit seed
     fresh_seed()   a 128-bit integer seed for numpy's generators
+
+Why 128 bits: a key is searchable when an observer can test a guess. A
+coordinate whose clipped sum is known (zero for a token no private record
+holds, or a padding row) shows its noise exactly, so each guess of a 64-bit
+key (JAX's default Threefry-2x32) costs a few block evaluations, 2^64 in all:
+feasible for a determined attacker with hardware to spare. A 128-bit key puts
+the search at 2^128. Every key the run derives (each step's, each leaf's) is a
+full 128-bit block of the one before, so no derived key is easier to find
+than the first.
 
 ``key_from(prng_key)`` is what every public function with an optional
 ``prng_key`` does with it: ``None`` draws a fresh key; an int derives a key from
@@ -37,10 +46,14 @@ def fresh_seed() -> int:
 
 
 def fresh_key(impl: Any = None):
-    """A typed JAX PRNG key (``impl`` or JAX's default) filled from ``os.urandom``."""
+    """A typed JAX PRNG key filled from ``os.urandom``: of ``impl``, by default
+    dpmp's 128-bit keys (``dpmp.noise._key128.key128_impl()``)."""
     import jax
     import numpy as np
 
+    from dpmp.noise._key128 import key128_impl
+
+    impl = key128_impl() if impl is None else impl
     shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
     size = int(np.prod(shape.shape)) * shape.dtype.itemsize
     words = np.frombuffer(_urandom(size), dtype=shape.dtype).reshape(shape.shape)
@@ -49,7 +62,8 @@ def fresh_key(impl: Any = None):
 
 def key_from(prng_key: Any):
     """``None`` -> ``fresh_key()``; an int -> ``jax.random.key(int)`` (public, reproducible);
-    a typed key as is; raw ``uint32`` key data wrapped as a key."""
+    a typed key as is; raw ``uint32`` key data wrapped as a key: four words (the
+    data of a 128-bit key) as dpmp's 128-bit key, two as JAX's Threefry."""
     import jax
     import jax.numpy as jnp
 
@@ -61,4 +75,9 @@ def key_from(prng_key: Any):
         return jax.random.key(prng_key)
     if jax.dtypes.issubdtype(jnp.asarray(prng_key).dtype, jax.dtypes.prng_key):
         return prng_key
-    return jax.random.wrap_key_data(jnp.asarray(prng_key, jnp.uint32))
+    data = jnp.asarray(prng_key, jnp.uint32)
+    if data.shape[-1:] == (4,):
+        from dpmp.noise._key128 import key128_impl
+
+        return jax.random.wrap_key_data(data, impl=key128_impl())
+    return jax.random.wrap_key_data(data)

@@ -35,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmp.accounting import GridNoiseContract
+from dpmp.noise import _key128 as key128
 from dpmp.noise._ndtri import ndtri_lower
+from dpmp.noise._threefry import threefry2x32, threefry4x32
 from dpmp.precision._opaque import always_true, opaque_ints, traced_for_cpu
 
 if TYPE_CHECKING:
@@ -84,33 +86,10 @@ def snap_grid(stddev: float) -> float:
     return 2.0 ** math.floor(math.log2(stddev / CONTRACT.cells_per_stddev[0]))
 
 
-_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-
-
-def _threefry2x32(k0, k1, x0, x1) -> tuple[jax.Array, jax.Array]:
-    """Threefry-2x32 (20 rounds; Salmon et al. 2011, Random123), written out.
-
-    The same function as JAX's ``threefry2x32`` primitive (bit for bit,
-    tests/test_noise.py), which XLA:CPU lowers as a rolled loop of 5 passes over
-    the whole array to keep compile times short (jax/_src/random/threefry2x32.py):
-    written out, the 20 rounds fuse with the sampler's arithmetic into one pass,
-    4-7x faster for the draw's two calls on 2 CPU cores.
-    """
-    ks = (k0, k1, k0 ^ k1 ^ np.uint32(0x1BD11BDA))
-    x0, x1 = x0 + ks[0], x1 + ks[1]
-    for i in range(5):
-        for r in _THREEFRY_ROTATIONS[i % 2]:
-            x0 = x0 + x1
-            x1 = (x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r))
-            x1 = x0 ^ x1
-        x0 = x0 + ks[(i + 1) % 3]
-        x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
-    return x0, x1
-
-
 def _noise_words(key_words: jax.Array, index: jax.Array) -> tuple[jax.Array, ...]:
-    """Four uint32 words for each coordinate ``index`` (uint32): Threefry-2x32 of
-    the counters ``(0, index)`` and ``(1, index)`` under ``key_words`` (uint32[2]).
+    """Four uint32 words for each coordinate ``index`` (uint32): the Threefry-4x32
+    block of the counter ``(index, 0, 0, NOISE)`` under ``key_words`` (uint32[4]:
+    a 128-bit key, ``dpmp.noise._key128``).
 
     The words of a coordinate depend on the key and its index alone, not on the
     array's shape, on how it is cut into chunks or on the devices it lies on: a
@@ -118,10 +97,10 @@ def _noise_words(key_words: jax.Array, index: jax.Array) -> tuple[jax.Array, ...
     (``jax.random.bits`` fixes its counters by the shape it is asked for, and in
     its partitionable mode keeps 32 of each call's 64 bits.)
     """
-    k0, k1 = key_words[0], key_words[1]
-    w0, w1 = _threefry2x32(k0, k1, jnp.zeros_like(index), index)
-    w2, w3 = _threefry2x32(k0, k1, jnp.ones_like(index), index)
-    return w0, w1, w2, w3
+    zero = jnp.zeros_like(index)
+    return threefry4x32(
+        tuple(key_words[w] for w in range(4)), (index, zero, zero, zero + key128.NOISE)
+    )
 
 
 def _half_uniform(words):
@@ -279,8 +258,11 @@ def _check_size(n: int) -> None:
 
 
 def _key_words(key: jax.Array) -> jax.Array:
-    """64 bits of key for the draw (``_noise_words``), from a typed PRNG key:
-    ``jax.random.bits(key, (2,), jnp.uint32)``."""
+    """The draw's key words (uint32[4], ``_noise_words``) of a typed PRNG key: a
+    128-bit key's own data (``dpmp.noise._key128``: a secret run's keys); of any
+    other key, ``jax.random.bits(key, (4,), jnp.uint32)`` (a key of 64 bits, as
+    JAX's default Threefry, gives noise that a search of its 2^64 keys can
+    find: such keys are for reproducible, public-seeded runs)."""
     return _leaf_key_words(key, None)
 
 
@@ -296,50 +278,61 @@ def _threefry_data(key: jax.Array) -> jax.Array | None:
     return jax.random.key_data(key)
 
 
+# Padded to a multiple of 64 keys: how long LLVM takes over an elementwise pass of
+# keys depends on its length (2 CPU cores: 0.1 s for 64 or 128 keys, 0.4 s for 50 or
+# 1,000, and 1 s for the 50 adapters of a private LoRA step, fused with its split).
+_KEY_PAD = 64
+
+
 def _leaf_key_words(key: jax.Array, ids) -> jax.Array:
     """``_key_words(jax.random.fold_in(key, i))`` for each ``i`` of ``ids`` (uint32,
-    shape ``(m,)``; uint32[m, 2]), or ``_key_words(key)`` for ``ids=None`` (uint32[2]).
+    shape ``(m,)``; uint32[m, 4]), or ``_key_words(key)`` for ``ids=None`` (uint32[4]).
 
-    For a Threefry key, JAX's own functions written out: ``fold_in(k, i)`` is the
-    key ``threefry2x32(k, (0, i))`` and ``bits(k, (2,), uint32)`` is ``a ^ b``
-    of ``(a, b) = threefry2x32(k, (0, j))`` for ``j = 0, 1`` (jax/_src/random/
-    threefry2x32.py): one elementwise pass, where JAX emits a rolled Threefry
-    loop for each call (compile time, not run time: a handful of keys)."""
+    Written out as one elementwise pass for a 128-bit key (its ``fold_in`` is the
+    block of ``(i, 0, 0, FOLD)``) and for a Threefry-2x32 key, where JAX emits a
+    rolled Threefry loop for each call (compile time, not run time: a handful of
+    keys): there ``fold_in(k, i)`` is the key ``threefry2x32(k, (0, i))`` and
+    ``bits(k, (4,), uint32)`` is ``a ^ b`` of ``(a, b) = threefry2x32(k, (0, j))``
+    for ``j = 0..3`` (jax/_src/random/threefry2x32.py)."""
+    if key128.is_key128(key):
+        data = jax.random.key_data(key)
+        if ids is None:
+            return data
+        n = ids.shape[0]
+        return key128.block(data, jnp.pad(ids, (0, -n % _KEY_PAD)), key128.FOLD)[:n]
     data = _threefry_data(key)
     if data is None:
         if ids is None:
-            return jax.random.bits(key, (2,), jnp.uint32)
+            return jax.random.bits(key, (4,), jnp.uint32)
         return jax.vmap(lambda i: _key_words(jax.random.fold_in(key, i)))(ids)
     if ids is None:
         return _bits_words(data[0], data[1])
-    # Padded to a multiple of 64 keys: how long LLVM takes over this elementwise pass
-    # depends on its length (2 CPU cores: 0.1 s for 64 or 128 keys, 0.4 s for 50 or
-    # 1,000, and 1 s for the 50 adapters of a private LoRA step, fused with its split).
     n = ids.shape[0]
-    padded = jnp.pad(ids, (0, -n % 64))
-    k0, k1 = _threefry2x32(data[0], data[1], jnp.zeros_like(padded), padded)
+    padded = jnp.pad(ids, (0, -n % _KEY_PAD))
+    k0, k1 = threefry2x32(data[0], data[1], jnp.zeros_like(padded), padded)
     return _bits_words(k0, k1)[:n]
 
 
 def _bits_words(k0, k1) -> jax.Array:
-    """``bits(k, (2,), uint32)`` of the keys ``(k0, k1)`` (uint32, any shape; uint32
-    [..., 2]): both words from one written-out call, the counters ``(0, 0)`` and
-    ``(0, 1)`` side by side on a last axis (each call is compiled on its own)."""
-    k0, k1 = (jnp.broadcast_to(k[..., None], k.shape + (2,)) for k in (k0, k1))
-    j = jnp.broadcast_to(jnp.arange(2, dtype=jnp.uint32), k0.shape)
-    a, b = _threefry2x32(k0, k1, jnp.zeros_like(k0), j)
+    """``bits(k, (4,), uint32)`` of the Threefry-2x32 keys ``(k0, k1)`` (uint32, any
+    shape; uint32 [..., 4]): the words from one written-out call, the counters
+    ``(0, j)`` side by side on a last axis (each call is compiled on its own)."""
+    k0, k1 = (jnp.broadcast_to(k[..., None], k.shape + (4,)) for k in (k0, k1))
+    j = jnp.broadcast_to(jnp.arange(4, dtype=jnp.uint32), k0.shape)
+    a, b = threefry2x32(k0, k1, jnp.zeros_like(k0), j)
     return a ^ b
 
 
 def _split(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``jax.random.split(key)`` as two keys; for a Threefry key written out: key
-    ``j`` is ``threefry2x32(k, (0, j))`` (see ``_leaf_key_words``)."""
+    """``jax.random.split(key)`` as two keys; for a Threefry-2x32 key written out:
+    key ``j`` is ``threefry2x32(k, (0, j))`` (see ``_leaf_key_words``). A 128-bit
+    key's ``split`` is written out already (``dpmp.noise._key128``)."""
     data = _threefry_data(key)
     if data is None:
         key, sub = jax.random.split(key)
         return key, sub
     k0, k1 = data[0], data[1]
-    x0, x1 = _threefry2x32(k0, k1, jnp.zeros((2,), jnp.uint32), jnp.arange(2, dtype=jnp.uint32))
+    x0, x1 = threefry2x32(k0, k1, jnp.zeros((2,), jnp.uint32), jnp.arange(2, dtype=jnp.uint32))
     keys = jax.random.wrap_key_data(jnp.stack([x0, x1], axis=-1), impl=jax.random.key_impl(key))
     return keys[0], keys[1]
 
@@ -359,7 +352,7 @@ def snapped_gaussian(key: jax.Array, value: jax.Array, stddev: float) -> jax.Arr
     and delta. The result has ``value``'s dtype; rounding the grid value to
     it is post-processing too.
 
-    Costs 128 random bits (two Threefry-2x32 calls, ``_threefry2x32``) and one
+    Costs 128 random bits (one Threefry-4x32 block, ``_noise_words``) and one
     float64 ``ndtri`` per coordinate. Coordinate ``i`` (in row-major order) is
     drawn from ``key`` and ``i`` alone, so the array is drawn in pieces of
     ``chunk_size(value.size)`` coordinates, written back in place: the temporary
@@ -376,7 +369,7 @@ def _as_index(positions: jax.Array) -> jax.Array:
 
 
 def snapped_leaf(key_words, leaf: jax.Array, stddev: float) -> jax.Array:
-    """``snapped_gaussian`` of one leaf, from the draw's key words (uint32[2])."""
+    """``snapped_gaussian`` of one leaf, from the draw's key words (uint32[4])."""
     _check_size(leaf.size)
     flat = _snap_flat(
         leaf.reshape(-1), stddev, _words_by_index(key_words), chunk_size(leaf.size), key_words[0]
@@ -436,7 +429,7 @@ def _snap_small(key, ids: list[int], leaves: list, stddev: float, draw: Callable
     coordinate gets what ``snapped_leaf`` of its own leaf gives it (tests).
 
     One program for many leaves: drawn one by one, each leaf adds its own copy of
-    the draw (two Threefry calls, the float64 ``ndtri``) to the compiled step. The
+    the draw (a Threefry-4x32 block, the float64 ``ndtri``) to the compiled step. The
     96 rank-8 adapters of a GPT-2-small LoRA (1.18M coordinates; 2 CPU cores):
     23-29 s to compile leaf by leaf, 2.7-3.2 s together, 22-26 ms a draw either
     way (the leaf search is a few gathers a coordinate, ``scan_unrolled``)."""
@@ -460,12 +453,12 @@ def _snap_small(key, ids: list[int], leaves: list, stddev: float, draw: Callable
 def _group_words(table: jax.Array, starts: np.ndarray) -> Callable:
     """``words_of`` (``_snap_flat``) for positions (int32) of leaves concatenated:
     leaf ``j`` starts at ``starts[j]`` and is drawn with the key words ``table[j]``
-    (uint32[2]). Positions past the end count as the last leaf's (padding)."""
+    (uint32[4]). Positions past the end count as the last leaf's (padding)."""
 
     def words_of(positions):
         j = jnp.searchsorted(starts, positions, side="right", method="scan_unrolled") - 1
         index = (positions - jnp.asarray(starts)[j]).astype(jnp.uint32)
-        return _noise_words((table[j, 0], table[j, 1]), index)
+        return _noise_words(tuple(table[j, w] for w in range(4)), index)
 
     return words_of
 

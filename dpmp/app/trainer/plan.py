@@ -26,6 +26,7 @@ from dpmp.data._preprocess import release_noise_multiplier
 from dpmp.data._sampling import MAX_TRUNCATION_PROB
 from dpmp.noise import drawn_sampler
 from dpmp.noise._entropy import fresh_key, fresh_seed
+from dpmp.noise._key128 import key128_impl
 
 __all__ = [
     "NoisePlan",
@@ -59,11 +60,12 @@ class RunKeys:
 
 
 def run_keys(config: Config) -> RunKeys:
-    """Fresh OS entropy for a run (64-bit keys, 128-bit seeds), or, with
-    ``privacy.reproducible_noise``, keys and seeds derived from ``training.seed``."""
+    """Fresh OS entropy for a run (128-bit keys and seeds), or, with
+    ``privacy.reproducible_noise``, keys and seeds derived from ``training.seed``
+    (keys of the same kind, so that both runs compile the same step)."""
     seed = config.training.seed
     if config.privacy.reproducible_noise:
-        _, noise, scale = jax.random.split(jax.random.key(seed), 3)
+        _, noise, scale = jax.random.split(jax.random.key(seed, impl=key128_impl()), 3)
         return RunKeys(noise, scale, sampler_seed=seed, standardize_seed=seed, reproducible=True)
     return RunKeys(fresh_key(), fresh_key(), fresh_seed(), fresh_seed(), reproducible=False)
 
