@@ -125,7 +125,7 @@ def test_the_published_config_names_a_data_file_not_its_folders(tmp_path):
     assert release.config_dict(config)["data"]["path"] == str(data)  # checkpoints keep it
 
 
-def test_progress_bar_shows_speed_and_eta_marked_private(monkeypatch):
+def test_progress_bar_shows_speed_and_eta(monkeypatch):
     import io
 
     from dpmp.app import run_dir
@@ -138,8 +138,8 @@ def test_progress_bar_shows_speed_and_eta_marked_private(monkeypatch):
         bar.update(step, {"eps": "0.50000"}, force=True)
     lines = out.getvalue().splitlines()
     assert "steps/s" not in lines[0]  # nothing timed yet
-    assert lines[1].endswith("eps 0.50000 [private: 5 steps/s, ETA 0:16]"), lines[1]
-    assert lines[2].endswith("[private: 5 steps/s, ETA 0:14]"), lines[2]
+    assert lines[1].endswith("eps 0.50000 [5 steps/s, ETA 0:16]"), lines[1]
+    assert lines[2].endswith("[5 steps/s, ETA 0:14]"), lines[2]
 
 
 def test_a_delta_not_below_one_over_n_is_a_warning():
@@ -150,13 +150,30 @@ def test_a_delta_not_below_one_over_n_is_a_warning():
     assert release.privacy_warnings(config, num_train=999) == []  # 0.001 < 1/999
 
 
-def test_most_examples_overflowed_is_told_from_the_private_diagnostics():
+def test_exit_decisions_read_released_numbers_only():
+    """``run_failures`` takes the report alone (its released numbers); the exact
+    overflow count's judgement goes to ``private/diagnostics.json`` only."""
+    import inspect
+
     report = {"steps": 3, "config": {"training": {"expected_batch_size": 512}}}
     report["audit"] = {"ok": True}
-    exact = {"overflow": {"examples_nonfinite": 1500}, "clipping": {"examples_seen": 1530}}
+    assert list(inspect.signature(release.run_failures).parameters) == ["report"]
     assert release.run_failures(report) == []  # no count was released
-    (failure,) = release.run_failures(report, exact)
-    assert failure.startswith("most of the examples overflowed (a private diagnostic")
-    assert "1500" not in failure and "1530" not in failure  # no exact count is printed
-    few = {"overflow": {"examples_nonfinite": 700}, "clipping": {"examples_seen": 1530}}
-    assert release.run_failures(report, few) == []
+    (diagnosis,) = release.overflow_diagnosis(1500, 1530)
+    assert diagnosis.startswith("most of the examples overflowed")
+    assert "1500" not in diagnosis and "1530" not in diagnosis
+    assert release.overflow_diagnosis(700, 1530) == []
+    report["overflow"] = {"noised_count_total": 900.0}  # a released, noised count
+    (failure,) = release.run_failures(report)
+    assert "noised count 900" in failure
+
+
+def test_an_audit_that_could_not_check_the_step_fails_closed():
+    assert release.audit_warnings({"ok": True}) == []
+    for audit in ({"ok": None, "error": "TypeError: boom"}, {"ok": None}, {}):
+        (warning,) = release.audit_warnings(audit)
+        assert "not reported differentially private" in warning
+    (failure,) = release.run_failures(
+        {"steps": 1, "config": {"training": {"expected_batch_size": 8}}, "audit": {"ok": None}}
+    )
+    assert "could not check" in failure

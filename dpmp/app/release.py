@@ -14,10 +14,13 @@ exactly one of:
   padded batch size computed from it, the precision audit and clip method of
   the step (functions of shapes and dtypes, not of values).
 
-Everything else -- the exact batch loss, exact overflow counts, the clipped
-fraction, gradient norms, realised batch sizes and truncations, train
-accuracy and loss, timings -- goes only to the run's ``private/`` folder,
-labelled ``PRIVATE_NOTE`` there. Checkpoints hold the secret noise keys, the
+Everything else -- the exact batch loss, exact overflow counts and what they
+say of the run, the clipped fraction, gradient norms, realised batch sizes and
+truncations, train accuracy and loss -- goes only to the run's ``private/``
+folder, labelled ``PRIVATE_NOTE`` there (with per-step times beside them; the
+progress bar's speed is public: a step's work is fixed by shapes, not by the
+records). Exit statuses and warnings are releases too: ``run_failures`` reads
+released numbers only, and an audit that could not check the step fails closed. Checkpoints hold the secret noise keys, the
 sampler's seed and a fingerprint of the data: as secret as the data.
 
     public:   report.json  metrics.jsonl  train.log  *.png  progress bar  callback
@@ -53,6 +56,7 @@ __all__ = [
     "epsilon_text",
     "file_inventory",
     "inventory_lines",
+    "overflow_diagnosis",
     "mesh_summary",
     "private_diagnostics",
     "private_record",
@@ -75,7 +79,7 @@ PRIVATE_README = f"""{PRIVATE_NOTE}
 
 The files in this folder hold exact statistics of the private training data:
 per-batch losses, overflow counts, clipped fractions, gradient norms, batch
-sizes, train accuracy and loss, timings. None of them is noised or accounted
+sizes, train accuracy and loss, per-step times. None of them is noised or accounted
 in the run's epsilon. Use them to debug the run; do not publish them.
 
 Safe to publish (privatized, held-out test, or the public plan):
@@ -139,9 +143,20 @@ def privacy_warnings(config, num_train: int | None = None) -> list[str]:
 
 
 def audit_warnings(audit: dict[str, Any]) -> list[str]:
-    """A failed precision audit: the sensitivity the accounting assumes is not certified."""
-    if audit.get("ok") is not False:
+    """A precision audit that failed, or that could not check the step (it crashed,
+    or did not recognise the noise: ``ok`` is None): either way the sensitivity and
+    the noise the accounting assumes are not certified, and the run is not
+    reported private (it fails closed)."""
+    ok = audit.get("ok")
+    if ok is True:
         return []
+    if ok is None:
+        why = audit.get("error") or "it did not recognise the step's noise"
+        return [
+            f"the precision audit of the private step could not check it ({why}): the "
+            "clipped sum's sensitivity and the noise the accounting assumes were not "
+            "certified, so this run is not reported differentially private"
+        ]
     kinds = sorted({v.get("kind", "?") for v in audit.get("violations", [])})
     missing = audit.get("missing") or []
     found = []
@@ -156,14 +171,15 @@ def audit_warnings(audit: dict[str, Any]) -> list[str]:
     ]
 
 
-def run_failures(report: dict[str, Any], diagnostics: dict[str, Any] | None = None) -> list[str]:
+def run_failures(report: dict[str, Any]) -> list[str]:
     """Why a finished run did not do what was asked (empty: it did), from the
-    report's public numbers: an early stop, a failed or broken audit,
-    parameters that are not finite, or (private dynamic loss scale) a noised
-    overflow count of at least half the expected examples. Given the run's
-    ``private/diagnostics.json``, also an exact overflow count of at least half
-    the examples seen; that line is labelled a private diagnostic and holds no
-    exact count (show it to the operator only: it is not a released number)."""
+    report's released numbers alone: an early stop by the budget, a failed or
+    unchecked audit, parameters that are not finite, or (private dynamic loss
+    scale) a noised overflow count of at least half the expected examples.
+
+    An exit status, a warning or a line in a scheduler's log is a release too:
+    nothing here reads an exact statistic. The exact overflow count, and what it
+    says of the run (``overflow_diagnosis``), stay in ``private/diagnostics.json``."""
     out = []
     stopped = report.get("stopped_early")
     if stopped:
@@ -172,7 +188,8 @@ def run_failures(report: dict[str, Any], diagnostics: dict[str, Any] | None = No
     if audit.get("ok") is False:
         out.append("the precision audit of the step found violations (report.json: audit)")
     elif audit.get("ok") is None:
-        out.append(f"the precision audit of the step could not run: {audit.get('error')}")
+        why = audit.get("error") or "it did not recognise the step's noise"
+        out.append(f"the precision audit of the step could not check it: {why}")
     if report.get("finite_params") is False:
         out.append("the trained parameters are not finite")
     noised = (report.get("overflow") or {}).get("noised_count_total")
@@ -183,21 +200,20 @@ def run_failures(report: dict[str, Any], diagnostics: dict[str, Any] | None = No
             f"{noised:.0f} of about {expected} examples): the model barely trained; lower "
             "loss_scale.initial or loss_scale.max_scale, or use bf16"
         )
-    elif _mostly_overflowed(diagnostics or {}):
-        out.append(
-            "most of the examples overflowed (a private diagnostic from private/diagnostics.json:"
-            " an exact statistic of the training data, not a released number; do not publish "
-            "it): the model barely trained; lower loss_scale.initial, use loss_scale.kind = "
-            "'private_dynamic', or use bf16"
-        )
     return out
 
 
-def _mostly_overflowed(diagnostics: dict[str, Any]) -> bool:
-    """Whether the exact (private) overflow count is at least half the examples seen."""
-    seen = (diagnostics.get("clipping") or {}).get("examples_seen")
-    over = (diagnostics.get("overflow") or {}).get("examples_nonfinite")
-    return bool(seen) and over is not None and over >= seen / 2
+def overflow_diagnosis(nonfinite: int, seen: int) -> list[str]:
+    """What the exact (private) overflow count says of a run, for
+    ``private/diagnostics.json`` only: never printed, logged or turned into an
+    exit status (it is not a released number)."""
+    if not seen or nonfinite < seen / 2:
+        return []
+    return [
+        "most of the examples overflowed: the model barely trained; lower "
+        "loss_scale.initial, use loss_scale.kind = 'private_dynamic' (its noised counts "
+        "are released and accounted), or use bf16"
+    ]
 
 
 def privacy_notes(config, breakdown: accounting.EpsilonBreakdown) -> list[str]:
@@ -307,10 +323,16 @@ def progress_fields(record: dict[str, Any]) -> dict[str, str]:
 
 
 def private_diagnostics(
-    *, totals: dict[str, Any], sampler, evaluation: dict[str, Any], wall_time_s: float
+    *,
+    totals: dict[str, Any],
+    sampler,
+    evaluation: dict[str, Any],
+    wall_time_s: float,
+    data: Any = None,
 ) -> dict[str, Any]:
     """``private/diagnostics.json``: the run's exact totals (NOT private; the run
-    directory labels the file with ``PRIVATE_NOTE``)."""
+    directory labels the file with ``PRIVATE_NOTE``), and how many of ``data``'s
+    records were cut (text)."""
     out = {
         "overflow": {
             "examples_nonfinite": totals["overflow"],
@@ -320,6 +342,7 @@ def private_diagnostics(
             "clipped_fraction": totals["clipped"] / max(totals["examples"], 1),
             "examples_seen": totals["examples"],
         },
+        "overflow_diagnosis": overflow_diagnosis(totals["overflow"], totals["examples"]),
         "train_accuracy": evaluation.get("train_accuracy"),
         "train_loss": evaluation.get("train_loss"),
         "wall_time_s": wall_time_s,
@@ -330,6 +353,9 @@ def private_diagnostics(
             "truncated_steps": sampler.num_truncated,
             "dropped_examples": sampler.num_dropped,
         }
+    if getattr(data, "cut_to", None) is not None:
+        train, test = data.records_cut
+        out["records_cut"] = {"cut_to": data.cut_to, "train": train, "test": test}
     return out
 
 

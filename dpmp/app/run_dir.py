@@ -366,9 +366,12 @@ class ProgressBar:
 
     Off a terminal (CI logs, pipes) it prints a line only on forced updates
     instead of redrawing, so logs stay readable. It shows the step and the
-    fields it is given (the trainer gives public numbers only), then, marked
-    private, the speed since it started and the time left (timings are private
-    diagnostics: never written to ``train.log``).
+    fields it is given (the trainer gives public numbers only), then the speed
+    since it started and the time left. Those are public: a private step's work
+    is fixed by shapes (Poisson batches padded to one size, noise drawn in a
+    fixed number of pieces, no branch on a value; XLA flushes subnormals), so
+    its time depends on the machine and its load, not on the records; whoever
+    can watch the process can time it anyway (``docs/privacy.md``, threat model).
     """
 
     def __init__(self, total: int, *, enabled: bool = True, stream=None, width: int = 24):
@@ -402,14 +405,14 @@ class ProgressBar:
         self.stream.flush()
 
     def _timing(self, step: int, now: float) -> str:
-        """`` [private: 12.5 steps/s, ETA 0:24]`` once a step has been timed."""
+        """`` [12.5 steps/s, ETA 0:24]`` once a step has been timed."""
         first_step, first_time = self._start or (step, now)
         if step <= first_step or now <= first_time:
             return ""
         rate = (step - first_step) / (now - first_time)
         left = max(self.total - step, 0) / rate
         minutes, seconds = divmod(round(left), 60)
-        return f" [private: {rate:.3g} steps/s, ETA {minutes}:{seconds:02d}]"
+        return f" [{rate:.3g} steps/s, ETA {minutes}:{seconds:02d}]"
 
     def close(self) -> None:
         if self.enabled and self.tty:
