@@ -408,6 +408,20 @@ def test_text_files_one_record_per_line_or_json_object(tmp_path):
     assert counts.tolist() == [3, 8] and tokens[1, 1:].tolist() == [ord("x")] * 8
 
 
+def test_a_record_longer_than_seq_len_is_cut_and_counted_apart_from_the_summary(tmp_path):
+    """A 1 MB line was cut to seq_len without a word. The rule is public; how many
+    records were cut is a statistic of the private data (for private/ only)."""
+    lines = [f"record {i:03d}" for i in range(30)]
+    lines[4] = "x" * 1_000_000
+    (tmp_path / "a.txt").write_text("\n".join(lines))
+    data = load_data(DataConfig(dataset="text", path=str(tmp_path / "a.txt"), seq_len=16))
+    assert data.cut_to == "16 bytes" and sum(data.records_cut) == 1
+    _, test = dpmp.data.split_positions(30, 0.2, 0)
+    assert data.records_cut == ((0, 1) if 4 in test else (1, 0))
+    assert "records_cut" not in json.dumps(data.summary())
+    assert load_data(DataConfig(), seed=0).cut_to is None  # arrays: nothing is cut
+
+
 @pytest.mark.parametrize(
     "name, text, match",
     [

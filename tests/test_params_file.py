@@ -99,6 +99,24 @@ def test_init_params_may_be_a_file(tmp_path):
     step = build_private_step(config, data, init_params=path)
     got = step.init_state["params"]
     _assert_same(got, jax.tree.map(lambda a: np.asarray(a, jnp.float32), start))
+    assert step.notes == ()  # the model's own dtypes: nothing cast
+
+
+def test_a_float16_init_params_file_is_cast_and_the_run_says_so(tmp_path):
+    """A float16 file for a float32 model was cast without a word."""
+    config = _digits_config()
+    data = load_data(config.data, 0)
+    model = model_from_config(config.model, data, config.precision)
+    start = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(7)))
+    flat = {name: np.asarray(a, np.float16) for name, a in param_names(start).items()}
+    first = sorted(flat)[0]
+    flat[first] = flat[first].astype(np.float32)  # one array stored as the model's
+    save_file(flat, str(tmp_path / "half.safetensors"))
+    step = build_private_step(config, data, init_params=tmp_path / "half.safetensors")
+    assert step.notes == (
+        "starting parameters: 3 of 4 arrays cast to the model's parameter dtypes "
+        "(3 from float16 to float32)",
+    )
 
 
 def test_a_bad_init_params_file_stops_train_before_anything_is_written(tmp_path):

@@ -86,6 +86,24 @@ def test_every_way_out_of_dp_is_a_warning(overrides, needle):
     assert needle in warning
 
 
+def test_how_many_records_were_cut_is_a_private_diagnostic(tmp_path):
+    from dpmp.app.inputs import load_data
+
+    (tmp_path / "t.txt").write_text("\n".join(["y" * 100] + [f"line {i}" for i in range(20)]))
+    sets = ["data.dataset=text", f"data.path={tmp_path / 't.txt'}", "data.seq_len=8"]
+    data = load_data(load_config(None, sets).data)
+    totals = {"overflow": 0, "steps_with_overflow": 0, "clipped": 0, "examples": 0}
+    diagnostics = release.private_diagnostics(
+        totals={**totals, "elapsed_s": 0.0},
+        sampler=None,
+        evaluation={},
+        wall_time_s=0.0,
+        data=data,
+    )
+    cut = diagnostics["records_cut"]
+    assert cut["cut_to"] == "8 bytes" and cut["train"] + cut["test"] == 1
+
+
 def test_file_inventory(tmp_path):
     assert release.file_inventory(tmp_path) == {"public": [], "private": [], "secret": []}
     for name in ("report.json", "metrics.jsonl", "train.log"):

@@ -145,6 +145,7 @@ def test_no_example_holds_tokens_of_two_records(tmp_path):
     (tmp_path / "t.jsonl").write_text("\n".join(json.dumps({"text": r}) for r in records))
     data = load_dataset("text", path=str(tmp_path / "t.jsonl"), seq_len=6, tokenizer=str(path))
     assert data.num_classes == len(vocab) and data.input_shape == (6,)
+    assert data.cut_to == "7 tokens" and sum(data.records_cut) == 1  # record 3 alone
     owner = {vocab.index(w): i for i, r in enumerate(records) for w in r.split()}
     rows = [(x, y) for s in ("train", "test") for x, y in zip(*data_split(data, s), strict=True)]
     assert len(rows) == len(records)
@@ -343,3 +344,24 @@ def test_a_loaded_gpt2_is_refused_for_a_tokenizer_with_more_ids_than_its_logits(
     with pytest.raises(ValueError, match="gives 12 logits per token, fewer than .* 20 token ids"):
         dpmp.train(config, out_dir=tmp_path / "run", model=loaded.model, progress=False)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # end to end: two steps of a tiny LM
+def test_a_run_states_the_cut_rule_and_keeps_the_count_private(tmp_path):
+    """A 1 MB line was cut without a word. train.log states the rule (the same
+    words whatever the data); the count is in private/diagnostics.json alone."""
+    lines = [f"record {i}: {'ab' * (i % 7)}" for i in range(40)]
+    lines[5] = "z" * 1_000_000
+    (tmp_path / "t.txt").write_text("\n".join(lines))
+    sets = ["data.dataset=text", f"data.path={json.dumps(str(tmp_path / 't.txt'))}"]
+    sets += ["data.seq_len=12", "model.kind=lm", "model.dim=16", "model.depth=1"]
+    sets += ["model.heads=2", "training.steps=2", "training.expected_batch_size=8"]
+    out = tmp_path / "run"
+    dpmp.train(load_config(None, sets), out_dir=out, progress=False)
+    log = (out / "train.log").read_text()
+    rule = "data: a record longer than 12 bytes is cut to its first 12 bytes (how many were: "
+    assert rule + "private/diagnostics.json)" in log
+    cut = json.loads((out / "private" / "diagnostics.json").read_text())["records_cut"]
+    assert cut["cut_to"] == "12 bytes" and cut["train"] + cut["test"] >= 1
+    for name in ("report.json", "metrics.jsonl", "train.log"):
+        assert "records_cut" not in (out / name).read_text()

@@ -82,6 +82,11 @@ class Dataset:
         token after ``x[i, t]`` or -1 for no loss; ``num_classes`` the
         vocabulary: ``from_tokens``, a ``tokenizer.json``; see
         ``dpmp.data._tokens``). Either way one record is one example.
+      cut_to: text: what a longer record is cut to (``"64 bytes"``, ``"65
+        tokens"``): the rule, public; None when nothing is cut.
+      records_cut: ``(train, test)``: how many records were longer and cut. A
+        statistic of the private data: a run writes it to
+        ``private/diagnostics.json`` only, never to ``summary()`` or a log.
     """
 
     x_train: np.ndarray
@@ -93,6 +98,8 @@ class Dataset:
     description: str
     standardize: str = "none"
     task: str = "classify"
+    cut_to: str | None = None
+    records_cut: tuple[int, int] = (0, 0)
 
     @property
     def num_train(self) -> int:

@@ -48,6 +48,7 @@ def text_dataset(
     """
     train, test = split_positions(len(records), test_fraction, seed)
     tokens, counts = encode_records(records, seq_len)
+    cut = np.fromiter((len(r.encode("utf-8")) > seq_len for r in records), bool, len(records))
     return Dataset(
         x_train=tokens[train],
         y_train=counts[train],
@@ -61,6 +62,8 @@ def text_dataset(
             f"{test_fraction}, seed={seed})"
         ),
         task="next_token",
+        cut_to=f"{seq_len} bytes",
+        records_cut=(int(cut[train].sum()), int(cut[test].sum())),
     )
 
 

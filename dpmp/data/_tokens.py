@@ -104,7 +104,9 @@ def token_dataset(
     encoder = load_tokenizer(tokenizer, field)
     train, test = split_positions(len(records), test_fraction, seed)
     vocab = vocab_size(encoder)
-    x, y = encode_token_records([e.ids for e in encoder.encode_batch(records)], seq_len)
+    ids = [e.ids for e in encoder.encode_batch(records)]
+    x, y = encode_token_records(ids, seq_len)
+    cut = np.fromiter((len(i) > seq_len + 1 for i in ids), bool, len(ids))
     _check_ids("x_train", x, vocab, low=0)  # a tokenizer's ids are below its vocab_size
     return Dataset(
         x_train=x[train],
@@ -119,6 +121,8 @@ def token_dataset(
             f"per record (longer ones cut; split test_fraction={test_fraction}, seed={seed})"
         ),
         task="next_token",
+        cut_to=f"{seq_len + 1} tokens",
+        records_cut=(int(cut[train].sum()), int(cut[test].sum())),
     )
 
 

@@ -123,6 +123,13 @@ def _new_totals() -> dict[str, Any]:
 def _log_plan(run: RunDir, step: PrivateStep) -> None:
     config = step.config
     p, t = config.privacy, config.training
+    for note in step.notes:
+        run.log(note)
+    if step.data.cut_to is not None:  # the rule only: how many were cut is private
+        run.log(
+            f"data: a record longer than {step.data.cut_to} is cut to its first "
+            f"{step.data.cut_to} (how many were: private/diagnostics.json)"
+        )
     run.log(
         f"noise multiplier {step.noise_multiplier:.6g} "
         f"({'calibrated to' if step.noise_calibrated else 'given; target'} epsilon "
@@ -724,6 +731,7 @@ class _Run:
                     totals=self.totals,
                     sampler=self.sampler,
                     evaluation=self.last_eval,
+                    data=self.step.data,
                     wall_time_s=time.perf_counter() - started + self.elapsed_before,
                 )
             )

@@ -25,12 +25,14 @@ is said in ``dpmp.step``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from dpmp.app.config import Config, ConfigError
@@ -98,6 +100,9 @@ class PrivateStep:
       feature_stats: the standardisation statistics, or None.
       keys: the run's ``RunKeys`` (secret unless reproducible; process 0's in
         a run of several processes).
+      notes: what was done to the inputs that the run says in its log (starting
+        parameters cast to the model's dtypes); public: functions of the config
+        and the starting point, never of the private data.
     """
 
     fn: PrivateStepFn
@@ -111,6 +116,7 @@ class PrivateStep:
     clipping: dict[str, Any]
     feature_stats: FeatureStats | None
     keys: RunKeys
+    notes: tuple[str, ...] = ()
 
     def batch(self, sampled) -> tuple[Any, Any]:
         """The ``(batch, is_padding_example)`` arguments of ``step_fn`` for a sampled
@@ -221,17 +227,17 @@ def _standardized(config: Config, data: Dataset, feature_stats, seed: int):
 def _trained_model(
     config: Config, model: Model, init_params, init_key, shards: int, donate: bool = False
 ):
-    """``(model, params_shape)``: the model starting from ``init_params`` (or adapting
-    them, with LoRA), and the shapes of what trains, checked to fit in memory (by a
-    step that donates its state, or not)."""
+    """``(model, params_shape, notes)``: the model starting from ``init_params`` (or
+    adapting them, with LoRA), the shapes of what trains, checked to fit in memory
+    (by a step that donates its state, or not), and what starting from them did."""
     lora = bool(config.model.lora_rank)
     params_shape = jax.eval_shape(model.init, init_key)
     _check_fits(config, params_shape, trainable=not lora, shards=shards, donate=donate)
-    model = _starting_point(config, model, init_params, params_shape, init_key)
+    model, notes = _starting_point(config, model, init_params, params_shape, init_key)
     if lora:  # the adapters are what trains (init_params have the model's own shapes)
         params_shape = jax.eval_shape(model.init, init_key)
         _check_fits(config, params_shape, trainable=True, shards=shards, donate=donate)
-    return model, params_shape
+    return model, params_shape, notes
 
 
 def build_private_step(
@@ -294,7 +300,9 @@ def build_private_step(
         model = model_from_config(config.model, data, policy)
     init_key = jax.random.split(jax.random.key(t.seed), 3)[0]
     shards = devices if t.shard_params else 1
-    model, params_shape = _trained_model(config, model, init_params, init_key, shards, donate)
+    model, params_shape, notes = _trained_model(
+        config, model, init_params, init_key, shards, donate
+    )
     sampler = make_sampler(config, data.num_train, keys.sampler_seed, devices)
     plan = noise_plan(
         config,
@@ -353,6 +361,7 @@ def build_private_step(
         clipping=clipping,
         feature_stats=feature_stats,
         keys=keys,
+        notes=notes,
     )
 
 
@@ -487,26 +496,50 @@ def _check_fits(
     )
 
 
-def _starting_point(config: Config, model: Model, init_params: Any, like: Any, init_key) -> Model:
-    """``model`` starting from ``init_params``, or adapting them frozen (LoRA);
-    ``like``: the shapes of ``model.init``. A frozen base keeps its own dtypes (a
-    bfloat16 base stays bfloat16); parameters that train become float32 masters."""
+def _starting_point(
+    config: Config, model: Model, init_params: Any, like: Any, init_key
+) -> tuple[Model, tuple[str, ...]]:
+    """``model`` starting from ``init_params``, or adapting them frozen (LoRA), and
+    what that cast (``_cast_note``); ``like``: the shapes of ``model.init``. A
+    frozen base keeps its own dtypes (a bfloat16 base stays bfloat16); parameters
+    that train become float32 masters."""
+    notes: tuple[str, ...] = ()
     if init_params is not None:
         init_params = _arranged(init_params, like)
         _check_like(init_params, like)
         if not config.model.lora_rank:  # in the dtypes of the model's own parameters
+            notes = _cast_note(init_params, like)
             init_params = jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), init_params, like)
     if config.model.lora_rank:
         base = jax.jit(model.init)(init_key) if init_params is None else init_params
         try:
-            return lora_model(
+            adapted = lora_model(
                 model, base, rank=config.model.lora_rank, alpha=config.model.lora_alpha
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        return adapted, notes
     if init_params is None:
-        return model
-    return dataclasses.replace(model, init=lambda key: init_params)
+        return model, notes
+    return dataclasses.replace(model, init=lambda key: init_params), notes
+
+
+def _cast_note(params: Any, like: Any) -> tuple[str, ...]:
+    """One line saying which of ``params``' arrays are cast to ``like``'s dtypes (a
+    float16 file for a float32 model: its values are kept, the precision they
+    were stored with is all they have), or none when nothing is cast."""
+    pairs = [
+        (np.dtype(a.dtype).name, np.dtype(b.dtype).name)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(like), strict=True)
+    ]
+    casts = collections.Counter(pair for pair in pairs if pair[0] != pair[1])
+    if not casts:
+        return ()
+    what = ", ".join(f"{n} from {a} to {b}" for (a, b), n in sorted(casts.items()))
+    return (
+        f"starting parameters: {sum(casts.values())} of {len(pairs)} arrays cast to the "
+        f"model's parameter dtypes ({what})",
+    )
 
 
 def _arranged(params: Any, like: Any) -> Any:
