@@ -249,6 +249,20 @@ def test_missing_files_are_named(tmp_path):
         load_gpt2(tmp_path)
 
 
+def test_a_folder_of_pytorch_weights_alone_says_how_to_convert_them(tmp_path):
+    """A folder holding only pytorch_model.bin was refused with no hint."""
+    _write(tmp_path, _tensors(np.random.default_rng(8)))
+    (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")  # never read
+    with pytest.raises(DataError) as e:
+        load_gpt2(tmp_path)
+    assert str(e.value) == (
+        f"checkpoint: {tmp_path / 'model.safetensors'} not found, only pytorch_model.bin "
+        "(PyTorch's pickle format, not read); convert it with transformers: "
+        "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, "
+        "safe_serialization=True) writes model.safetensors"
+    )
+
+
 def test_greedy_generation_follows_the_numpy_argmax(tmp_path):
     tensors = _tensors(np.random.default_rng(9))
     loaded = load_gpt2(_write(tmp_path, tensors))

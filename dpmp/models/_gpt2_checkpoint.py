@@ -40,6 +40,8 @@ from dpmp.precision._policy import Policy
 __all__ = ["GPT2", "encode_text", "load_gpt2", "load_tokenizer", "read_config", "save_gpt2"]
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
+# PyTorch's pickled weights: never read (unpickling runs code), their conversion named
+_TORCH_WEIGHTS = "pytorch_model.bin"
 _SIZES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
 _ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
 # stored by some writers, never read: causal-mask buffers and the tied head's copy
@@ -117,6 +119,12 @@ def read_weights(folder: str | Path, config: GPT2Config) -> Params:
     from safetensors import SafetensorError, safe_open
 
     path = Path(folder) / WEIGHTS
+    if not path.is_file() and (Path(folder) / _TORCH_WEIGHTS).is_file():
+        raise DataError(
+            f"checkpoint: {path} not found, only {_TORCH_WEIGHTS} (PyTorch's pickle format, "
+            "not read); convert it with transformers: AutoModelForCausalLM.from_pretrained(DIR)"
+            ".save_pretrained(DIR, safe_serialization=True) writes model.safetensors"
+        )
     if not path.is_file():
         raise DataError(f"checkpoint: {path} not found")
     wanted = {_gpt2_name(n): (n, s) for n, s in config.shapes().items()}
