@@ -935,9 +935,7 @@ def test_an_overflow_seen_only_in_exact_counts_sets_no_exit_status(capsys, tmp_p
     assert diagnosis.startswith("most of the examples overflowed")
 
 
-def test_a_run_whose_audit_could_not_check_the_step_is_not_private(
-    capsys, tmp_path, monkeypatch
-):
+def test_a_run_whose_audit_could_not_check_the_step_is_not_private(capsys, tmp_path, monkeypatch):
     """Fail closed: an audit that crashes (``ok`` None) leaves the guarantee
     unchecked, so the report says ``"private": false`` with the reason and the
     command exits 3."""

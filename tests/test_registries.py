@@ -61,10 +61,16 @@ class ShiftSampler:
     contract: FlatContract = FlatContract()
     jit_name: str | None = None
     min_noise_bits: int = 32
+    privacy_warning: str | None = "the toy sampler adds no randomness: NOT private"
 
     def update(self, inner, grads, state, *, stddev, sharding):
         del inner, sharding
         return jax.tree.map(lambda g: g + jnp.asarray(stddev, g.dtype), grads), state
+
+    def release_grid(self, value, stddev):
+        """Its one release, ``value + stddev``."""
+        shifted = float(np.asarray(value, np.float64)[0]) + stddev
+        return shifted, shifted, stddev
 
 
 @pytest.fixture
@@ -176,6 +182,50 @@ def test_a_registered_sampler_draws_by_name(toy_sampler):
     np.testing.assert_array_equal(np.asarray(updates["w"]), np.full(3, -3.0, np.float32))
     with pytest.raises(ValueError, match="sampler: must be one of"):
         dpmp.gaussian_privatizer(stddev=1.0, policy=policy, sampler="nope")
+
+
+def test_variants_registered_after_a_config_is_used_are_valid_choices():
+    """The config checks the registries when a value is checked, not when it was
+    imported: an accountant and a sampler registered after the first config are
+    accepted, listed in the key reference, and refused again once unregistered."""
+    from dpmp.app.config import ConfigError, load_config
+    from dpmp.app.config_reference import markdown_table
+
+    load_config(None)  # the config module is in use before the registrations
+    with pytest.raises(ConfigError, match="privacy.accountant: 'toy_rdp' is not allowed"):
+        load_config(None, ["privacy.accountant=toy_rdp"])
+    acc.register_accountant(CoarseRdp())
+    noise.register_sampler(ShiftSampler())
+    try:
+        config = load_config(None, ["privacy.accountant=toy_rdp", "privacy.noise_sampler=toy"])
+        assert (config.privacy.accountant, config.privacy.noise_sampler) == ("toy_rdp", "toy")
+        reference = markdown_table()
+        assert '"toy_rdp"' in reference and '"toy"' in reference
+    finally:
+        ACCOUNTANT_REGISTRY.unregister("toy_rdp")
+        SAMPLER_REGISTRY.unregister("toy")
+    with pytest.raises(ConfigError, match="privacy.noise_sampler: 'toy' is not allowed"):
+        load_config(None, ["privacy.noise_sampler=toy"])
+
+
+def test_a_registered_sampler_is_warned_about_and_audited_as_itself(toy_sampler):
+    """The report's warnings and the privacy audit ask the sampler object: the
+    toy's own warning is the run's, and the audit reads its releases from its
+    ``release_grid`` (a deterministic shift: every release under D is impossible
+    under D', which the lookup attack sees)."""
+    from dpmp.app.config import load_config
+    from dpmp.app.release import privacy_warnings
+
+    config = load_config(None, ["privacy.noise_sampler=toy"])
+    assert toy_sampler.privacy_warning in privacy_warnings(config, num_train=1437)
+    assert privacy_warnings(load_config(None), num_train=1437) == []
+    for mechanism in (toy_sampler, "toy"):
+        report = dpmp.privacy_audit(
+            1.0, policy="f32", mechanism=mechanism, num_releases=200, prng_key=0
+        )
+        assert "toy noise" in report.mechanism
+        assert report.impossible_share == report.impossible_share_reverse == 1.0
+        assert report.distinct_noise_values == 1 and report.epsilon_lookup > 3.0
 
 
 @pytest.mark.parametrize("module", [acc, noise])

@@ -62,11 +62,10 @@ class ConfigError(ValueError):
 # The choices of each enumerated key: validation and the docs' key table use
 # them. Data sources (data.dataset), public text (pretrain.dataset), model
 # families (model.kind), accountants and noise samplers are registries of the
-# library: a registered variant is a valid choice.
-ACCOUNTANTS = tuple(sorted(accountant_names()))
+# library: a registered variant is a valid choice, read when a value is checked
+# (a variant registered after the first config is as valid as a built-in one).
 SAMPLINGS = ("poisson", "shuffle")
 CLIP_METHODS = ("vmap", "ghost", "auto")
-NOISE_SAMPLERS = sampler_names()
 
 
 # The data sources, public texts, model families and the policy parser import
@@ -369,10 +368,10 @@ class PrivacyConfig:
         if self.noise_multiplier is not None:
             _noise("privacy.noise_multiplier", self.noise_multiplier)
         _positive("privacy.l2_clip_norm", self.l2_clip_norm)
-        _choice("privacy.accountant", self.accountant, ACCOUNTANTS)
+        _choice("privacy.accountant", self.accountant, tuple(sorted(accountant_names())))
         _choice("privacy.sampling", self.sampling, SAMPLINGS)
         _choice("privacy.clip_method", self.clip_method, CLIP_METHODS)
-        _choice("privacy.noise_sampler", self.noise_sampler, NOISE_SAMPLERS)
+        _choice("privacy.noise_sampler", self.noise_sampler, sampler_names())
         for key in ("reproducible_noise", "allow_large_delta"):
             if not isinstance(value := getattr(self, key), bool):
                 raise ConfigError(f"privacy.{key}: must be true or false, got {value!r}")

@@ -12,7 +12,9 @@ import dataclasses
 import typing
 from typing import Any
 
+from dpmp.accounting._registry import accountant_names
 from dpmp.app import config
+from dpmp.noise._registry import sampler_names
 
 __all__ = ["config_reference", "markdown_table"]
 
@@ -51,10 +53,10 @@ _ALLOWED = {
 # A tuple, or a function giving the registered names when the table is made.
 _CHOICES = {
     "data.dataset": lambda: config._sources().names(),
-    "privacy.accountant": config.ACCOUNTANTS,
+    "privacy.accountant": lambda: tuple(sorted(accountant_names())),
     "privacy.sampling": config.SAMPLINGS,
     "privacy.clip_method": config.CLIP_METHODS,
-    "privacy.noise_sampler": config.NOISE_SAMPLERS,
+    "privacy.noise_sampler": sampler_names,
     "training.optimizer": config.OPTIMIZERS,
     "loss_scale.kind": config.LOSS_SCALE_KINDS,
     "data.standardize": config.STANDARDIZE_MODES,

@@ -20,8 +20,9 @@ truncations, train accuracy and loss -- goes only to the run's ``private/``
 folder, labelled ``PRIVATE_NOTE`` there (with per-step times beside them; the
 progress bar's speed is public: a step's work is fixed by shapes, not by the
 records). Exit statuses and warnings are releases too: ``run_failures`` reads
-released numbers only, and an audit that could not check the step fails closed. Checkpoints hold the secret noise keys, the
-sampler's seed and a fingerprint of the data: as secret as the data.
+released numbers only, and an audit that could not check the step fails closed.
+Checkpoints hold the secret noise keys, the sampler's seed and a fingerprint of
+the data: as secret as the data.
 
     public:   report.json  metrics.jsonl  train.log  *.png  progress bar  callback
     private:  private/metrics.jsonl  private/diagnostics.json  private/README.txt
@@ -42,6 +43,7 @@ from typing import Any
 import dpmp.accounting as accounting
 from dpmp.app.run_dir import LOG_FILE, METRICS_FILE, PRIVATE_DIR, PRIVATE_NOTE, REPORT_FILE
 from dpmp.data._sampling import ShuffledSampler
+from dpmp.noise._registry import drawn_sampler
 
 __all__ = [
     "PRIVATE_DIR",
@@ -109,15 +111,6 @@ NONPRIVATE_STANDARDIZE = (
 )
 
 
-PLAIN_NOISE = (
-    "privacy.noise_sampler = 'plain': the gradient noise is float32 jax.random.normal, 2^23 "
-    "values within about 5.4 sigma on a lattice that depends on the gradient sum. The "
-    "epsilon holds for observers of rounded outputs; an observer of the exact noisy values "
-    "can tell neighbouring datasets apart (dpmp audit --privacy measures it). This run is "
-    "NOT differentially private against such an observer; use noise_sampler = 'snapped'."
-)
-
-
 def privacy_warnings(config, num_train: int | None = None) -> list[str]:
     """Why a run of ``config`` on ``num_train`` records is NOT differentially private
     (empty: it is)."""
@@ -137,8 +130,9 @@ def privacy_warnings(config, num_train: int | None = None) -> list[str]:
         out.append(NONPRIVATE_STANDARDIZE)
     if config.privacy.sampling == "shuffle":
         out.append(ShuffledSampler.privacy_note)
-    if config.privacy.noise_sampler == "plain":
-        out.append(PLAIN_NOISE)
+    drawn = drawn_sampler(config.privacy.noise_sampler, config.precision)
+    if drawn.privacy_warning:
+        out.append(drawn.privacy_warning)
     return out
 
 

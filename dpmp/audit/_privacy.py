@@ -51,9 +51,10 @@ from jax import lax
 from jax_privacy import auditing as jp_auditing
 from jax_privacy import noise_addition as jp_noise
 
+from dpmp.accounting._contract import DEFAULT_NOISE_SAMPLER
 from dpmp.noise._entropy import key_from
-from dpmp.noise._noise import draws_snapped, gaussian_privatizer
-from dpmp.noise._snapped import snap_extremes, snap_grid
+from dpmp.noise._noise import gaussian_privatizer
+from dpmp.noise._registry import NoiseSampler, drawn_sampler, sampler, sampler_names
 from dpmp.precision._policy import Policy
 
 __all__ = ["PrivacyAuditReport", "privacy_audit", "MECHANISMS"]
@@ -179,25 +180,40 @@ def theoretical_epsilon(noise_multiplier: float, delta: float) -> float:
 
 
 def _stage(mechanism, noise_multiplier, clip_norm, policy):
-    """(description, privatizer, dtype of the sum it is fed)."""
+    """(description, privatizer, dtype of the sum it is fed, the sampler that draws
+    its noise or None)."""
     stddev = float(noise_multiplier) * float(clip_norm)
     if isinstance(mechanism, optax.GradientTransformation):
-        return "your noise stage", mechanism, policy.accumulate
-    if mechanism in ("dpmp", "plain"):
-        sampler = "snapped" if mechanism == "dpmp" else "plain"
-        priv = gaussian_privatizer(stddev=stddev, prng_key=0, policy=policy, sampler=sampler)
-        name = f"dpmp.gaussian_privatizer ({sampler} noise, policy {policy})"
-        return name, priv, policy.accumulate
+        return "your noise stage", mechanism, policy.accumulate, None
+    chosen = _sampler_of(mechanism)
+    if chosen is not None:
+        drawn = drawn_sampler(chosen, policy)
+        priv = gaussian_privatizer(stddev=stddev, prng_key=0, policy=policy, sampler=chosen)
+        name = f"dpmp.gaussian_privatizer ({drawn.name} noise, policy {policy})"
+        return name, priv, policy.accumulate, drawn
     if mechanism == "naive":
         priv = jp_noise.gaussian_privatizer(
             stddev=stddev, prng_key=jax.random.key(0), dtype=policy.compute
         )
         name = jnp.dtype(policy.compute).name
-        return f"the naive pipeline ({name} noise, {name} noisy sum)", priv, policy.compute
+        return f"the naive pipeline ({name} noise, {name} noisy sum)", priv, policy.compute, None
     raise ValueError(
-        f"mechanism: must be one of {sorted(MECHANISMS)} or an optax GradientTransformation, "
-        f"got {mechanism!r}"
+        f"mechanism: must be one of {sorted(MECHANISMS)}, a registered sampler "
+        f"({', '.join(sampler_names())}) or an optax GradientTransformation, got {mechanism!r}"
     )
+
+
+def _sampler_of(mechanism) -> str | None:
+    """The registered sampler ``mechanism`` names: ``"dpmp"`` is the default
+    sampler; a ``NoiseSampler`` or a sampler's name is itself (it must be
+    registered: the privatizer draws by name). None for anything else."""
+    if isinstance(mechanism, NoiseSampler):
+        return sampler(mechanism.name).name
+    if mechanism == "dpmp":
+        return DEFAULT_NOISE_SAMPLER
+    if isinstance(mechanism, str) and mechanism in sampler_names():
+        return mechanism
+    return None
 
 
 def _is_key(x) -> bool:
@@ -302,14 +318,6 @@ def _support(priv, sum_value):
     return values, counts / n
 
 
-def _grid_range(stddev: float, sum_value):
-    """(smallest, largest) release of ``sum_value`` (a length-1 vector) by dpmp's
-    snapped stage (``dpmp.noise._snapped.snap_extremes``, the draw of crafted random
-    words): every grid value between them is possible, nothing outside is."""
-    low, high = jax.jit(snap_extremes, static_argnums=1)(jnp.asarray(sum_value), stddev)
-    return float(np.asarray(low, np.float64)[0]), float(np.asarray(high, np.float64)[0])
-
-
 def _outside(values: np.ndarray, support_range, grid: float) -> np.ndarray:
     """Which of ``values`` a snapped stage cannot release: off ``grid`` or outside
     ``support_range`` (its smallest and largest release)."""
@@ -338,14 +346,18 @@ def _epsilon_lower_bound(scores_in, scores_out, *, significance, delta, seed=Non
     return float(auditor.epsilon_clopper_pearson(significance, delta, threshold_strategy=strategy))
 
 
-def _possible_sets(priv, mechanism, policy, stddev, with_canary, without, y_d, y_d_prime):
+def _possible_sets(priv, drawn, stddev, with_canary, without, y_d, y_d_prime):
     """For the releases under D (``y_d``) and D' (``y_d_prime``): which are impossible
     under their own dataset, which under the other, the probability under D of
-    releases impossible under D', and the number of values possible under D'. None
-    when the stage's outputs cannot be determined here."""
-    if mechanism == "dpmp" and draws_snapped("snapped", policy):
-        grid = snap_grid(stddev)
-        range_d, range_d_prime = (_grid_range(stddev, v) for v in (with_canary, without))
+    releases impossible under D', and the number of values possible under D'. The
+    sampler ``drawn`` says what it can release (``release_grid``); else its draws are
+    enumerated. None when the stage's outputs cannot be determined here."""
+    grids = (
+        [None] if drawn is None else [drawn.release_grid(v, stddev) for v in (with_canary, without)]
+    )
+    if None not in grids:
+        grid = grids[0][2]
+        range_d, range_d_prime = ((low, high) for low, high, _ in grids)
         centre = float(with_canary[0])
         low, high = range_d_prime
         mass = float(
@@ -382,7 +394,7 @@ def privacy_audit(
     clip_norm: float = 1.0,
     delta: float = 1e-5,
     num_releases: int = 1_000_000,
-    mechanism: str | optax.GradientTransformation = "dpmp",
+    mechanism: str | NoiseSampler | optax.GradientTransformation = "dpmp",
     base: float = 0.0,
     significance: float = 0.05,
     prng_key: Any = None,
@@ -396,9 +408,12 @@ def privacy_audit(
     and returns the threshold and exact-value lookup attacks' epsilon lower bounds
     next to the theoretical epsilon (see the module docstring).
 
-    ``mechanism`` is ``"dpmp"`` (the trainer's noise stage), ``"naive"`` (noise and
-    sum in the compute dtype, as jax-privacy's privatizer does for a bf16 sum) or
-    your own ``optax.GradientTransformation`` whose state holds a ``jax.random``
+    ``mechanism`` is ``"dpmp"`` (the trainer's noise stage with its default
+    sampler), a registered sampler (``dpmp.noise.NoiseSampler``, or its name:
+    ``dpmp.gaussian_privatizer`` drawing with it, audited as itself through its
+    ``release_grid``), ``"naive"`` (noise and sum in the compute dtype, as
+    jax-privacy's privatizer does for a bf16 sum) or your own
+    ``optax.GradientTransformation`` whose state holds a ``jax.random``
     key and whose ``update(sum, state)`` returns the noisy sum: its noise is then
     scaled however you built it, and ``noise_multiplier`` and ``clip_norm`` are
     what you claim for it. ``prng_key`` seeds the audit's own keys (None: fresh
@@ -408,7 +423,7 @@ def privacy_audit(
     noise_multiplier, clip_norm, num_releases = _checked(
         noise_multiplier, clip_norm, delta, num_releases, significance
     )
-    name, priv, sum_dtype = _stage(mechanism, noise_multiplier, clip_norm, policy)
+    name, priv, sum_dtype, drawn = _stage(mechanism, noise_multiplier, clip_norm, policy)
 
     without = jnp.full((1,), base, sum_dtype)
     with_canary = without + jnp.asarray(clip_norm, sum_dtype)
@@ -433,7 +448,7 @@ def privacy_audit(
     )
 
     stddev = noise_multiplier * clip_norm
-    found = _possible_sets(priv, mechanism, policy, stddev, with_canary, without, y_d, y_d_prime)
+    found = _possible_sets(priv, drawn, stddev, with_canary, without, y_d, y_d_prime)
     lookup, share, share_rev, mass, distinct, note = _lookup_attack(found, significance, delta)
     return PrivacyAuditReport(
         mechanism=name,

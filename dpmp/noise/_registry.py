@@ -45,12 +45,22 @@ class NoiseSampler(Protocol):
         when the draw is a primitive the audit knows (``erf_inv``).
       min_noise_bits: the narrowest noise dtype it draws in; a policy with
         narrower noise (an unsafe opt-in) is drawn by ``"plain"`` instead.
+      privacy_warning: why a run that draws with it is NOT differentially
+        private against some observer (the report, the log and the summary say
+        it), or None.
     """
 
     name: str
     contract: NoiseContract | None
     jit_name: str | None
     min_noise_bits: int
+    privacy_warning: str | None
+
+    def release_grid(self, value: Any, stddev: float) -> tuple[float, float, float] | None:
+        """Every release of ``value`` (float[1]) it can make, for the privacy audit:
+        ``(smallest, largest, grid)`` when they are the multiples of ``grid``
+        between the two; None when the audit must enumerate its draws instead."""
+        ...
 
     def update(
         self,

@@ -495,6 +495,15 @@ class SnappedSampler:
     contract: GridNoiseContract | None = CONTRACT
     jit_name: str | None = snapped_normal_sample.__name__
     min_noise_bits: int = 32
+    privacy_warning: str | None = None
+
+    def release_grid(self, value: Any, stddev: float) -> tuple[float, float, float]:
+        """``(smallest, largest, grid)``: the releases of ``value`` (float[1]) are the
+        multiples of ``snap_grid(stddev)`` between ``snap_extremes``' (every one of
+        them possible: the sampler's steps in z are far finer than a cell)."""
+        low, high = jax.jit(snap_extremes, static_argnums=1)(jnp.asarray(value), stddev)
+        as_float = (float(np.asarray(v, np.float64)[0]) for v in (low, high))
+        return (*as_float, snap_grid(stddev))
 
     def update(self, inner, grads, state, *, stddev: float, sharding: Any) -> tuple[Any, Any]:
         del inner  # only its state layout (key, inner) is kept

@@ -52,6 +52,7 @@ from dpmp.data._preprocess import FeatureStats, standardize
 from dpmp.models._lora import lora_model
 from dpmp.models._model import Model, count_bytes, count_params
 from dpmp.models._params_file import arrange, load_params_file, param_names
+from dpmp.noise._registry import sampler
 from dpmp.precision._loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -613,7 +614,7 @@ def privacy_audit_step(
         clip_norm=step.sensitivity["sensitivity"],
         delta=config.privacy.delta,
         num_releases=num_releases,
-        mechanism="dpmp" if config.privacy.noise_sampler == "snapped" else "plain",
+        mechanism=sampler(config.privacy.noise_sampler),
     )
 
 
