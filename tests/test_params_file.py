@@ -90,19 +90,7 @@ def _digits_config():
     return load_config(None, ["training.steps=1", "model.hidden=[8]"])
 
 
-def test_init_params_may_be_a_file(tmp_path):
-    config = _digits_config()
-    data = load_data(config.data, 0)
-    model = model_from_config(config.model, data, config.precision)
-    start = jax.jit(model.init)(jax.random.key(7))
-    path = save_params_file(tmp_path / "start.safetensors", start)
-    step = build_private_step(config, data, init_params=path)
-    got = step.init_state["params"]
-    _assert_same(got, jax.tree.map(lambda a: np.asarray(a, jnp.float32), start))
-    assert step.notes == ()  # the model's own dtypes: nothing cast
-
-
-def test_a_float16_init_params_file_is_cast_and_the_run_says_so(tmp_path):
+def test_init_params_may_be_a_file_and_what_is_cast_is_said(tmp_path):
     """A float16 file for a float32 model was cast without a word."""
     config = _digits_config()
     data = load_data(config.data, 0)
@@ -111,11 +99,28 @@ def test_a_float16_init_params_file_is_cast_and_the_run_says_so(tmp_path):
     flat = {name: np.asarray(a, np.float16) for name, a in param_names(start).items()}
     first = sorted(flat)[0]
     flat[first] = flat[first].astype(np.float32)  # one array stored as the model's
-    save_file(flat, str(tmp_path / "half.safetensors"))
-    step = build_private_step(config, data, init_params=tmp_path / "half.safetensors")
+    save_file(flat, str(tmp_path / "start.safetensors"))
+    step = build_private_step(config, data, init_params=tmp_path / "start.safetensors")
+    stored = jax.tree.map(np.asarray, load_params_file(tmp_path / "start.safetensors", start))
+    _assert_same(step.init_state["params"], jax.tree.map(lambda a: a.astype(np.float32), stored))
     assert step.notes == (
         "starting parameters: 3 of 4 arrays cast to the model's parameter dtypes "
         "(3 from float16 to float32)",
+    )
+
+
+def test_nothing_cast_is_nothing_said():
+    from dpmp.app.trainer.step import _cast_note
+
+    like = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32), "b": jnp.zeros(3, jnp.bfloat16)}
+    assert (
+        _cast_note({"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, ml_dtypes.bfloat16)}, like)
+        == ()
+    )
+    note = _cast_note({"w": np.zeros((2, 3), np.float64), "b": np.zeros(3, np.float32)}, like)
+    assert note == (
+        "starting parameters: 2 of 2 arrays cast to the model's parameter dtypes "
+        "(1 from float32 to bfloat16, 1 from float64 to float32)",
     )
 
 
