@@ -228,6 +228,65 @@ def test_a_registered_sampler_is_warned_about_and_audited_as_itself(toy_sampler)
         assert report.distinct_noise_values == 1 and report.epsilon_lookup > 3.0
 
 
+@jax.jit
+def toy_normal_sample(key, like):
+    """The toy sampler's draw: a named jit over a typed key, as a user would write."""
+    return jax.random.normal(key, like.shape, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyedSampler:
+    """A toy sampler that draws float32 normals by a named jit of its own."""
+
+    name: str = "toy_keyed"
+    contract: FlatContract | None = None
+    jit_name: str | None = toy_normal_sample.__name__
+    min_noise_bits: int = 32
+    privacy_warning: str | None = None
+
+    def update(self, inner, grads, state, *, stddev, sharding):
+        del inner, sharding
+        key, rest = state
+        key, sub = jax.random.split(key)
+        leaves, treedef = jax.tree.flatten(grads)
+        keys = jax.random.split(sub, len(leaves))
+        noisy = [g + stddev * toy_normal_sample(k, g) for k, g in zip(keys, leaves, strict=True)]
+        return jax.tree.unflatten(treedef, noisy), (key, rest)
+
+    def release_grid(self, value, stddev):
+        del value, stddev  # its releases are enumerated
+
+
+@pytest.mark.slow  # a 2-step run through dpmp train (~15 s)
+def test_variants_registered_after_a_config_train_through_dpmp_train(tmp_path, capsys):
+    """An accountant and a sampler registered after the first config train through
+    ``dpmp train`` and are audited as themselves: the precision audit finds the
+    sampler's named draw (over a typed key) and its noise, and the report names both."""
+    import json
+
+    from dpmp.app import cli
+    from dpmp.app.config import load_config
+
+    load_config(None)
+    acc.register_accountant(CoarseRdp())
+    noise.register_sampler(KeyedSampler())
+    try:
+        sets = ["privacy.accountant=toy_rdp", "privacy.noise_sampler=toy_keyed"]
+        sets += ["training.steps=2", "model.hidden=[16]"]
+        argv = ["train", "--quiet", "--out", str(tmp_path)]
+        for item in sets:
+            argv += ["--set", item]
+        assert cli.main(argv) == 0, capsys.readouterr().err
+    finally:
+        ACCOUNTANT_REGISTRY.unregister("toy_rdp")
+        SAMPLER_REGISTRY.unregister("toy_keyed")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["audit"]["ok"] is True and report["private"] is True
+    assert report["audit"]["missing"] == [] and "noise_sample" in report["audit"]["expect"]
+    assert report["audit"]["counts"]["noise_sample"] >= 1, report["audit"]["counts"]
+    assert report["config"]["privacy"]["accountant"] == "toy_rdp"
+
+
 @pytest.mark.parametrize("module", [acc, noise])
 def test_every_public_name_of_the_layer_imports(module):
     assert len(module.__all__) == len(set(module.__all__))

@@ -57,7 +57,7 @@ def sampler_call(s: Step, outs: Outs) -> Outs:
         ("noise_sample", s.loc),
         "noise_sample",
         sampler,
-        in_dtype=dtype_of(s.eqn.invars[0]),
+        in_dtype=_random_input_dtype(s.eqn),
         acc_dtype=None,
         out_dtype=s.out_dtype,
         location=s.loc,
@@ -65,6 +65,18 @@ def sampler_call(s: Step, outs: Outs) -> Outs:
         message=f"Gaussian sample (noise sampler {_sampler_jits()[sampler]!r}: its draw {sampler})",
     )
     return [dataclasses.replace(av, flags=(av.flags | NOISE) & ~GRAD) for av in outs]
+
+
+def _random_input_dtype(eqn):
+    """The dtype of the random words a sampler's draw reads (its first input), or
+    None when that input is a typed PRNG key (which has no numeric dtype: the
+    draw's output dtype is then what is checked)."""
+    import jax
+
+    dtype = dtype_of(eqn.invars[0]) if eqn.invars else None
+    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return None
+    return dtype
 
 
 def _random(s: Step) -> None:
