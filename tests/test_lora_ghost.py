@@ -135,3 +135,69 @@ def test_the_certified_bound_holds_on_cancelling_tokens(policy):
         assert np.isfinite(got).all()
         tol = 1e-5 if policy == "f32" else 2.0**-7  # the rounding of g = s v B^T itself
         assert (got >= exact * (1 - tol)).all(), (mag, got / exact)
+
+
+def _two_dense_layers(dtype):
+    """A LoRA model of two dense layers over 3 tokens, computed in ``dtype``, its
+    adapters (``B`` not zero) and a batch of ``B`` examples."""
+    rng = np.random.default_rng(4)
+    base = {
+        "hidden": {"kernel": rng.normal(size=(D, 8)).astype(np.float32) / 4},
+        "out": {"kernel": rng.normal(size=(8, 2)).astype(np.float32) / 3},
+    }
+
+    def loss_fn(p, batch):
+        h = jnp.tanh(batch["x"].astype(dtype) @ p["hidden"]["kernel"].astype(dtype))
+        y = (h @ p["out"]["kernel"].astype(dtype)).astype(jnp.float32)
+        return jnp.mean((y - batch["y"]) ** 2)
+
+    model = Model("lm", "jax", "two dense", None, loss_fn, None, None, "two dense")
+    lora = lora_model(model, base, rank=2, alpha=4.0)
+    adapters = jax.tree.map(
+        lambda a: a + 0.3 * jnp.cos(jnp.arange(a.size)).reshape(a.shape),
+        lora.init(jax.random.key(1)),
+    )
+    batch = {
+        "x": rng.normal(size=(B, T, D)).astype(np.float32),
+        "y": rng.normal(size=(B, T, 2)).astype(np.float32),
+    }
+    return lora, adapters, lora.frozen, batch
+
+
+@pytest.mark.parametrize("method", ["auto", pytest.param("vmap", marks=pytest.mark.slow)])
+def test_lora_inside_shard_map_clips_as_without_a_mesh(method):
+    """On a mesh (here of one device) the adapters and the batch vary over its axis
+    and the frozen base is replicated: the base is traced with the types it is
+    evaluated on, so the same dense layers take the low-rank path (``auto`` still
+    takes ghost clipping) and the clipped sum is the one of no mesh. Each sum is the
+    float64 sum of the same clipped contributions rounded once to float32: they
+    differ by at most one rounding each, ``2 u`` times the sum of the contributions'
+    norms, at most ``k B`` for ``k`` kept examples of norm ``B = C (1 + 16 u)``, and
+    by the float64 sums' own error, ``gamma_(B (T + 1))`` of float64's ``u`` each."""
+    from dpmp.step._mesh import DataParallelMesh
+
+    lora, adapters, base, batch = _two_dense_layers(jnp.bfloat16)
+    clip = 0.05
+    g = dpmp.private_grad(lora.loss_fn, l2_clip_norm=clip, policy="bf16", method=method)
+    pad = np.arange(B) == B - 1
+    plain = jax.jit(g)(adapters, batch, base, is_padding_example=pad)
+    expected = "vmap" if method == "vmap" else "ghost"
+    assert g.resolved_method == expected
+    mesh = DataParallelMesh(jax.devices()[:1])
+    grads, stats = jax.jit(mesh.summed(g, frozen=1))(
+        adapters, batch, pad, dpmp.NoOpLossScale(), base
+    )
+    assert g.resolved_method == expected
+    assert int(stats.num_examples) == int(plain.stats.num_examples) == B - 1
+    assert int(stats.num_clipped) == int(plain.stats.num_clipped) == B - 1  # clipping active
+    u = 2.0**-24
+    terms = B * (T + 1)
+    f64 = terms * 2.0**-53 / (1 - terms * 2.0**-53)
+    bound = (2 * u + 2 * f64) * (B - 1) * clip * (1 + 16 * u)
+    diff = np.sqrt(
+        sum(
+            np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain.grads), strict=True)
+        )
+    )
+    assert diff <= bound, (diff, bound)

@@ -270,6 +270,146 @@ def test_small_replicated_leaves_are_drawn_together_on_a_mesh(tmp_path):
     assert got["samples"] == 3, got
 
 
+_LORA_STEPS_MATCH = """
+import json, math, os
+import jax, jax.numpy as jnp, numpy as np
+import dpmp
+from dpmp.app.config import load_config
+from dpmp.app.inputs import load_data, model_from_config
+from dpmp.app.trainer.mesh import local
+from dpmp.app.trainer.step import build_private_step
+from dpmp.clipping._private_grad import PrivateGradFn
+
+assert jax.device_count() == 4, jax.devices()
+with open(os.path.join(TMP, "private.txt"), "w") as f:
+    f.write("\\n".join(f"record {i}: {'ab' * (i % 7)} {i * 37 % 101}" for i in range(200)))
+BASE = ["data.dataset=text", f"data.path={json.dumps(os.path.join(TMP, 'private.txt'))}",
+        "data.seq_len=12", "model.kind=lm", "model.dim=16", "model.depth=1", "model.heads=2",
+        "model.lora_rank=2", "privacy.noise_multiplier=2.0", "privacy.reproducible_noise=true",
+        "training.steps=3", "training.expected_batch_size=48"]
+config = load_config(None, BASE)
+data = load_data(config.data, 0)
+base = jax.jit(model_from_config(config.model, data, config.precision).init)(jax.random.key(3))
+
+
+def build(devices, method, noise_for=None):
+    config = load_config(None, BASE + [f"training.devices={devices}",
+                                       f"privacy.clip_method={json.dumps(method)}"])
+    # noise_for: the 4-device sum's sensitivity, so that 1 device draws the same noise
+    bound = PrivateGradFn.sensitivity_bound
+    if noise_for is not None:
+        PrivateGradFn.sensitivity_bound = lambda self, **kw: dict(noise_for)
+    try:
+        return build_private_step(config, data, init_params=base)
+    finally:
+        PrivateGradFn.sensitivity_bound = bound
+
+
+out = {}
+for method in ("auto", "vmap"):
+    four = build(4, method)
+    one = build(1, method, noise_for=four.fn.sensitivity)
+    # one batch's clipped sum at adapters whose B is not zero (every adapter has a
+    # gradient), the 4 devices' batch read whole on 1 device
+    keys = iter(jax.random.split(jax.random.key(5), 64))
+    adapters = {name: {"a": np.asarray(ab["a"]),
+                       "b": np.asarray(0.3 * jax.random.normal(next(keys), ab["b"].shape))}
+                for name, ab in local(four.init_state["params"]).items()}
+    batch4, pad4 = four.batch(four.sampler.batch(0))
+    batch1, pad1 = local((batch4, pad4))
+    mesh = four.fn.mesh
+    g4, st4 = jax.jit(mesh.summed(four.grad_fn, frozen=1))(
+        mesh.put(adapters), batch4, pad4, dpmp.NoOpLossScale(), mesh.put(base))
+    method_4 = four.grad_fn.resolved_method  # what the mesh's own trace took
+    # the base an argument, as in the step (a constant may be folded into other roundings)
+    g1 = jax.jit(lambda p, b, pad, f: one.grad_fn(p, b, f, is_padding_example=pad))(
+        adapters, batch1, pad1, base)
+    st4 = local(st4)
+    diff = [np.asarray(a, np.float64) - np.asarray(b, np.float64)
+            for a, b in zip(jax.tree.leaves(local(g4)), jax.tree.leaves(g1.grads), strict=True)]
+    case = {
+        "sum_diff": float(math.sqrt(sum(float((d ** 2).sum()) for d in diff))),
+        "sum_norm": float(math.sqrt(sum(float((np.asarray(g, np.float64) ** 2).sum())
+                                        for g in jax.tree.leaves(g1.grads)))),
+        "kept": [int(st4.num_examples), int(g1.stats.num_examples)],
+        "clipped": [int(st4.num_clipped), int(g1.stats.num_clipped)],
+        "norm_max": [float(st4.norm_max), float(g1.stats.norm_max)],
+        "padded": len(pad1), "tokens": int(batch1["x"].shape[1]),
+        "methods": [method_4, one.grad_fn.resolved_method, four.clipping["method"]],
+        "sensitivity_4": four.fn.sensitivity,
+        "sigma": [four.noise_multiplier, one.noise_multiplier],
+    }
+    out[method] = case
+    if method == "vmap":
+        continue
+    # three private steps of the trainer's compiled step, the same noise on both
+    trained = {}
+    for n, step in (("4", four), ("1", one)):
+        s, stats = dict(step.init_state), []
+        for t in range(3):
+            b, p = step.batch(step.sampler.batch(t))
+            s["params"], s["opt_state"], s["loss_scale"], st = step.step_fn(
+                s["params"], b, p, s["opt_state"], s["loss_scale"])
+            st = local(st)
+            stats.append([int(st.num_examples), int(st.num_clipped), float(st.norm_max)])
+        trained[n] = [np.asarray(x, np.float64) for x in jax.tree.leaves(local(s["params"]))]
+        case["stats_" + n] = stats
+    case["max_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(trained["4"], trained["1"]))
+    case["max_param"] = max(float(np.abs(a).max()) for a in trained["1"])
+    case["moved"] = max(float(np.abs(a - np.asarray(b, np.float64)).max()) for a, b in zip(
+        trained["1"], jax.tree.leaves(local(one.init_state["params"]))))
+print("JSON" + json.dumps(out))
+"""
+
+
+def _gamma(k: int, u: float) -> float:
+    """Higham's ``gamma_k = k u / (1 - k u)``: the relative error bound of a sum of
+    ``k + 1`` terms in a precision of unit roundoff ``u``."""
+    return k * u / (1 - k * u)
+
+
+@pytest.mark.slow  # a 4-device subprocess, 6 programs: ~105 s of CPU, ~3 min on a loaded machine
+def test_private_lora_on_four_devices_trains_as_on_one(tmp_path):
+    """LoRA over a frozen base (an argument of the step, replicated on every
+    device) with ghost clipping (``auto`` takes it, on the mesh too) and with
+    per-example gradients (vmap).
+
+    One batch's clipped sum: on 1 device the float64 sum of the clipped
+    contributions rounded once to float32; on 4 each device's float64 sum rounded
+    to float32, then the 4 added in float32 in XLA's order. With ``k`` kept
+    examples of norm at most ``B = C (1 + 16 u)`` the contributions' norms add up
+    to at most ``k B``, so the two sums differ in L2 by at most
+    ``(u + gamma_3 (1 + u)) k B + u k B`` (float32 ``u = 2^-24``), plus the float64
+    sums' own error, ``gamma_(n (T + 1))`` of ``u64`` per sum. Then, with ghost
+    clipping, three steps of the trainer's compiled step with the noise for the
+    4-device sum's sensitivity on both: the same counts, and the adapters within
+    float32 rounding of the largest parameter, as for the full models above."""
+    source = f"TMP = {str(tmp_path)!r}\n" + _LORA_STEPS_MATCH
+    got = run_on_host_devices(tmp_path, "lora_mesh.py", source, timeout=600)
+    u, u64 = 2.0**-24, 2.0**-53
+    for method, case in got.items():
+        ghost = method == "auto"
+        assert case["methods"] == ["ghost" if ghost else "vmap"] * 3, (method, case)
+        assert case["sigma"][0] == case["sigma"][1]
+        bound = case["sensitivity_4"]
+        assert (bound["batch_size"], bound["parts"]) == (case["padded"], 4), bound
+        k, clip = case["kept"][1], bound["clip_norm"]
+        assert case["kept"][0] == k and case["clipped"][0] == case["clipped"][1] > 0, case
+        assert case["norm_max"][0] == pytest.approx(case["norm_max"][1], rel=1e-5)
+        b = clip * (1 + 16 * u)
+        f64 = 2 * _gamma(case["padded"] * (case["tokens"] + 1), u64) * bound["cancellation"]
+        tol = (2 * u + _gamma(3, u) * (1 + u) + f64) * k * b
+        assert case["sum_diff"] <= tol, (method, case["sum_diff"], tol)
+        assert case["sum_norm"] > 100 * tol  # the sums are not (near) zero
+        if not ghost:
+            continue
+        assert case["stats_4"] == [
+            s[:2] + [pytest.approx(s[2], rel=1e-5)] for s in case["stats_1"]
+        ], case
+        assert case["moved"] > 10 * case["max_diff"], case  # the adapters moved
+        assert case["max_diff"] <= 1e-5 * case["max_param"], (method, case)
+
+
 @pytest.mark.parametrize(
     ("value", "words"),
     [

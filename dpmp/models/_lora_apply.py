@@ -21,6 +21,11 @@ no batch axes (flax ``Dense``/``DenseGeneral``/``Einsum`` kernels, plain
 other weight is merged as before (in float32, ``wide``), so every model is
 computed exactly as its merged form says; the planner then sees the merge's
 product of two parameters and ``method="auto"`` uses per-example gradients.
+
+Inside ``shard_map`` (a data-parallel mesh) the base is replicated while the
+adapters and the inputs vary over the mesh axis; the base is first made to vary
+as they do, so that ``fn`` is traced with the types it is evaluated on and its
+jaxpr, and the dense layers found in it, are the ones of one device.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from jax import lax
 from jax.extend import core as jax_core
 
 from dpmp.clipping._jaxpr import uses as jaxpr_uses
-from dpmp.clipping._replay import aval, bind, inline
+from dpmp.clipping._replay import aval, bind, inline, vary_like
 
 __all__ = ["merged_weight", "unmerged"]
 
@@ -49,6 +54,15 @@ def unmerged(fn: Callable, alpha: float, names: Callable[[Any], list]) -> Callab
     (None for a leaf without adapters)."""
 
     def run(base, adapters, *args):
+        # Inside shard_map the base is replicated (invariant) while the adapters and
+        # the inputs vary over the mesh axes the batch is split over. Traced as it
+        # is, every weight would meet its layer's input through a ``pvary`` that
+        # JAX inserts: the dense layers would not be found (``_dense_layers`` reads
+        # a weight's uses), and a weight merged with its (varying) adapters would be
+        # replayed into a ``pvary`` of a value that already varies, which JAX
+        # refuses. Made to vary as they do, the base is traced with the types it is
+        # evaluated on, merged or not, and the jaxpr is the one-device one.
+        base = vary_like(base, (adapters, args))
         leaves, tree = jax.tree.flatten(base)
         arg_leaves, arg_tree = jax.tree.flatten(args)
         n = len(leaves)
