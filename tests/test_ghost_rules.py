@@ -126,6 +126,37 @@ def test_a_registered_rule_replaces_a_built_in_one(registry):
     _close_to_f64(out, mlp_loss, params, batch)
 
 
+def _exp_loss(params, batch):
+    """A parameter read through ``exp`` (one input) before it meets the data."""
+    logits = batch["x"] @ jnp.exp(params["w1"])[:, :4]
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], axis=1))
+
+
+def test_a_rule_for_a_one_input_primitive_is_refused_in_one_line(registry):
+    """A rule registered for ``exp`` cannot take a layer's input from the other
+    operand: ghost clipping refuses the model in one line (an IndexError before), and
+    ``auto`` clips it per example, as the float64 reference does."""
+    registry.register_rule(ghost.PerExampleRule(("exp",), kind="exp", described="exp"))
+    params, batch = {"w1": mlp_init()["w1"] * 0.1}, classification_batch(N)
+    with pytest.raises(ValueError, match="'exp', a primitive of 1 inputs; ghost rules are for two"):
+        dpmp.private_grad(_exp_loss, l2_clip_norm=CLIP, policy="f32", method="ghost")(params, batch)
+    auto = dpmp.private_grad(_exp_loss, l2_clip_norm=CLIP, policy="f32", method="auto")
+    assert auto.explain(params, batch)["method"] == "vmap"
+    ref, _ = clipped_sum_f64(per_example_grads_f64(_exp_loss, params, batch), CLIP)
+    got = flat(jax.jit(auto)(params, batch).grads)
+    assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref)
+
+
+def test_a_rule_lacking_what_the_driver_reads_is_refused(registry):
+    class Partial:
+        primitives = ("exp",)
+        described = "partial"
+
+    with pytest.raises(TypeError, match="lacks norm, operand_grad, clipped_sum, half_operands"):
+        registry.register_rule(Partial())
+
+
 def test_the_built_in_families_are_registered():
     rules = ghost.registered_rules()
     assert set(rules) == {"dot_general", "conv_general_dilated", "gather", "add", "sub", "mul"}

@@ -171,7 +171,7 @@ def _shape(plan, tap) -> tuple[int, int, int, object]:
 def _ghost_terms(plan, tap, device, clip_dtype, acc_dtype) -> dict[str, float]:
     t, k, n, act = _shape(plan, tap)
     out = plan.eqn(tap).outvars[0].aval.dtype
-    half = getattr(tap.rule, "half_operands", False) and half_operands(act, out, clip_dtype)
+    half = tap.rule.half_operands and half_operands(act, out, clip_dtype)
     ops = jnp.dtype(half) if half else jnp.dtype(clip_dtype)
     acc = jnp.dtype(acc_dtype)
     stored = t * (k + n) * (jnp.dtype(out).itemsize + 4 + acc.itemsize)

@@ -231,7 +231,7 @@ def _tap_sq_norm(plan, k, stored, a, g, p, unscale, formed, clip_dtype, norm_dty
 def _reads_half(tap: Tap, a, g, clip_dtype) -> bool:
     """Whether the ghost rule of ``tap`` reads its stored operands in their half dtype
     (:mod:`dpmp.clipping.ghost._operands`), the loss scale still inside ``g``."""
-    if not getattr(tap.rule, "half_operands", False):
+    if not tap.rule.half_operands:
         return False
     return half_operands(a.dtype, g.dtype, clip_dtype) is not None
 

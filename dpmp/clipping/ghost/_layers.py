@@ -147,7 +147,7 @@ def _example_grad(plan: GhostPlan, tap: Tap, dtype) -> Callable:
         return lambda p, act, g: layer_grad(layer, p, act.astype(dtype), g.astype(dtype))
 
     def grad(p, act, g):
-        half = getattr(rule, "half_operands", False)
+        half = rule.half_operands
         if not (half and half_operands(act.dtype, g.dtype, dtype)):
             act, g = act.astype(dtype), g.astype(dtype)
         _, pull = jax.vjp(lambda q: replay_chain(plan, tap, q), p)

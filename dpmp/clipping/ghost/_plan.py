@@ -286,6 +286,12 @@ def _classify(eqn, pos, chain, jaxpr, path) -> tuple[GhostRule, str, bool]:
             f"parameter {path}: used by {name!r}, for which ghost clipping has no rule "
             f"(supported: {supported()})"
         )
+    if len(eqn.invars) != 2:
+        raise Unsupported(
+            f"parameter {path}: used by {name!r}, a primitive of {len(eqn.invars)} inputs; "
+            "ghost rules are for two (the parameter and the layer's input): use "
+            "method='vmap' for this model"
+        )
     bijective = all(jaxpr.eqns[i].primitive.name in _BIJECTIVE for i in chain)
     kind, ghost = rule.classify(eqn, pos, bijective, path)
     return rule, kind, ghost

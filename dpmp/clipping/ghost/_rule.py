@@ -61,6 +61,13 @@ class GhostRule(Protocol):
         ``keep`` adding exactly 0, read after ``before`` (see
         :func:`dpmp.clipping._weighted.after`); or ``None``: the vjp of the layer,
         weighted, on zero-filled operands.
+      half_operands: whether ``sq_norms``, ``operand_grad`` and ``clipped_sum`` read
+        bf16/fp16 operands as they are (their bounds hold for such operands), so
+        the driver need not widen them first; False: it widens them.
+
+    A rule is for a primitive of two inputs, the parameter (operand ``pos``) and
+    the layer's input (operand ``1 - pos``): a parameter reaching a primitive of
+    one input (``exp``) is refused in one line (``Unsupported``).
     """
 
     primitives: tuple[str, ...]
@@ -68,6 +75,7 @@ class GhostRule(Protocol):
     norm: str
     operand_grad: Callable[..., jax.Array] | None
     clipped_sum: Callable[..., jax.Array] | None
+    half_operands: bool
 
     def classify(self, eqn: Eqn, pos: int, bijective: bool, path: str) -> tuple[str, bool]:
         """``(layer kind, ghost)``: the readable kind (``"dense"``), and whether the
@@ -118,6 +126,7 @@ class PerExampleRule:
     norm = "per-example"
     operand_grad = None
     clipped_sum = None
+    half_operands = False
 
     def classify(self, eqn: Eqn, pos: int, bijective: bool, path: str) -> tuple[str, bool]:
         return self.kind, False
@@ -130,13 +139,31 @@ class PerExampleRule:
 
 
 _RULES: dict[str, GhostRule] = {}
+# What the driver reads of a rule (GhostRule's attributes and methods).
+_MEMBERS = (
+    "primitives",
+    "described",
+    "norm",
+    "operand_grad",
+    "clipped_sum",
+    "half_operands",
+    "classify",
+    "mode",
+    "rows",
+    "magnitude_ratio",
+    "sq_norms",
+)
 
 
 def register_rule(rule: GhostRule, *, replace: bool = False) -> GhostRule:
     """Make ``rule`` the one for each of its primitives; returns it.
 
-    Raises ``ValueError`` when a primitive already has a rule, unless ``replace``.
+    Raises ``ValueError`` when a primitive already has a rule, unless ``replace``,
+    and ``TypeError`` naming what ``rule`` lacks of :class:`GhostRule`.
     """
+    missing = [m for m in _MEMBERS if not hasattr(rule, m)]
+    if missing:
+        raise TypeError(f"ghost rule {rule!r}: lacks {', '.join(missing)} (see GhostRule)")
     taken = [p for p in rule.primitives if p in _RULES and _RULES[p] is not rule]
     if taken and not replace:
         raise ValueError(
