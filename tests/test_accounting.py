@@ -773,6 +773,66 @@ def test_residual_constants_against_mpmath():
         assert k <= max(2 * exact_k, exact_k + 10)
 
 
+def test_tail_count_counts_coordinates_not_coordinate_component_pairs():
+    """Step 4 of the residual's derivation counts coordinates outside some
+    component's core. One coordinate, two components of one mean (t = 0), outside
+    each core with probability 1e-3 (the same event for both): the union bound's
+    mean, as the residual computes it, is 2e-3, and Chernoff's count for a 1e-4
+    failure is k = 1. Exactly: the coordinate count is 1 with probability 1e-3, so it
+    exceeds k never; the pair count is 2 with probability 1e-3 > 1e-4, so Chernoff's
+    bound fails for pairs, which are dependent."""
+    from scipy import special, stats
+
+    from dpmp.accounting._residual import _outside_mass, _tail_count
+
+    p, target, components = 1e-3, 1e-4, 2
+    reach = -float(special.ndtri(p / 2))  # P(|Z| > reach) = p
+    mu = components * 1 * _outside_mass(reach, 1, 0.0)  # c T _outside_mass, as in residual
+    assert mu == pytest.approx(components * p, rel=1e-12)
+    k = _tail_count(mu, math.log(target))
+    assert k == 1
+    assert math.exp(-mu) * (math.e * mu / (k + 1)) ** (k + 1) <= target  # the bound k rests on
+    coordinates = {0: 1 - p, 1: p}  # exact distributions: one Bernoulli ...
+    pairs = {0: 1 - p, components: p}  # ... and the same event counted twice
+    assert sum(q for n, q in coordinates.items() if n > k) == 0 <= target
+    assert sum(q for n, q in pairs.items() if n > k) == pytest.approx(p) and p > target
+    # the same against scipy: the pairs of one mean are c times a binomial count
+    assert stats.binom.sf(k // components, 1, p) == pytest.approx(p)
+
+
+@pytest.mark.parametrize(
+    "coordinates,steps,components,p,target",
+    [
+        (1, 1, 2, 1e-3, 1e-4),
+        (1_000, 100, 2, 1e-6, 1e-8),
+        (10_000, 50, 2, 1e-4, 1e-10),
+        (100_000, 1_000, 3, 1e-8, 1e-12),
+        (19_210, 300, 2, 1.6e-15, 5e-12),  # the default run's core, 8 - 1/32 stddevs
+    ],
+)
+def test_tail_count_bounds_the_binomial_count_of_tail_coordinates(
+    coordinates, steps, components, p, target
+):
+    """``_tail_count`` against scipy's binomial tail: a coordinate outside each of
+    ``c`` cores with probability ``p`` is outside some core with probability at most
+    ``c p`` (disjoint events are the union bound's worst case); over ``d T``
+    independent coordinates their count is then at most a Binomial(d T, c p), whose
+    exact tail beyond the ``k`` computed from the residual's mean ``c T d p`` is
+    within the target, and ``k`` is not far above the exact quantile."""
+    from scipy import special, stats
+
+    from dpmp.accounting._residual import _outside_mass, _tail_count
+
+    reach = -float(special.ndtri(p / 2))
+    mu = components * steps * _outside_mass(reach, coordinates, 0.0)
+    assert mu == pytest.approx(components * steps * coordinates * p, rel=1e-9)
+    k = _tail_count(mu, math.log(target))
+    trials, union = coordinates * steps, min(1.0, components * p)
+    assert stats.binom.sf(k, trials, union) <= target
+    exact_k = int(stats.binom.isf(target, trials, union))
+    assert exact_k <= k <= max(2 * exact_k, exact_k + 10)
+
+
 def test_core_mean_lemma_numerically():
     """Step 3's lemma: for pmfs p~ = p e^a with |a| <= eta on a core set, the mean
     sum_core p~ a lies within [P~ - P, P~ - P + (e^eta - 1)^2] (float64 with a

@@ -25,7 +25,13 @@ Formal Guarantees:
     removing one example, the relation under which Poisson sampling is
     analysed. ``"replace_one"`` (substitute one example) is supported by the
     PLD accountant only; its count analysis is conservative (it allows a
-    count to move by 2 where a substitution moves it by at most 1).
+    count to move by 2 where a substitution moves it by at most 1). Its
+    analysis is dp-accounting's ``REPLACE_ONE``: the two substituted records'
+    clipped gradients colinear and opposite (``g' = -g``, ``|g| = C``). That this
+    one-dimensional pair dominates every pair of clipped gradients is
+    assumed, not proved (the step's ``(1-q) N(mu) + q N(mu + g)`` against
+    ``(1-q) N(mu) + q N(mu + g')``; the pair puts ``g`` and ``g'`` furthest
+    apart); a replace-one epsilon rests on it, the noise residual's included.
   * The events assume exactly Gaussian noise. Every function here takes
     ``noised_coordinates`` (the trainable parameter count; required, no silent
     default), so that each epsilon covers the noise dpmp actually draws, by the

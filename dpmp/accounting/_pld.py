@@ -7,7 +7,10 @@ discrete approximations of privacy loss distributions"), with dp-accounting's
 every ``value_discretization_interval``; a coarser interval gives a slightly
 larger (safer) epsilon, faster. Both neighbouring relations; under
 ``"replace_one"`` the count analysis is conservative (it allows a count to
-move by 2 where a substitution moves it by at most 1).
+move by 2 where a substitution moves it by at most 1), and the step's is
+dp-accounting's ``REPLACE_ONE``: the substituted records' clipped gradients
+colinear and opposite, a pair assumed, not proved, to dominate every other
+(``dpmp.accounting``'s Formal Guarantees).
 """
 
 from __future__ import annotations

@@ -48,7 +48,10 @@ def _tail_count(mu: float, log_target: float) -> int:
     conditional probabilities, given everything before, sum to at most ``mu``
     (a sum of adaptively chosen Bernoullis): Chernoff's
     P(N >= a) <= e^-mu (e mu / a)^a for a > mu (E e^(s N) <= e^(mu (e^s - 1))
-    holds for such sums, a supermartingale argument)."""
+    holds for such sums, a supermartingale argument). The residual's N counts
+    coordinates, independent given the past, not coordinate-component pairs: once
+    one pair of a coordinate occurs, another of the same coordinate is all but
+    certain, so the pairs' conditional probabilities do not sum to their mean."""
     if mu <= 0:
         return 0
 
@@ -149,13 +152,21 @@ class GridNoiseContract:
            Releasing more only loses privacy, and the accountant's bound still holds
            for the ideal one: given ``B`` a step is ``(1-q) N(mu_B) + q N(mu_B + g)``
            against ``N(mu_B)`` (add/remove), which the Poisson-subsampled Gaussian
-           that dp-accounting analyses dominates, whatever ``mu_B``. So each step's
-           output density is a mixture of ``c`` product densities (``c = 2``;
-           ``c = 3`` under replace-one, the components ``mu_B``, ``mu_B + g``,
-           ``mu_B + g'``), whose means differ by ``t`` with ``|t|_2 <= t_max = 1 /
-           sigma`` (``2 / sigma``). The drawn-to-exact ratio of a mixture lies
-           between those of its components, so ``|log(M~ / M)|`` of a step is at
-           most ``max_j |A_j|``, ``A_j = sum_i log(p~_ji(o_i) / p_ji(o_i))``.
+           that dp-accounting analyses dominates, whatever ``mu_B``. Under
+           replace-one it is ``(1-q) N(mu_B) + q N(mu_B + g)`` against ``(1-q)
+           N(mu_B) + q N(mu_B + g')``, ``|g|, |g'| <= 1 / sigma``; dp-accounting's
+           ``REPLACE_ONE`` analyses the colinear pair ``g' = -g`` (in one dimension,
+           ``(1-q) N(0) + q N(-1 / sigma)`` against ``(1-q) N(0) + q N(1 / sigma)``).
+           *Assumed, not proved here:* that pair dominates every pair of clipped
+           gradients (it puts the substituted records' components furthest apart,
+           ``|g - g'|_2 = 2 / sigma``); a replace-one epsilon, the accountant's and
+           so this one, rests on it. So each step's output density is a mixture of
+           ``c`` product densities (``c = 2``; ``c = 3`` under replace-one, the
+           components ``mu_B``, ``mu_B + g``, ``mu_B + g'``), whose means differ by
+           ``t`` with ``|t|_2 <= t_max = 1 / sigma`` (``2 / sigma``). The
+           drawn-to-exact ratio of a mixture lies between those of its components,
+           so ``|log(M~ / M)|`` of a step is at most ``max_j |A_j|``,
+           ``A_j = sum_i log(p~_ji(o_i) / p_ji(o_i))``.
         3. *Concentration within a step.* Under any component ``k`` the
            coordinates are independent. Split ``A_j`` into its core cells
            (``|a| <= eta`` each) and the rest. Hoeffding: the core part deviates
@@ -168,13 +179,26 @@ class GridNoiseContract:
            it), and changing ``j`` to ``k`` moves it by ``eta`` times the L1
            distance of the two cell distributions, at most ``|t_i| sqrt(2/pi)``
            (Gaussians, then post-processing) plus twice ``(e^eta - 1) + D``.
-        4. *Tail coordinates.* A coordinate-component pair outside the core has
-           probability at most ``_outside_mass(8 - w)`` per step, summed over
-           coordinates and all ``c`` components (with the worst split of ``t``);
-           over the run they number more than ``k`` with probability at most
-           ``beta_k`` (Chernoff for adaptive counts, ``_tail_count``), each adding at
-           most ``eta_t``; one beyond ``tail`` has probability at most
-           ``beta_out = c T _outside_mass(tail - w)``.
+        4. *Tail coordinates.* Count the coordinates outside *some* component's
+           core (``|o_i - mu_ji| > 8`` for some ``j``). Given the past and the
+           component ``l`` that drew the step, the coordinates are independent, and
+           by the union bound over the ``c`` components coordinate ``i`` is outside
+           some core with probability at most ``sum_j P(|Z + t_lj,i| > 8 - w)``
+           (``t_lj = mu_l - mu_j``, ``|t_lj|_2 <= t_max``); summed over the
+           coordinates that is at most ``c _outside_mass(8 - w)`` per step, with the
+           worst split of each ``t_lj``. Over the run these coordinates number more
+           than ``k`` with probability at most ``beta_k`` (Chernoff for adaptive
+           counts, ``_tail_count``, of mean ``c T _outside_mass(8 - w)``). For each
+           ``j``, the coordinates outside ``j``'s core are among them, so each
+           ``A_j`` has at most ``k`` terms outside its core part, each at most
+           ``eta_t``. (Coordinate-component pairs would not do: the pairs of one
+           coordinate are dependent, as one far out is outside every core at
+           once, and Chernoff's bound fails for their count: one coordinate, two
+           components of one mean, outside with probability 1e-3; the pairs' mean
+           is 2e-3, whose ``k`` at ``beta_k = 1e-4`` is 1, yet the pairs number 2
+           with probability 1e-3.) A coordinate beyond ``tail`` of some component
+           has probability at most ``beta_out = c T _outside_mass(tail - w)`` over
+           the run (the union bound over steps, components and coordinates).
         5. *The run.* Outside an event of probability ``beta = beta_H + beta_k +
            beta_out`` (under the drawn mechanism of either neighbour), the drawn and
            the ideal likelihoods of the whole output (adaptive composition: the
@@ -218,7 +242,9 @@ class GridNoiseContract:
         mean = eta * t_max * math.sqrt(2.0 * n / math.pi) + n * (
             e1 * e1 + 2.0 * eta * e1 + (1.0 + 2.0 * eta) * diff
         )
-        # 4: tail coordinates, and the mass beyond the sampler's accurate reach
+        # 4: the coordinates outside some component's core (per coordinate the union
+        # bound over the c components; summed over coordinates and steps), and the
+        # mass beyond the sampler's accurate reach
         mu_tail = c * releases * _outside_mass(self.core - slack, n, t_max)
         k = _tail_count(mu_tail, math.log(budget))
         beta_out = c * releases * _outside_mass(self.tail - slack, n, t_max)
