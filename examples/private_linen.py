@@ -24,12 +24,12 @@ between runs, since the noise and the batches are fresh and secret each time;
 ``dpmp train``'s measurement is in the configs table of docs/cli.md):
 
     digits: 1437 train / 360 test; policy param=f32,compute=bf16,...
-    noise multiplier 12.38 for epsilon 2 at delta 1e-05 over 300 steps (q = 0.3563)
-    step   75  test accuracy 0.86  epsilon 0.935
+    noise multiplier 12.39 for epsilon 2 at delta 1e-05 over 300 steps (q = 0.3563)
+    step   75  test accuracy 0.86  epsilon 0.934
     step  150  test accuracy 0.90  epsilon 1.364
     step  225  test accuracy 0.92  epsilon 1.705
-    step  300  test accuracy 0.93  epsilon 2.000
-    epsilon 2.000 (delta 1e-05), test accuracy 0.93
+    step  300  test accuracy 0.93  epsilon 1.999
+    epsilon 1.999 (delta 1e-05), test accuracy 0.93
 
 Run: ``python examples/private_linen.py [--steps N]`` (fewer steps spend the
 same epsilon with less noise per step, and reach a lower accuracy).

@@ -17,11 +17,11 @@ between runs: the noise and the batches are fresh and secret each time):
 
     digits: 1437 train / 360 test; policy param=f32,compute=bf16,...
     nnx.State with 4 arrays (19210 parameters), all float32
-    noise multiplier 12.38 for epsilon 2 at delta 1e-05 over 300 steps (q = 0.3563)
-    step   75  test accuracy 0.86  epsilon 0.935
+    noise multiplier 12.39 for epsilon 2 at delta 1e-05 over 300 steps (q = 0.3563)
+    step   75  test accuracy 0.86  epsilon 0.934
     ...
-    step  300  test accuracy 0.92  epsilon 2.000
-    epsilon 2.000 (delta 1e-05), test accuracy 0.92
+    step  300  test accuracy 0.92  epsilon 1.999
+    epsilon 1.999 (delta 1e-05), test accuracy 0.92
 
 Run: ``python examples/private_nnx.py [--steps N]``
 """

@@ -11,12 +11,12 @@ Expected output (2 CPU cores, 35-50 s; the accuracies vary by about a point
 between runs: the noise and the batches are fresh and secret each time):
 
     digits: 1437 train / 360 test; policy param=f32,compute=bf16,...
-    noise multiplier 12.38 for epsilon 2 at delta 1e-05 over 300 steps (q = 0.3563)
+    noise multiplier 12.39 for epsilon 2 at delta 1e-05 over 300 steps (q = 0.3563)
     per-example gradient dtype inside the loss: bfloat16; clipped sum dtype: float32
-    step   75  test accuracy 0.86  epsilon 0.935
+    step   75  test accuracy 0.86  epsilon 0.934
     ...
-    step  300  test accuracy 0.94  epsilon 2.000
-    epsilon 2.000 (delta 1e-05), test accuracy 0.94
+    step  300  test accuracy 0.94  epsilon 1.999
+    epsilon 1.999 (delta 1e-05), test accuracy 0.94
 
 Run: ``python examples/private_plain_jax.py [--steps N]``
 """
