@@ -91,12 +91,14 @@ def key128_impl():
     work at import)."""
     import jax.extend as jex
 
+    # Each function jitted, as JAX's own Threefry functions are: called eagerly (a
+    # key split in Python), one dispatch rather than ~200 small ones.
     return jex.random.define_prng_impl(
         key_shape=(4,),
-        seed=_seed,
-        split=_split,
-        random_bits=_random_bits,
-        fold_in=_fold_in,
+        seed=jax.jit(_seed),
+        split=jax.jit(_split, static_argnums=1),
+        random_bits=jax.jit(_random_bits, static_argnums=(1, 2)),
+        fold_in=jax.jit(_fold_in),
         name=NAME,
         tag=NAME,
     )

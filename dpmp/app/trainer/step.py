@@ -241,6 +241,17 @@ def _trained_model(
     return model, params_shape, notes
 
 
+def _mesh_of(config: Config) -> DataParallelMesh | None:
+    """The run's mesh (``training.devices``); ``training.shard_params`` needs one."""
+    mesh = make_mesh(config)
+    if config.training.shard_params and mesh is None:
+        raise ConfigError(
+            "training.shard_params: shards over a mesh of several devices; set "
+            'training.devices to more than 1 (or "all" with several devices)'
+        )
+    return mesh
+
+
 def build_private_step(
     config: Config,
     data: Dataset | None = None,
@@ -289,12 +300,7 @@ def build_private_step(
     if data is None:
         data = load_data(config.data, t.seed)
     keys = shared_keys(run_keys(config) if keys is None else keys)
-    mesh = make_mesh(config)
-    if t.shard_params and mesh is None:
-        raise ConfigError(
-            "training.shard_params: shards over a mesh of several devices; set "
-            'training.devices to more than 1 (or "all" with several devices)'
-        )
+    mesh = _mesh_of(config)
     devices = mesh.size if mesh else 1
     data, feature_stats = _standardized(config, data, feature_stats, keys.standardize_seed)
     if model is None:
