@@ -43,7 +43,7 @@ from dpmp.noise._sharding import NoiseSharding
 from dpmp.precision._policy import Policy
 from dpmp.precision._stages import STAGES
 
-__all__ = ["draws_snapped", "gaussian_privatizer", "private_optimizer"]
+__all__ = ["gaussian_privatizer", "private_optimizer"]
 
 
 def _lift_to(tree, dtype):
@@ -56,13 +56,6 @@ def _lift_to(tree, dtype):
         return x.astype(wide)
 
     return jax.tree.map(lift, tree)
-
-
-def draws_snapped(sampler: str, policy: Policy) -> bool:
-    """Whether ``gaussian_privatizer(sampler=sampler, policy=policy)`` draws
-    ``snapped_gaussian`` noise: the snapped sampler with noise of at least float32
-    (half-precision noise, an unsafe opt-in, is drawn plain in that dtype)."""
-    return drawn_sampler(sampler, policy).name == "snapped"
 
 
 def gaussian_privatizer(
