@@ -145,11 +145,11 @@ def audit_warnings(audit: dict[str, Any]) -> list[str]:
     if ok is True:
         return []
     if ok is None:
-        why = audit.get("error") or "it did not recognise the step's noise"
         return [
-            f"the precision audit of the private step could not check it ({why}): the "
-            "clipped sum's sensitivity and the noise the accounting assumes were not "
-            "certified, so this run is not reported differentially private"
+            "the precision audit of the private step could not check it "
+            f"({_unchecked(audit)}): the clipped sum's sensitivity and the noise the "
+            "accounting assumes were not certified, so this run is not reported "
+            "differentially private"
         ]
     kinds = sorted({v.get("kind", "?") for v in audit.get("violations", [])})
     missing = audit.get("missing") or []
@@ -163,6 +163,11 @@ def audit_warnings(audit: dict[str, Any]) -> list[str]:
         "clipped sum's sensitivity or the noise the accounting assumes is not certified, "
         "so epsilon may not hold"
     ]
+
+
+def _unchecked(audit: dict[str, Any]) -> str:
+    """Why an audit with ``ok`` None did not check the step."""
+    return audit.get("error") or "it did not recognise the step's noise"
 
 
 def run_failures(report: dict[str, Any]) -> list[str]:
@@ -182,8 +187,7 @@ def run_failures(report: dict[str, Any]) -> list[str]:
     if audit.get("ok") is False:
         out.append("the precision audit of the step found violations (report.json: audit)")
     elif audit.get("ok") is None:
-        why = audit.get("error") or "it did not recognise the step's noise"
-        out.append(f"the precision audit of the step could not check it: {why}")
+        out.append(f"the precision audit of the step could not check it: {_unchecked(audit)}")
     if report.get("finite_params") is False:
         out.append("the trained parameters are not finite")
     noised = (report.get("overflow") or {}).get("noised_count_total")
