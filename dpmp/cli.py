@@ -1,4 +1,4 @@
-"""``python -m dpmp.cli``: the ``dpmp`` command, whose code is :mod:`dpmp.app.cli`."""
+"""``python -m dpmp.cli``: the ``dpmp`` command, whose code is ``dpmp.app.cli``."""
 
 from dpmp.app.cli import console as console
 from dpmp.app.cli import main as main

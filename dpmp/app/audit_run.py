@@ -423,7 +423,7 @@ def audit_run(
         and sampling come from fresh OS entropy either way.
 
     Returns:
-      A :class:`RunAuditReport`; ``report.ok`` is False when the lower bound
+      A ``RunAuditReport``; ``report.ok`` is False when the lower bound
       exceeds the claim.
 
     Raises:

@@ -1,6 +1,6 @@
 """The config key reference: every key with its default, meaning and allowed values.
 
-Read from the config dataclasses of :mod:`dpmp.app.config` (defaults, types),
+Read from the config dataclasses of ``dpmp.app.config`` (defaults, types),
 their docstrings (meanings) and the choices their validation uses, so that the
 docs' key table (docs/cli.md) is generated and checked by a test
 (``python -m dpmp.app.config_reference`` prints it).

@@ -89,7 +89,7 @@ def delete_secrets(run_dir: str | Path) -> list[Path]:
     """Deletes the finished run's ``checkpoints/`` (its noise keys, sampler seed
     and data fingerprint); returns what was deleted (empty: nothing was there).
 
-    Export the parameters first (:func:`export_params`): the checkpoints hold
+    Export the parameters first (``export_params``): the checkpoints hold
     their only other copy. The run can no longer be resumed.
 
     Raises:

@@ -1,10 +1,10 @@
 """How the axes that index examples move from an equation's inputs to its output.
 
 Batch axes start at axis 0 of every batch leaf (see
-:func:`dpmp.audit._jaxpr.example_axes`) and follow the data through
+``dpmp.audit._jaxpr.example_axes``) and follow the data through
 elementwise operations, broadcasts and sub-jaxpr boundaries (this module) and
 through reshapes, transposes, reductions, dot products and convolutions (the
-``axes`` stage of the rules in :mod:`dpmp.audit.rules`).
+``axes`` stage of the rules in ``dpmp.audit.rules``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Data-flow analysis of a jaxpr for the sites that carry a privacy guarantee.
 
-One walker (:class:`Walker`) interprets the jaxpr abstractly: every variable
-gets a :class:`dpmp.audit._values.Value` (taint flags and the axes that index
+One walker (``Walker``) interprets the jaxpr abstractly: every variable
+gets a ``dpmp.audit._values.Value`` (taint flags and the axes that index
 examples), and each equation is handled by the rule registered for its
-primitive in :data:`dpmp.audit.rules.RULES` (reductions, contractions,
+primitive in ``dpmp.audit.rules.RULES`` (reductions, contractions,
 layout, norms, noise, additions, casts, collectives, control flow: one module
 each under ``dpmp/audit/rules/``). Calls of sub-jaxprs (``jit``,
 ``custom_jvp_call``, ...) are entered by the walker itself; an equation no
@@ -62,7 +62,7 @@ class Walker:
     """Abstract interpreter over a jaxpr; see the module docstring.
 
     Attributes:
-      policy: the :class:`dpmp.Policy` the sites are checked against.
+      policy: the ``dpmp.Policy`` the sites are checked against.
       param_dtype: the dtype updates must reach (default: ``policy.param``).
       findings: the sites found, by key, in the order first recorded.
       recording: false while a loop body is iterated to its fixed point.
@@ -203,7 +203,7 @@ class Walker:
     # -- primitives ----------------------------------------------------------------
     def primitive(self, rule: Rule, s: Step) -> list[Value]:
         """Runs the stages of ``rule`` on a primitive equation (``s`` after
-        :meth:`Step.begin`), with what holds for every primitive between them."""
+        ``Step.begin``), with what holds for every primitive between them."""
         s.bax, s.reduces_examples = (rule.axes or elementwise)(s.eqn, s.ins)
         if any(is_key(d) for d in s.in_dtypes):
             s.flags |= RNG

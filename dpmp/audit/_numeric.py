@@ -67,7 +67,7 @@ def _dt(dtype):
 
 @dataclasses.dataclass(frozen=True)
 class NumericReport:
-    """Result of :func:`numeric_audit`.
+    """Result of ``numeric_audit``.
 
     Attributes:
       batch_size: examples in the batch.
@@ -82,7 +82,7 @@ class NumericReport:
         checked (norms taken in float64 of the per-example clipped gradients
         as ``sum_fn`` computes them), or ``None`` when not measured.
       examples_checked: examples whose clipped norm was measured.
-      sensitivity: :func:`fp_sum_sensitivity` for ``accumulate_dtype``.
+      sensitivity: ``fp_sum_sensitivity`` for ``accumulate_dtype``.
       ok: clipped norms stay within ``C (1 + 4 eps_clip)`` and the sum comes
         back in at least the accumulate dtype (float32 without a policy). The
         error against float64 is reported, not judged: it includes the
@@ -187,7 +187,7 @@ def numeric_audit(
         checks all.
 
     Returns:
-      A :class:`NumericReport`.
+      A ``NumericReport``.
     """
     if isinstance(policy, str):
         policy = Policy.parse(policy)

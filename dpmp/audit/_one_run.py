@@ -20,7 +20,7 @@ theorem, with ``delta > 0`` as jax-privacy evaluates it)::
     alpha = max over i in 1..v of (P[Binomial(r, p) >= v - i] - beta) / i.
 
 An epsilon whose right-hand side is at most the significance level is
-rejected: :func:`epsilon_lower_bound` returns the largest epsilon rejected
+rejected: ``epsilon_lower_bound`` returns the largest epsilon rejected
 at level ``significance`` from ``(m, r, W)``, so the run's true epsilon (at
 that delta) is below it with probability at most ``significance``. The
 computation is jax-privacy's (``jax_privacy.auditing._epsilon_one_run``,
@@ -28,7 +28,7 @@ the p-value above and a root search); this module only feeds it the counts.
 The guesses may come from any function of the run's output and of public
 values (the canaries, the initialisation), never from ``S``.
 
-:func:`exact_gaussian_game` plays the same game on the mechanism the
+``exact_gaussian_game`` plays the same game on the mechanism the
 accountant analyses (see its docstring): what the audit can expect to show
 when the implementation is exactly what is claimed and the attack is optimal.
 Canaries in one run interfere with each other: each moves the model in

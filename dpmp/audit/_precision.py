@@ -1,9 +1,9 @@
 """Precision audit: finds the sites of a training step that carry the privacy
 guarantee and checks the dtype each one runs in.
 
-:func:`audit_precision` traces a function to a jaxpr and follows the data
-through it (see :mod:`dpmp.audit._jaxpr`). It reports, as
-:class:`Finding` s, every
+``audit_precision`` traces a function to a jaxpr and follows the data
+through it (see ``dpmp.audit._jaxpr``). It reports, as
+``Finding``s, every
 
 ============== ===============================================================
 kind           site
@@ -21,7 +21,7 @@ update         the parameter update (parameter +/- update), and any later cast
                of the new parameters below the parameter dtype
 ============== ===============================================================
 
-and checks it against a :class:`dpmp.Policy`: ``batch_reduction`` and
+and checks it against a ``dpmp.Policy``: ``batch_reduction`` and
 ``all_reduce`` sites must run in at least the ``accumulate`` dtype, ``norm``
 sites in at least ``clip``, ``noise_*`` in at least ``noise``, and ``update``
 in at least ``param``. "Runs in" means every dtype of the site: a
@@ -70,7 +70,7 @@ class Finding:
     """One privacy-relevant site of the audited function.
 
     Attributes:
-      kind: one of :data:`KINDS`.
+      kind: one of ``KINDS``.
       primitive: the jaxpr primitive (``scan+add`` for a loop-carried sum).
       in_dtype: dtype of the operand (for ``norm``: of the squares).
       acc_dtype: dtype partial results are held in, as far as the jaxpr says
@@ -117,7 +117,7 @@ class Finding:
 
 
 class PrecisionAuditError(AssertionError):
-    """Raised by :meth:`PrecisionReport.raise_if_failed`; lists the violations."""
+    """Raised by ``PrecisionReport.raise_if_failed``; lists the violations."""
 
     def __init__(self, report: PrecisionReport):
         self.report = report
@@ -129,7 +129,7 @@ class PrecisionAuditError(AssertionError):
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
-    """Result of :func:`audit_precision`.
+    """Result of ``audit_precision``.
 
     ``ok`` is true when no finding violates the policy and every kind named in
     ``expect`` was found. ``str(report)`` is a fixed-width table;
@@ -277,7 +277,7 @@ def audit_precision(
       fn: any JAX-traceable function (a jitted function is fine); it is traced
         with ``jax.make_jaxpr``, not run.
       *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
-      policy: a :class:`dpmp.Policy` or its string form.
+      policy: a ``dpmp.Policy`` or its string form.
       params_argnums: positional arguments holding the (master) parameters:
         their leaves are where updates are applied.
       batch_argnums: positional arguments whose leaves have the example axis
@@ -286,12 +286,12 @@ def audit_precision(
       batch_size: number of examples. Default: the leading dimension of the
         batch leaves. Batch leaves laid out ``(devices, per_device, ...)`` for
         ``pmap`` are understood when ``batch_size`` is the total.
-      expect: kinds (from :data:`KINDS`) that must be found; a missing kind
+      expect: kinds (from ``KINDS``) that must be found; a missing kind
         makes the report fail (guards against a site the audit cannot see).
       name: name shown in the report (default: ``fn.__name__``).
 
     Returns:
-      A :class:`PrecisionReport`.
+      A ``PrecisionReport``.
 
     Limits: sums that XLA inserts on its own (automatic sharding of a jitted
     function over devices) are not in the jaxpr; write cross-device sums with
@@ -366,7 +366,7 @@ def _audit_policy(policy: Policy | str) -> Policy:
 
 def _leaf_roles(args, params_argnums, batch_argnums, batch_size) -> tuple[list, list[str]]:
     """The flattened leaves of ``args`` and, per leaf, "param", "batch" or "other"
-    (see :func:`audit_precision` for how the arguments are chosen)."""
+    (see ``audit_precision`` for how the arguments are chosen)."""
     n = len(args)
     p_nums = _argnums(params_argnums, n) if n else ()
     if batch_argnums is None:

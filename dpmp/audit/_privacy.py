@@ -471,7 +471,7 @@ def privacy_audit(
 
 
 def _checked(noise_multiplier, clip_norm, delta, num_releases, significance):
-    """The arguments of :func:`privacy_audit` validated: ``(noise_multiplier,
+    """The arguments of ``privacy_audit`` validated: ``(noise_multiplier,
     clip_norm, num_releases)`` as float, float, int."""
     noise_multiplier = float(noise_multiplier)
     if not noise_multiplier > 0:
@@ -489,7 +489,7 @@ def _checked(noise_multiplier, clip_norm, delta, num_releases, significance):
 
 
 def _lookup_attack(found, significance: float, delta: float):
-    """The exact-value lookup attack on the sets :func:`_possible_sets` found:
+    """The exact-value lookup attack on the sets ``_possible_sets`` found:
     ``(epsilon, impossible share, reverse share, impossible mass, distinct noise
     values, note)``; all ``None`` with a note when the outputs could not be
     enumerated."""

@@ -3,7 +3,7 @@
 ``jax.extend.source_info_util.summarize`` is the public way to name an
 equation's innermost user frame (JAX's own files and the standard library are
 skipped). It writes ``"file:line:column (function)"`` (``":column"`` left out
-when it is 0) or ``""`` when no user frame is known; :func:`location` parses
+when it is 0) or ``""`` when no user frame is known; ``location`` parses
 that back into ``file:line``. ``tests/test_audit_rules.py`` pins the format, so
 a change in JAX fails a test instead of silently dropping locations.
 """

@@ -1,6 +1,6 @@
 """What the precision audit knows about one jaxpr variable, and what it reports.
 
-Every jaxpr variable gets a :class:`Value`: a set of taint flags and the set
+Every jaxpr variable gets a ``Value``: a set of taint flags and the set
 of its axes that index examples of the batch.
 
 Taint flags and where they come from:

@@ -1,5 +1,5 @@
 """The choice between per-example gradients and ghost clipping, per argument shapes
-and device (:mod:`dpmp.clipping._cost`)."""
+and device (``dpmp.clipping._cost``)."""
 
 from __future__ import annotations
 

@@ -9,13 +9,13 @@ example and per ghost layer of T tokens, fan-in K and fan-out N, in:
   dtype, as batched small products) and its ``K N`` entries written, then read
   by the norm and by the clip-weighted sum;
 * ghost: the two Gram matrices (``2 T^2 (K + N)`` flops on half or float32
-  operands, :mod:`dpmp.clipping.ghost._operands`), the clip-weighted contraction
+  operands, ``dpmp.clipping.ghost._operands``), the clip-weighted contraction
   (``2 T K N`` flops accumulated in the accumulate dtype, float64 by default) and
   the stored ``T (K + N)`` activations and output gradients, read in their dtype
   and again as float32 and as the accumulate dtype.
 
 Costs are flops over a device's matrix-product rate plus bytes over its memory
-bandwidth (:data:`DEVICES`: round figures, H100-like for GPUs, v5e-like for TPUs,
+bandwidth (``DEVICES``: round figures, H100-like for GPUs, v5e-like for TPUs,
 2 CPU cores). Checked against benchmarks/results: on an H100
 (``gpu_h100_transformers*.json``, private gradient over the non-private one, in
 ms) per-example gradients took 12.7 and ghost clipping 3.0 more for the float32

@@ -108,7 +108,7 @@ class PrivateGradFn:
         adds to one contraction and ``K`` how much those rows' magnitudes may
         exceed the norm used to clip them (both 1 with per-example gradients;
         ghost layers with several rows: ``K`` is 64, the floor of
-        :func:`dpmp.clipping.ghost._gram.cancellation_floor`, over the float32 rounding of the
+        ``dpmp.clipping.ghost._gram.cancellation_floor``, over the float32 rounding of the
         magnitude it reads, between 64.0 and about 71). Both are read from the shapes ``g``
         has been traced or explained for: with ``method`` "auto" or "ghost",
         call ``g.explain(params, *batch)`` (or ``g`` itself) first.
@@ -129,7 +129,7 @@ class PrivateGradFn:
 
     def sensitivity_bound(self, *, batch_size: int | None, parts: int = 1) -> dict[str, Any]:
         """The add/remove-one sensitivity (``"sensitivity"``) and the terms of its bound
-        (see :meth:`sensitivity`): ``clip_norm``, ``per_example`` (B),
+        (see ``sensitivity``): ``clip_norm``, ``per_example`` (B),
         ``accumulation_error``, ``rounding_error``, ``parts_error`` (absolute
         L2 bounds), ``rows`` (T), ``cancellation`` (K), ``batch_size``, ``parts``,
         ``accumulation`` and ``accumulate_dtype`` (where the sum accumulates)."""
@@ -190,7 +190,7 @@ def _sum_sensitivity(
     exact_products: bool,
     roundings: int = 1,
 ) -> dict[str, Any]:
-    """The bound of :meth:`PrivateGradFn.sensitivity`, term by term (all in L2)."""
+    """The bound of ``PrivateGradFn.sensitivity``, term by term (all in L2)."""
     u_c = unit_roundoff(clip_dtype)
     u_a = unit_roundoff(acc_dtype)
     same = jnp.dtype(acc_dtype) == jnp.dtype(out_dtype)

@@ -67,7 +67,7 @@ Formal guarantees (add/remove-one adjacency; replace-one doubles the bound):
     ``accumulation="policy"`` the sums accumulate in float32 and ``E`` is
     Higham's ``gamma32_(n (T + 1)) K n B``: about ``C (1 + 4 n^2 2^-24)`` with
     per-example gradients (1.06 C at n = 512), useless for ghost layers with
-    many tokens (``K`` >= 64): see :meth:`PrivateGradFn.sensitivity`;
+    many tokens (``K`` >= 64): see ``PrivateGradFn.sensitivity``;
   * padding and non-finite examples contribute exactly zero;
   * ``stats`` are per-batch functions of private data, for monitoring only —
     except ``noised_overflow_count``, which is a privatized release accounted

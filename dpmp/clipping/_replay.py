@@ -2,9 +2,9 @@
 
 The private paths trace the loss of ONE example (with a batch axis of 1, as the
 model expects a batch) and evaluate it for every example under ``vmap``: the
-per-example gradients of ``method="vmap"`` through :func:`replayed`, and ghost
-clipping (:mod:`dpmp.clipping.ghost`) through its own replay, which also swaps the
-layers it taps. Both re-emit each equation with :func:`replay_bind`.
+per-example gradients of ``method="vmap"`` through ``replayed``, and ghost
+clipping (``dpmp.clipping.ghost``) through its own replay, which also swaps the
+layers it taps. Both re-emit each equation with ``replay_bind``.
 
 Per example, every value keeps that batch axis of 1, so under ``vmap`` XLA:CPU
 sees shapes like (B, 1, T, D). Its YNNPACK fusions of a product and a reduction
@@ -12,14 +12,14 @@ over such a shape run 15-20x slower than over (B, T, D) (jaxlib 0.10.2: 5.2 ms
 against 0.33 ms for one (256, 1, 64, 64) product summed over tokens), and the
 backward of layer norms, softmax and every per-example scale or bias gradient
 is made of them: 60% of the ghost ViT step of benchmarks/clipping.py, and a
-quarter of its vmap step. :func:`replay_bind` therefore emits reductions and
+quarter of its vmap step. ``replay_bind`` therefore emits reductions and
 broadcasts on operands with their size-1 axes reshaped away, and makes an
 elementwise operation's implicit size-1 broadcasting explicit that way, so that
 their transposes are squeezed too. Reshapes and broadcasts are exact: the
 values are those of the traced model.
 
-Inside ``shard_map`` the avals carry their manual axis types (:func:`aval`,
-:func:`vary_like`), so that a function is traced with the types it is replayed on.
+Inside ``shard_map`` the avals carry their manual axis types (``aval``,
+``vary_like``), so that a function is traced with the types it is replayed on.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _broadcast(x, shape, dims):
 
 
 def replay_bind(eqn, invals):
-    """:func:`bind` for the batched replays, with size-1 axes kept out of reductions
+    """``bind`` for the batched replays, with size-1 axes kept out of reductions
     and broadcasts (see the module docstring)."""
     name = eqn.primitive.name
     if eqn.params.get("out_sharding") is not None or eqn.params.get("sharding") is not None:
@@ -119,7 +119,7 @@ def replay_bind(eqn, invals):
 
 def replayed(fn: Callable) -> Callable:
     """``fn`` (arrays in, a pytree of arrays out), evaluated equation by equation
-    from its jaxpr (``jit`` calls inlined) with :func:`replay_bind`.
+    from its jaxpr (``jit`` calls inlined) with ``replay_bind``.
 
     The same values; for a per-example function under ``vmap`` (the per-example
     gradients of ``method="vmap"``) its reductions and broadcasts then leave out
@@ -146,7 +146,7 @@ def _call_jaxpr(eqn):
 
 def inline(jaxpr, consts, *args, emit: Callable = bind):
     """Evaluate ``jaxpr`` with every ``jit`` call inlined (traced, this flattens it),
-    each other equation re-emitted by ``emit`` (:func:`bind` or :func:`replay_bind`)."""
+    each other equation re-emitted by ``emit`` (``bind`` or ``replay_bind``)."""
     env = {}
     for v, c in zip(jaxpr.constvars, consts):
         env[v] = c

@@ -3,7 +3,7 @@
 Both paths of ``private_grad`` (per-example gradients and ghost clipping) take
 each per-example squared norm as an upper bound of its exact value, from
 Higham's ``gamma_n`` bounds (Higham 2002, "Accuracy and Stability of Numerical
-Algorithms", Lemma 3.1 and Eq. 3.5), and form 64-bit sums inside :func:`wide`
+Algorithms", Lemma 3.1 and Eq. 3.5), and form 64-bit sums inside ``wide``
 only.
 """
 
@@ -59,7 +59,7 @@ def certified_sum_of_squares(sq, terms: int, dtype, term_dtype=None):
     numbers (squares, products of norms) computed in ``dtype`` in any order.
 
     A sum of non-negative terms is never below the exact one by more than a
-    factor ``1 - gamma_terms`` (:func:`higham_gamma`; the rounding of each square is
+    factor ``1 - gamma_terms`` (``higham_gamma``; the rounding of each square is
     one more term of it), so ``sq / (1 - gamma)`` bounds it from above; the factor
     is rounded up by ``(1 + 8 u)``, which covers the rounding of the constant and of
     the multiply. ``term_dtype``: each term was rounded to it (relative

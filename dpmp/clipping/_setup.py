@@ -43,7 +43,7 @@ class Setup:
 
     ``argnums``: the positions (from 1; params are 0) of the batch arguments;
     ``clip_dtype``: the policy's; ``sum_dtype``, ``acc_dtype``, ``norm_dtype``: see
-    :func:`reduction_dtypes`. The sum is rounded to ``sum_dtype`` once, after every
+    ``reduction_dtypes``. The sum is rounded to ``sum_dtype`` once, after every
     example and microbatch is in.
     """
 

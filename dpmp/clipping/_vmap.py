@@ -33,7 +33,7 @@ def vmap_clipped_sum(setup: Setup, params, s, others, is_padding, *batch):
     # Per-example gradients are B x P values. Reduced in float32, XLA:CPU keeps
     # the products it reduces (squares, weighted gradients) at that size; reduced
     # in float64 its products would be twice as large, so there the gradients are
-    # read a chunk of examples at a time (:func:`by_example_chunks`).
+    # read a chunk of examples at a time (``by_example_chunks``).
     widened = jnp.dtype(acc_dtype) != jnp.dtype(setup.sum_dtype)
     sq_norms = jax.vmap(functools.partial(_example_sq_norm, setup), in_axes=(0, None))
     with jax.named_scope(STAGES["norms"]):

@@ -53,7 +53,7 @@ def kept_rows(x, keep):
 def after(keep, before):
     """``keep``, made to read ``before`` (the sum done just before) without changing:
     a scheduling dependency (see the ordering note in
-    :mod:`dpmp.clipping.ghost._clipped_sum`)."""
+    ``dpmp.clipping.ghost._clipped_sum``)."""
     if before is None or not before.size:
         return keep
     b = before.ravel()[0]
@@ -84,7 +84,7 @@ def weighted_example_dot(x, factor, dtype):
 
 def weighted_kept_sum(x, factor, keep, dtype):
     """``sum_i factor_i x_i`` over the kept examples, in ``dtype``: the rows not kept
-    set to 0, then one contraction (:func:`weighted_example_dot`); wider than ``x``,
+    set to 0, then one contraction (``weighted_example_dot``); wider than ``x``,
     one reduction of ``where(keep, factor * x)`` (XLA:CPU fuses it whole, where a
     zeroed copy of ``x`` would be kept first: 1.33x the temp memory of a float64
     ghost step)."""

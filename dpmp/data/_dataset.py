@@ -1,6 +1,6 @@
 """Data sets: train and test arrays, validated, and what a model needs to know of them.
 
-A :class:`Dataset` holds float32 features (or anything indexed by rows: a
+A ``Dataset`` holds float32 features (or anything indexed by rows: a
 memory-mapped ``.npy``, a random-access source) and int32 labels, split into
 train and test. ``Dataset.from_arrays`` and ``Dataset.from_sources`` make one
 of a user's arrays or random-access sources (grain's
@@ -18,7 +18,7 @@ MLPs flatten them; ``[n, h, w]`` features become ``[n, h, w, 1]`` and
 ``[n, d]`` stay flat. Data larger than memory is read by the rows of each
 batch; validation and the fingerprint stream over the rows.
 
-Every problem with a user's data is a :class:`DataError` (a ``ValueError``)
+Every problem with a user's data is a ``DataError`` (a ``ValueError``)
 whose message names the array and what is wrong with it.
 """
 

@@ -1,4 +1,4 @@
-"""Text as byte tokens: records of text become a next-token :class:`Dataset`.
+"""Text as byte tokens: records of text become a next-token ``Dataset``.
 
 A record (one line of a ``.txt`` file, one ``{"text": ...}`` object of a
 ``.jsonl`` file, one line of a shipped corpus) is one example, the privacy

@@ -1,6 +1,6 @@
 """Tokenized text with per-token labels: one record is one example, whatever its length.
 
-A next-token :class:`Dataset` with per-token labels holds
+A next-token ``Dataset`` with per-token labels holds
 
 * ``x``: int32 token ids ``[n, T]`` in ``[0, num_classes)``;
 * ``y``: int32 labels ``[n, T]``: ``y[i, t]`` is the token that follows

@@ -50,9 +50,9 @@ _TIED_HEAD = "lm_head.weight"
 
 
 class GPT2(NamedTuple):
-    """A loaded checkpoint: ``model`` (a :class:`dpmp.models.Model`), ``params``
+    """A loaded checkpoint: ``model`` (a ``dpmp.models.Model``), ``params``
     (in the stored dtype), ``tokenizer`` (a ``tokenizers.Tokenizer`` or None)
-    and ``config`` (its :class:`GPT2Config`)."""
+    and ``config`` (its ``GPT2Config``)."""
 
     model: Model
     params: Params
@@ -61,7 +61,7 @@ class GPT2(NamedTuple):
 
 
 def read_config(folder: str | Path) -> GPT2Config:
-    """The :class:`GPT2Config` of ``folder/config.json``.
+    """The ``GPT2Config`` of ``folder/config.json``.
 
     Raises:
       DataError: no such file, not JSON, not a GPT-2 (``model_type``,

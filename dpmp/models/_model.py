@@ -1,6 +1,6 @@
 """What the trainer needs of a model, and the losses the built-in families share.
 
-A :class:`Model` is a frozen record of functions:
+A ``Model`` is a frozen record of functions:
 
 * ``init(key) -> params``: float32 master parameters (a pytree: nested dicts
   for linen and plain JAX, an ``nnx.State`` for nnx);

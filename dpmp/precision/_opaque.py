@@ -37,7 +37,7 @@ def opaque_ints(values: Iterable[int], always: jax.Array) -> tuple:
     """``values`` as int32 scalars that XLA cannot fold into constants, where the
     program is traced for XLA:CPU: the outputs of a loop that runs once (its trip
     count is ``always``, a boolean scalar that is true at run time but not known to
-    XLA, e.g. :func:`always_true`) and adds 0. Elsewhere the constants themselves:
+    XLA, e.g. ``always_true``) and adds 0. Elsewhere the constants themselves:
     XLA:GPU reads a loop's trip count back to the host."""
     constants = tuple(jnp.int32(v) for v in values)
     if len(constants) < 2 or not traced_for_cpu():

@@ -1,6 +1,6 @@
 """Precision policy: which dtype each stage of a (private) training step uses.
 
-A :class:`Policy` is a frozen value with seven dtype roles:
+A ``Policy`` is a frozen value with seven dtype roles:
 
 =========== ================================================================
 role        what it governs
@@ -16,7 +16,7 @@ noise       dtype Gaussian noise is drawn and added in         (>= float32)
 
 The last three carry the privacy guarantee. Below float32 they break it
 (bf16 noise takes ~128 distinct values; a bf16 sum of clipped gradients has a
-sensitivity ~2x the clip norm), so they raise :class:`PrecisionError` unless
+sensitivity ~2x the clip norm), so they raise ``PrecisionError`` unless
 the caller opts in with ``allow_unsafe=True``.
 
 The string form is ``"param=f32,compute=bf16,output=f32,grad=bf16,clip=f32,

@@ -1,9 +1,9 @@
 """The ``dpmp`` command: train, audit, compare, budget, report, export.
 
 One module per command (``train``, ``audit``, ``compare``, ``budget``,
-``report``, ``export``), each defining a :class:`~dpmp.app.cli.command.Command` that adds
+``report``, ``export``), each defining a ``Command`` that adds
 its options to its sub-parser and handles them; ``entry`` lists them and holds
-:func:`main` and the console script :func:`console`.
+``main`` and the console script ``console``.
 
 Errors in arguments, configs or data print one line naming the field and what
 is allowed, and exit with status 2 (no traceback). ``dpmp audit`` exits 1 when

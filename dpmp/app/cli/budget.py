@@ -1,6 +1,6 @@
 """``dpmp budget``: the epsilon a plan spends, or the noise multiplier for a target.
 
-Both go through :mod:`dpmp.accounting`, as a run's own accounting does: the
+Both go through ``dpmp.accounting``, as a run's own accounting does: the
 DP-SGD steps, a noised overflow count when one is released, and the residual
 of dpmp's snapped noise on ``--params`` coordinates.
 """

@@ -1,6 +1,6 @@
 """What every ``dpmp`` command is made of, and the options several share.
 
-A command is a :class:`Command`: its name and help, a function that adds its
+A command is a ``Command``: its name and help, a function that adds its
 options to its sub-parser, its handler, and the modules it needs. Adding a
 command is a new module that defines one and one line in
 ``dpmp.app.cli.entry.COMMANDS``.
@@ -45,7 +45,7 @@ class Command:
       description: the text ``dpmp NAME --help`` opens with.
       add_arguments: adds the command's options to its sub-parser.
       run: the handler, ``run(args) -> exit status``; it raises
-        :class:`UsageError` (or a ``ValueError`` naming the field) for a user
+        ``UsageError`` (or a ``ValueError`` naming the field) for a user
         error, printed as one line with status 2.
       imports: modules loaded before ``run`` with Ctrl-C held (see
         ``dpmp.app.cli.entry``): a native extension interrupted half-way through
@@ -144,7 +144,7 @@ def check_config_args(args: argparse.Namespace) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The :class:`dpmp.Config` that ``--config``, ``--set`` and ``--data`` describe."""
+    """The ``dpmp.Config`` that ``--config``, ``--set`` and ``--data`` describe."""
     from dpmp.app.config import load_config
 
     return load_config(args.config, _overrides(args))

@@ -1,7 +1,7 @@
 """``dpmp compare``: fp32, bf16 and fp16 side by side, private and not.
 
 Prints shapes, dtypes, compiled sizes and step times; no value computed from
-the data (see :mod:`dpmp.app.trainer.compare`).
+the data (see ``dpmp.app.trainer.compare``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The ``dpmp`` parser, :func:`main` and the console script :func:`console`.
+"""The ``dpmp`` parser, ``main`` and the console script ``console``.
 
 ``COMMANDS`` lists the commands in the order ``dpmp --help`` shows them; a new
-command is a module defining a :class:`~dpmp.app.cli.command.Command` and one
-line here. :func:`main` parses the arguments (importing nothing heavy, so that
+command is a module defining a ``Command`` and one
+line here. ``main`` parses the arguments (importing nothing heavy, so that
 ``--help`` is fast), loads what the command needs with Ctrl-C (and SIGTERM) held, runs it and
 turns its errors into one line and an exit status.
 """
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None, *, commands: Sequence[Command] = COMMAND
 
 
 def console() -> int:
-    """The ``dpmp`` console script: :func:`main`, leaving at once after Ctrl-C.
+    """The ``dpmp`` console script: ``main``, leaving at once after Ctrl-C.
 
     After an interrupt the run has already unwound (checkpoint saved, files
     closed, lock released), but XLA's compiler threads may still be at work, and

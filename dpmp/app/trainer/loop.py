@@ -277,7 +277,7 @@ def _train(
     init_params: Any,
     init_from: str | None,
 ) -> dict[str, Any]:
-    """:func:`train` once the run directory is locked (arguments as there;
+    """``train`` once the run directory is locked (arguments as there;
     ``init_from``: where ``init_params`` came from, as the report says it)."""
     started = time.perf_counter()
     progress = progress and is_primary()  # one progress bar for a run of several processes

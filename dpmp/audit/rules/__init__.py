@@ -1,8 +1,8 @@
 """Rules of the precision audit, one module per primitive family.
 
-The walker (:mod:`dpmp.audit._jaxpr`) looks each equation's primitive up in
-:data:`RULES`; :mod:`dpmp.audit.rules._registry` says what the stages of a
-:class:`Rule` do and in which order they run. Each family module registers
+The walker (``dpmp.audit._jaxpr``) looks each equation's primitive up in
+``RULES``; ``dpmp.audit.rules._registry`` says what the stages of a
+``Rule`` do and in which order they run. Each family module registers
 its rules when imported:
 
 ================ ============================================================
@@ -19,7 +19,7 @@ _collectives     psum and the other cross-device sums
 _control_flow    scan, while, cond
 ================ ============================================================
 
-A new rule is a new module here that calls :func:`register`, and its import
+A new rule is a new module here that calls ``register``, and its import
 line below.
 """
 

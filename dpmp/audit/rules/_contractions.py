@@ -4,7 +4,7 @@ Each maps the example axes of both operands to the output, and reports a sum
 over examples when it contracts an axis that indexes examples (the walker then
 records a ``batch_reduction`` site, with ``preferred_element_type`` as the
 accumulation dtype). A ``dot_general`` of a gradient with itself is a sum of
-squares (see :mod:`dpmp.audit.rules._norms`).
+squares (see ``dpmp.audit.rules._norms``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A value computed from random bits or a PRNG key is ``RNG``. A Gaussian draw is
 a ``noise_sample`` site, checked against ``policy.noise``, and its output is
 ``NOISE``. Two draws are recognised: ``erf_inv`` of random bits (what
 ``jax.random.normal`` lowers to), and the call of a noise sampler of dpmp's
-own that draws without ``erf_inv`` (:func:`sampler_drawn_by`).
+own that draws without ``erf_inv`` (``sampler_drawn_by``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The table of primitive rules and the record a rule works on.
 
-The walker (:class:`dpmp.audit._jaxpr.Walker`) takes each equation of a jaxpr
-and looks its primitive's name up in :data:`RULES`. A :class:`Rule` is a set of
+The walker (``dpmp.audit._jaxpr.Walker``) takes each equation of a jaxpr
+and looks its primitive's name up in ``RULES``. A ``Rule`` is a set of
 optional stages; the walker runs them in this order, and a stage that returns
 output values ends the equation:
 
@@ -13,7 +13,7 @@ walk       an equation holding sub-jaxprs (``scan``, ``while``, ``cond``):
            (``walk(step) -> list[Value]``)
 axes       where the output's example axes are, and whether the equation
            sums over examples (``axes(eqn, ins) -> (frozenset, bool)``;
-           default :func:`dpmp.audit._axes.elementwise`)
+           default ``dpmp.audit._axes.elementwise``)
 source     randomness: random bits, Gaussian draws (``source(step) -> None``)
 norm       the norm lineage: squares of a gradient, their sum, its root, the
            clip factor applied to the gradient (``norm(step) -> outs | None``)
@@ -25,8 +25,8 @@ gradient   sites on gradients: noise addition, the parameter update, casts
 ========== ==================================================================
 
 Between the stages the walker applies what holds for every primitive (see
-:meth:`dpmp.audit._jaxpr.Walker.primitive`). A new rule is a new module in
-this package that calls :func:`register`, and one import line in
+``dpmp.audit._jaxpr.Walker.primitive``). A new rule is a new module in
+this package that calls ``register``, and one import line in
 ``dpmp/audit/rules/__init__.py``.
 """
 
@@ -71,8 +71,8 @@ class Step:
       site: ``loc`` followed by `` @ file:line`` of the user code, where known.
       in_transpose: the equation belongs to a backward pass.
       flags, bax, reduces_examples, sq, src: the output's value under
-        construction (filled by :meth:`begin` for primitives; see
-        :class:`dpmp.audit._values.Value`).
+        construction (filled by ``begin`` for primitives; see
+        ``dpmp.audit._values.Value``).
       name, in_dtypes, out_dtype, out_float: of the equation.
     """
 

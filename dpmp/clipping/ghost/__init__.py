@@ -24,8 +24,8 @@ the second route; wide dense layers and embeddings the first.
 
 The package, bottom to top:
 
-* ``_rule``: the extension point, one :class:`GhostRule` per layer family,
-  registered by primitive name (:func:`register_rule`);
+* ``_rule``: the extension point, one ``GhostRule`` per layer family,
+  registered by primitive name (``register_rule``);
 * ``_gram``: certified ghost norms (the Gram form with a bound on its
   rounding, the floor against cancellation);
 * the families: ``_dense`` (``dot_general``: dense layers, attention, einsum),
@@ -35,9 +35,9 @@ The package, bottom to top:
   the layer's rule sees the slice as the parameter, its sum is padded back;
 * ``_tied``: a table tied between an embedding and an output projection
   (GPT-2's ``wte``): both layers' norms and their cross term, certified;
-* ``_plan``: the walker that finds each parameter's layer (:func:`plan_ghost`);
+* ``_plan``: the walker that finds each parameter's layer (``plan_ghost``);
 * ``_layers``: the per-example forward pass with its layers tapped;
-* ``_clipped_sum``: the driver, :func:`ghost_clipped_sum`.
+* ``_clipped_sum``: the driver, ``ghost_clipped_sum``.
 
 Precision. The forward pass and the output gradients stay in the compute
 dtype; the activations and output gradients are cast to the clip dtype and
@@ -48,18 +48,18 @@ accumulated in ``sum_dtype`` (both float64 by default, see
 ``dpmp.private_grad``'s ``accumulation``), with ``Precision.HIGHEST`` (no TF32
 on GPUs). A float64 contraction of float32 values is within
 ``gamma_(B T) sum_i c_i sum_t |x_t| |g_t|`` of the exact sum, whatever order it
-adds in; :meth:`GhostPlan.sum_rounding` gives the ``T`` and the factor by which
+adds in; ``GhostPlan.sum_rounding`` gives the ``T`` and the factor by which
 ``sum_t |x_t| |g_t|`` may exceed the norm that clipped it, from which
 ``PrivateGradFn.sensitivity`` bounds the rounding of the whole sum.
 
 Certified norms. A per-example gradient that is formed (the vmap path, and
 every ``per-example`` layer here) is normed and summed from one tensor, and
 its sum of squares made an upper bound of the exact one
-(:func:`dpmp.clipping._rounding.certified_sum_of_squares`), so its clipped
+(``dpmp.clipping._rounding.certified_sum_of_squares``), so its clipped
 contribution is bounded by construction. A ghost norm is a formula instead,
 which can cancel over several tokens: each rule returns its value plus a
 bound on its rounding error, and the clip factor reads it with a floor
-against cancellation (:mod:`dpmp.clipping.ghost._gram`). The stats' norms are
+against cancellation (``dpmp.clipping.ghost._gram``). The stats' norms are
 these certified upper bounds.
 """
 

@@ -64,7 +64,7 @@ def ghost_clipped_sum(
     by default ``sum_dtype``, the others in ``sum_dtype``), per-example norms of
     the unscaled gradient (``clip_dtype``; their squares added up in ``norm_dtype``, by default the
     clip dtype), finiteness and float32 losses. A 64-bit ``sum_dtype`` or
-    ``norm_dtype`` is formed inside :func:`wide` only.
+    ``norm_dtype`` is formed inside ``wide`` only.
     """
     norm_dtype = clip_dtype if norm_dtype is None else norm_dtype
     out_dtype = sum_dtype if out_dtype is None else out_dtype
@@ -161,11 +161,11 @@ def _squared_norms(plan, acts, grads_out, p32, unscale, clip_dtype, norm_dtype):
 
     Per-example gradients (``example`` taps, and ``after`` taps, whose gradient is
     formed here and kept) are normed and summed from one tensor. Ghost norms carry
-    their rounding error (:func:`dpmp.clipping.ghost._gram.gram`) and a floor against
-    cancellation (:func:`cancellation_floor`): never below the exact norm of what is
+    their rounding error (``dpmp.clipping.ghost._gram.gram``) and a floor against
+    cancellation (``cancellation_floor``): never below the exact norm of what is
     summed. The layers' squared norms are added up in ``norm_dtype`` (float64 by
     default) and the total made an upper bound of its exact value
-    (:func:`certified_sum_of_squares`) before it is rounded to the clip dtype.
+    (``certified_sum_of_squares``) before it is rounded to the clip dtype.
     """
     formed = {}  # tap index -> that layer's per-example gradients, unscaled
     parts, terms, own = [], 0, {}  # own: tied tap index -> its (sq, m), unfloored
@@ -230,7 +230,7 @@ def _tap_sq_norm(plan, k, stored, a, g, p, unscale, formed, clip_dtype, norm_dty
 
 def _reads_half(tap: Tap, a, g, clip_dtype) -> bool:
     """Whether the ghost rule of ``tap`` reads its stored operands in their half dtype
-    (:mod:`dpmp.clipping.ghost._operands`), the loss scale still inside ``g``."""
+    (``dpmp.clipping.ghost._operands``), the loss scale still inside ``g``."""
     if not tap.rule.half_operands:
         return False
     return half_operands(a.dtype, g.dtype, clip_dtype) is not None
@@ -241,7 +241,7 @@ class _Reads:
     """What the clipped sums read: the values the norms were taken from, and the factors.
 
     ``acts``, ``grads``, ``params``: per tap, the stored operand (clip dtype), the
-    cotangent (scaled) and the parameter leaf's view (clip dtype, :func:`view`); ``formed``: per
+    cotangent (scaled) and the parameter leaf's view (clip dtype, ``view``); ``formed``: per
     ``after`` tap, its per-example gradients; ``factor``, ``keep``: per example.
     """
 
@@ -283,7 +283,7 @@ def _clipped_sums(reads: _Reads, n_leaves: int, sum_dtype, out_dtype) -> list[An
     copies). Per-example gradients (``example`` and ``after`` taps) likewise:
     ``where(kept, g)`` and one contraction with the weights as a vector, or, summed
     wider than they are (float64), one fused reduction of ``where(kept, c * g)``
-    (:func:`weighted_kept_sum`). (Weighted inside a ``cond`` that zero-filled
+    (``weighted_kept_sum``). (Weighted inside a ``cond`` that zero-filled
     only when some squared norm was not finite, every such layer's code was in
     the program twice: the private LoRA step, whose adapters are all such
     layers, compiled 2.4x longer than its non-private step, 1.3x without.)
@@ -291,7 +291,7 @@ def _clipped_sums(reads: _Reads, n_leaves: int, sum_dtype, out_dtype) -> list[An
     Order. Layers are summed from the output back to the input (in the plan's
     equation order: a bias after its kernel's product comes first, so the
     kernel's contraction is the last reader of g_i), and each layer's sum reads
-    the one summed just before it (:func:`dpmp.clipping._weighted.after`, a
+    the one summed just before it (``dpmp.clipping._weighted.after``, a
     dependency that changes no value). That makes XLA free each layer's x_i and
     g_i as soon as its own sum is done; left to itself, XLA:CPU schedules the sums
     input-first and keeps every layer's values until the last one (float32 MLP:
@@ -322,7 +322,7 @@ def _clipped_sums(reads: _Reads, n_leaves: int, sum_dtype, out_dtype) -> list[An
 
 def _tied_sum(reads: _Reads, tie, before, sum_dtype, out_dtype):
     """The clip-weighted sum of a tied table whose head takes the Gram form
-    (:func:`dpmp.clipping.ghost._tied.tied_clipped_sum`)."""
+    (``dpmp.clipping.ghost._tied.tied_clipped_sum``)."""
     plan = reads.plan
     e, h = plan.taps[tie.embedding], plan.taps[tie.head]
     return tied_clipped_sum(
@@ -342,7 +342,7 @@ def _tied_sum(reads: _Reads, tie, before, sum_dtype, out_dtype):
 
 
 def _layer_sum(reads: _Reads, k: int, before, sum_dtype, out_dtype):
-    """The clip-weighted sum of tap ``k``'s parameter leaf's view (see :func:`_clipped_sums`)."""
+    """The clip-weighted sum of tap ``k``'s parameter leaf's view (see ``_clipped_sums``)."""
     plan, tap = reads.plan, reads.plan.taps[k]
     g, a, p = reads.grads[k], reads.acts[k], reads.params[k]
     if tap.mode == "ghost" and tap.rule.clipped_sum is not None:

@@ -1,9 +1,9 @@
 """Convolution kernels: a parameter as the kernel of a ``conv_general_dilated``.
 
 A kernel's per-example gradient is ``patches_i^T g_i``, so its norm is the
-dense Gram form on image patches (:meth:`ConvRule.sq_norms`). Most kernels are
+dense Gram form on image patches (``ConvRule.sq_norms``). Most kernels are
 cheaper per example than their patches, and form their gradient instead, one
-contraction per kernel offset (:meth:`ConvRule.operand_grad`). Grouped
+contraction per kernel offset (``ConvRule.operand_grad``). Grouped
 convolutions form theirs through the vjp of the layer.
 """
 

@@ -9,10 +9,10 @@ learners", the Gram form for sequences):
 
 * flat input (one token):  ``||x_i^T g_i||^2 = ||x_i||^2 ||g_i||^2``;
 * T tokens:                ``||X_i^T G_i||_F^2 = <X_i X_i^T, G_i G_i^T>`` (two
-  T x T Gram matrices, :func:`dpmp.clipping.ghost._gram.gram`).
+  T x T Gram matrices, ``dpmp.clipping.ghost._gram.gram``).
 
 The clipped sum ``sum_i c_i x_i^T g_i`` is then one contraction over the batch
-and the tokens (:meth:`DenseRule.clipped_sum`), from the very values the norms
+and the tokens (``DenseRule.clipped_sum``), from the very values the norms
 were taken from. A ``dot_general`` with batch dimensions, or a parameter that
 reaches it through a non-bijective layout op (a broadcast), forms its
 per-example gradient instead.
@@ -74,14 +74,14 @@ class DenseRule:
         return gram_magnitude_ratio(*_tkn(eqn, pos), dtype, ops)
 
     def sq_norms(self, eqn, pos, a, g, dtype, wide_dtype):
-        """Per example, certified ``||x_i^T g_i||^2`` and ``sum_t |x_t| |g_t|`` (:func:`gram`)."""
+        """Per example, certified ``||x_i^T g_i||^2`` and ``sum_t |x_t| |g_t|`` (``gram``)."""
         return jax.vmap(lambda a_, g_: gram(*dot_operands(eqn, pos, a_, g_), dtype, wide_dtype))(
             a, g
         )
 
     def operand_grad(self, eqn, pos, a, g, dtype):
         """One example's gradient of the parameter operand: ``A^T G`` as one
-        contraction over the tokens of A [T, K], G [T, N] (:func:`dot_operands`).
+        contraction over the tokens of A [T, K], G [T, N] (``dot_operands``).
 
         The vjp of the layer gives the same sum, but on the example's own shapes
         (``[1, T, K]`` for a flax layer): under ``vmap`` XLA:CPU then copies one
@@ -108,7 +108,7 @@ class DenseRule:
         exact one. The float64 operands and result cannot be written in place, so the
         output's columns are taken in blocks of at most ``max(B T, 128)``, each
         rounded to ``out_dtype`` as soon as it is done and the next one started only
-        then (:func:`after`): the float64 result of one block, not of the layer, is
+        then (``after``): the float64 result of one block, not of the layer, is
         held at a time (float32 MLP of benchmarks/clipping.py, 784-1024-1024-1024-10
         at batch 256: 10,516,240 B of compiled temp memory unblocked).
         """
@@ -140,11 +140,11 @@ def in_blocks(out, n: int, rows: int, block, axis: int, before, keep):
     wide sum over ``rows`` (examples x tokens) that holds one block at a time: blocks
     of at most ``max(rows, 128)`` entries, ``block(lo, size, done)`` giving the
     ``size`` entries from ``lo`` on from the one done just before it (``before`` for
-    the first, read through :func:`after`), so that each is started only once the one
+    the first, read through ``after``), so that each is started only once the one
     before is done.
 
     ``block`` gets ``lo`` as an int32 scalar that XLA cannot fold (on XLA:CPU, read
-    from ``keep``: :func:`dpmp.precision._opaque.opaque_ints`), so that the blocks'
+    from ``keep``: ``dpmp.precision._opaque.opaque_ints``), so that the blocks'
     weightings of one size are one kernel, not one per block: GPT-2 small's private
     full fine-tuning step (12 transformer blocks whose four dense layers take 9, 3,
     12 and 3 blocks of columns, and the tied table's 197 blocks of rows) compiled
@@ -175,8 +175,8 @@ def weighted_columns(gm, lo, size: int, factor, keep, dtype):
 
 
 def _blocked_sum(eqn, pos, a, g, factor, keep, before, dtype, out_dtype):
-    """:meth:`DenseRule.clipped_sum` accumulated in a wider ``dtype``, a block of the
-    output's columns at a time (:func:`in_blocks`), as ``[K, N]`` in ``out_dtype``."""
+    """``DenseRule.clipped_sum`` accumulated in a wider ``dtype``, a block of the
+    output's columns at a time (``in_blocks``), as ``[K, N]`` in ``out_dtype``."""
     am, gm = jax.vmap(lambda a_, g_: dot_operands(eqn, pos, a_, g_))(a, g)
     bt, k, n = am.shape[0] * am.shape[1], am.shape[-1], gm.shape[-1]
     x = kept_rows(am.astype(dtype), after(keep, before)).reshape(bt, k)
@@ -217,7 +217,7 @@ def dot_operands(eqn, pos, a, g):
 
 def kn_to_operand(eqn, pos, kn):
     """A dense layer's gradient as ``[K, N]`` -> laid out as its parameter operand W'
-    (contracting dims cw, then its free dims, as :func:`dot_operands` orders them)."""
+    (contracting dims cw, then its free dims, as ``dot_operands`` orders them)."""
     (lc, rc), _ = eqn.params["dimension_numbers"]
     cw = tuple(lc if pos == 0 else rc)
     w_shape = eqn.invars[pos].aval.shape

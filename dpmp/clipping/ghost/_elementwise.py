@@ -3,7 +3,7 @@
 Their per-example gradients are as small as the parameter (a bias of a dense
 layer is N numbers against its T N output gradient), so no ghost norm is
 kept: each is formed inside the backward pass and normed like any other
-(:class:`dpmp.clipping.ghost._rule.PerExampleRule`). Layer norm and RMS norm
+(``dpmp.clipping.ghost._rule.PerExampleRule``). Layer norm and RMS norm
 scales and offsets take these rules.
 """
 

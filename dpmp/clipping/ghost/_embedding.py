@@ -2,7 +2,7 @@
 
 One example's gradient of the table has row ``r`` equal to ``sum_{t: id_t = r}
 g_t``; its squared norm is ``sum_{t,s} [id_t = id_s] <g_t, g_s>``
-(:meth:`EmbeddingRule.sq_norms`), from the ids and the output gradients alone.
+(``EmbeddingRule.sq_norms``), from the ids and the output gradients alone.
 Any other gather of a parameter forms its per-example gradient.
 """
 
@@ -50,7 +50,7 @@ class EmbeddingRule:
         g_D)(1 - g_2T)) (1 - u)^4``), the table form through a scatter-add of T rows
         and a sum of V D squares in the wide dtype (``(1 - g_T) sqrt(1 - g'_{V D})
         (1 - u)^3``; ``g'`` in ``wide_dtype``). Half output gradients
-        (:mod:`dpmp.clipping.ghost._operands`): ``g_D`` at their accumulation's
+        (``dpmp.clipping.ghost._operands``): ``g_D`` at their accumulation's
         roundoff, and ``(1 - u)^2`` more for the division by the loss scale."""
         u = unit_roundoff(dtype)
         vocab, dim = eqn.invars[0].aval.shape
@@ -89,7 +89,7 @@ def _sq_norm_embed(eqn, idx, g, dtype, wide_dtype):
 
     The gradient's row ``r`` is ``sum_{t: id_t = r} g_t``. Few tokens: the Gram form
     ``sum_{t,s} [id_t = id_s] <g_t, g_s>``, which cancels like the dense one and is
-    bounded the same way (:func:`dpmp.clipping.ghost._gram.gram`; the id mask is
+    bounded the same way (``dpmp.clipping.ghost._gram.gram``; the id mask is
     exact). Many tokens: the rows themselves, each a sum of at most T vectors, so
     ``||R - R^||_F <= gamma_T ||R_abs||_F`` with ``R_abs`` the rows of ``|g_t|``. The
     magnitude ``m`` is ``||R_abs||_F`` (or its Gram bound ``sum [id_t = id_s] |g_t|

@@ -6,9 +6,9 @@ activations and output gradients ``(h, -h, e)`` the Gram terms are ``|x|^2
 |h|^2`` while the norm is ``|x| |e|``, and float32 rounding of the large terms
 can leave an estimate far below the norm, or negative (NaN after the square
 root). So each ghost rule returns its computed value PLUS a bound on its
-rounding error (Higham's ``gamma_n`` bounds, see :func:`gram`), never below the
+rounding error (Higham's ``gamma_n`` bounds, see ``gram``), never below the
 exact squared norm; and the clip factor takes each ghost layer's norm as at
-least ``sum_t |x_t| |g_t| / 64`` (:func:`cancellation_floor`), which keeps the
+least ``sum_t |x_t| |g_t| / 64`` (``cancellation_floor``), which keeps the
 rounding of the clip-weighted contraction of a cancelling example below ``64 u
 C``. A negative or NaN value counts as overflow: the example is dropped and
 counted. On ordinary examples the bound adds about ``(K + N + T^2) u`` relative
@@ -55,13 +55,13 @@ _MAX_GAMMA = 0.05
 def gamma(n: int, dtype, operands=None) -> float:
     """Higham's ``gamma_n = n u / (1 - n u)`` for the unit roundoff ``u`` of ``dtype``
     (of a contraction of half-precision ``operands`` accumulated in ``dtype``:
-    :func:`dpmp.clipping.ghost._operands.accumulation_roundoff`).
+    ``dpmp.clipping.ghost._operands.accumulation_roundoff``).
 
     A dot product of length ``n`` computed in floating point, summed in any
     order, is within ``gamma_n |x|.|y|`` of the exact one (Higham 2002,
     "Accuracy and Stability of Numerical Algorithms", Eq. 3.5). Capped at 1 when
     ``n u >= 1/2``, which only an unsafe (below float32) clip dtype reaches: the
-    plan keeps float32 bounds below 5% (:func:`gram_mode`, :func:`gram_operands`).
+    plan keeps float32 bounds below 5% (``gram_mode``, ``gram_operands``).
     """
     nu = n * accumulation_roundoff(operands, dtype)
     return nu / (1 - nu) if nu < 0.5 else 1.0
@@ -72,13 +72,13 @@ def gram(am, gm, dtype, wide_dtype):
 
     One token: ``||a||^2 ||g||^2``, a product of two sums of squares (no
     cancellation), each accumulated in ``wide_dtype`` and made an upper bound
-    (:func:`certified_sum_of_squares`); ``m`` is then the norm itself. Several tokens: the Gram
+    (``certified_sum_of_squares``); ``m`` is then the norm itself. Several tokens: the Gram
     form ``S = <A A^T, G G^T> = sum_{t,s} P_ts Q_ts`` mixes signs and can cancel
     (equal ``a_t`` with ``g = (h, -h, e)`` has ``S = |a|^2 |e|^2`` from terms of size
     ``|a|^2 |h|^2``), so the computed ``S^`` comes with a bound on its error and
     ``S^ + bound`` is returned, never below the exact ``S``. With ``P^, Q^`` the
     computed Gram matrices, ``|P^_ts - P_ts| <= gamma_K |a_t| |a_s|`` and
-    ``|Q^_ts - Q_ts| <= gamma_N |g_t| |g_s|`` (:func:`gamma`), so::
+    ``|Q^_ts - Q_ts| <= gamma_N |g_t| |g_s|`` (``gamma``), so::
 
         |S - S^| <= gamma_K  sum_ts |a_t||a_s| |Q^_ts|       (errors of P)
                   + gamma_N  sum_ts |g_t||g_s| |P^_ts|       (errors of Q)
@@ -98,7 +98,7 @@ def gram(am, gm, dtype, wide_dtype):
     ``am``, ``gm`` may be in one half-precision dtype (the stored values): the Gram
     matrices then read them as they are, accumulated in ``dtype``, and ``gamma_K``,
     ``gamma_N`` take the unit roundoff of that accumulation (``2^-22``,
-    :mod:`dpmp.clipping.ghost._operands`), unless :func:`gram_operands` finds the
+    ``dpmp.clipping.ghost._operands``), unless ``gram_operands`` finds the
     bound too loose for it and they are read in ``dtype``. The other terms are
     float32 sums of float32 values, bounded as before.
     """
@@ -162,7 +162,7 @@ def gram_mode(t: int, k: int, n: int) -> str:
     mixed ghost clipping): the ghost norm stores T (K + N) numbers per example
     and its Gram form costs about T^2 (K + N), the per-example gradient K N and T
     K N. A layer on so many tokens that the Gram form's rounding bound
-    (:func:`gram`) would exceed 5% forms its per-example gradient too.
+    (``gram``) would exceed 5% forms its per-example gradient too.
     """
     if (t * t + k + n + 1) * _U32 > _MAX_GAMMA:  # the Gram bound would be too loose
         return "example"
@@ -170,9 +170,9 @@ def gram_mode(t: int, k: int, n: int) -> str:
 
 
 def gram_operands(t: int, k: int, n: int, operands, dtype):
-    """The dtype :func:`gram` reads A [T, K] and G [T, N] in, given in ``operands``:
+    """The dtype ``gram`` reads A [T, K] and G [T, N] in, given in ``operands``:
     those where the Gram bound at the half-operand roundoff stays within 5% (as
-    :func:`gram_mode` asks of float32), else ``dtype``. One token reads no
+    ``gram_mode`` asks of float32), else ``dtype``. One token reads no
     contraction: its operands stay as given."""
     if jnp.dtype(operands) == jnp.dtype(dtype) or t == 1:
         return jnp.dtype(operands)
@@ -182,12 +182,12 @@ def gram_operands(t: int, k: int, n: int, operands, dtype):
 
 
 def gram_magnitude_ratio(t: int, k: int, n: int, dtype, operands=None) -> float:
-    """``lambda`` of :func:`gram`'s magnitude: ``|x_t|``, ``|g_t|`` are square roots of
+    """``lambda`` of ``gram``'s magnitude: ``|x_t|``, ``|g_t|`` are square roots of
     dot products of length K and N, their products summed over T rows, so
     ``lambda = sqrt((1 - g_K)(1 - g_N)) (1 - g_T) (1 - u)^4`` (``g_n``:
-    :func:`higham_gamma` in ``dtype``, ``g_K`` and ``g_N`` at the roundoff of the
+    ``higham_gamma`` in ``dtype``, ``g_K`` and ``g_N`` at the roundoff of the
     Gram matrices' ``operands``; 0 where no bound exists). Half ``operands``
-    (:mod:`dpmp.clipping.ghost._operands`) add ``(1 - u)^2`` for the division by
+    (``dpmp.clipping.ghost._operands``) add ``(1 - u)^2`` for the division by
     the loss scale."""
     u = unit_roundoff(dtype)
     ratio = keep(t, dtype) * (1 - u) ** 4
@@ -199,7 +199,7 @@ def gram_magnitude_ratio(t: int, k: int, n: int, dtype, operands=None) -> float:
 
 
 def keep(n: int, dtype, u: float | None = None) -> float:
-    """``1 - gamma_n`` (:func:`higham_gamma`; at the unit roundoff ``u`` where given),
+    """``1 - gamma_n`` (``higham_gamma``; at the unit roundoff ``u`` where given),
     or 0 where no bound exists."""
     if u is None:
         return max(0.0, 1.0 - higham_gamma(n, dtype))

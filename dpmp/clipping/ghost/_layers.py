@@ -2,12 +2,12 @@
 
 Each ghost layer gets a zero "perturbation" added to its output, each other
 layer a zero per-example "perturbation" whose cotangent its backward defines
-as the per-example parameter gradient (a ``custom_vjp``, :func:`example_layer`);
+as the per-example parameter gradient (a ``custom_vjp``, ``example_layer``);
 the gradient of the summed, loss-scaled per-example losses with respect to the
 perturbations is ``g_i`` or the layer's per-example gradient for every layer
 and example, from one backward pass that computes no batch parameter
 gradients. The other equations are re-emitted by
-:func:`dpmp.clipping._replay.replay_bind`, which keeps the batch axis of 1 out
+``dpmp.clipping._replay.replay_bind``, which keeps the batch axis of 1 out
 of reductions (XLA:CPU runs those 15-20x slower).
 """
 
@@ -31,7 +31,7 @@ def forward(plan: GhostPlan, perturb, leaves, layers):
     """One example: the loss and, per ghost tap, the activation operand.
 
     Ghost taps get ``perturb[k]`` added to their output; per-example taps are
-    computed by ``layers[k]`` (see :func:`example_layer`), which gives the
+    computed by ``layers[k]`` (see ``example_layer``), which gives the
     layer's own gradient as the cotangent of ``perturb[k]``.
     """
     jaxpr = plan.jaxpr.jaxpr
@@ -55,7 +55,7 @@ def forward(plan: GhostPlan, perturb, leaves, layers):
 
 def example_layer(plan: GhostPlan, tap: Tap, dtype) -> Callable:
     """``layer(w, p, act, delta)``: the tap's output; ``delta``'s cotangent is the
-    gradient of ``p`` (the parameter leaf's view, :func:`view`) for this example, in
+    gradient of ``p`` (the parameter leaf's view, ``view``) for this example, in
     ``dtype``.
 
     The forward is the layer as traced (``w`` is the parameter as it reaches
@@ -63,7 +63,7 @@ def example_layer(plan: GhostPlan, tap: Tap, dtype) -> Callable:
     gradient and, in place of the parameter gradient, this example's own one,
     from ``x_i`` and ``g_i`` (loss scale still inside) cast to ``dtype`` with
     ``Precision.HIGHEST``, or read as they are where both are in one half dtype and
-    the rule has a contraction of its own (:func:`_example_grad`). Under ``vmap``
+    the rule has a contraction of its own (``_example_grad``). Under ``vmap``
     this is the batched per-example weight gradient that per-example clipping
     forms, for this one layer, inside the backward pass: neither ``x_i`` nor
     ``g_i`` outlives it.
@@ -96,12 +96,12 @@ def example_layer(plan: GhostPlan, tap: Tap, dtype) -> Callable:
 
 def view(plan: GhostPlan, tap: Tap, p):
     """The parameter leaf ``p`` as the tap's chain starts from: its static slice where
-    it is used through one (:mod:`dpmp.clipping.ghost._window`), else ``p``."""
+    it is used through one (``dpmp.clipping.ghost._window``), else ``p``."""
     return to_view(plan.jaxpr.jaxpr.eqns, tap.window, p)
 
 
 def replay_chain(plan: GhostPlan, tap: Tap, p):
-    """The layout ops from a parameter leaf's view (:func:`view`) to its layer, casts
+    """The layout ops from a parameter leaf's view (``view``) to its layer, casts
     skipped (``p``'s dtype stays)."""
     for i in tap.chain:
         e = plan.jaxpr.jaxpr.eqns[i]
@@ -138,7 +138,7 @@ def _example_grad(plan: GhostPlan, tap: Tap, dtype) -> Callable:
     operations from the leaf to the layer; any other layer's is the vjp of the
     layer itself. ``act`` and ``g`` come as stored: the rule's form reads them as
     they are where both are in one half dtype and the rule takes half operands
-    (:mod:`dpmp.clipping.ghost._operands`), the others cast them to ``dtype``.
+    (``dpmp.clipping.ghost._operands``), the others cast them to ``dtype``.
     """
     eqn = plan.eqn(tap)
     rule = tap.rule

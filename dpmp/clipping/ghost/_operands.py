@@ -21,8 +21,8 @@ cores", PeerJ Comput. Sci. 7:e330). Each of those ``k + 2`` truncations loses
 less than ``2^-23`` of the block's largest term, so a block adds at most ``(k +
 2) 2^-23`` of the sum of its terms' magnitudes: per product at most ``2^-22``
 for any ``k >= 2`` (``2^-24`` for an ordinary round-to-nearest sum). The bounds
-of :mod:`dpmp.clipping.ghost._gram` therefore take ``u = 2^-22``
-(:data:`HALF_ACCUMULATION_U`) for every accumulation of half-precision
+of ``dpmp.clipping.ghost._gram`` therefore take ``u = 2^-22``
+(``HALF_ACCUMULATION_U``) for every accumulation of half-precision
 operands, four times float32's unit roundoff; a float32 operand keeps ``u =
 2^-24`` and the contraction it enters is unchanged.
 
@@ -32,7 +32,7 @@ the contractions read float32 operands as before: measured side by side on 2
 CPU cores (benchmarks/ghost_operands.py, bf16 ghost step), half operands took
 1.02x (MLP), 1.13x (CNN, its per-example kernel gradients), 1.03x (ViT), 1.01x
 (guide ViT) and 0.94x (lm) the time, with compiled temporary memory within
-+7.5% and -3%. :func:`operands` overrides the choice for what is traced inside
++7.5% and -3%. ``operands`` overrides the choice for what is traced inside
 it.
 
 The larger ``u`` makes the certified norms of ordinary examples larger by about
@@ -41,12 +41,12 @@ The larger ``u`` makes the certified norms of ordinary examples larger by about
 
 A Gram bound grows like ``(T^2 + K + N) u`` on a cancelling example, so a
 layer whose half-operand bound would pass the 5% the plan allows reads
-float32 operands instead (:func:`dpmp.clipping.ghost._gram.gram_operands`).
+float32 operands instead (``dpmp.clipping.ghost._gram.gram_operands``).
 
 The output gradients stored in half precision still carry the loss scale
 ``S``; the clipped sum reads ``fl(g_t / S)`` (float32, the scale divided out
 first). A norm taken from the scaled ``g_t`` is unscaled afterwards with a bound
-on that elementwise rounding (:func:`unscaled_norms`).
+on that elementwise rounding (``unscaled_norms``).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def half_operands(act_dtype, out_dtype, dtype, *, anywhere: bool = False):
     Half where ``dtype`` (the clip dtype) is float32 and the layer's floating
     operands (its activation, unless integer ids, and its output gradient) are
     both in one half dtype (bf16 or fp16), on a device that reads them
-    (:func:`device_reads_half`), or on any with ``anywhere`` (for a bound that
+    (``device_reads_half``), or on any with ``anywhere`` (for a bound that
     must hold whichever was traced).
     """
     if not (anywhere or device_reads_half()) or jnp.dtype(dtype) != jnp.dtype(jnp.float32):
@@ -119,7 +119,7 @@ def half_operands(act_dtype, out_dtype, dtype, *, anywhere: bool = False):
 
 def accumulation_roundoff(operands, dtype) -> float:
     """The ``u`` that bounds a contraction of ``operands`` accumulated in ``dtype``:
-    ``dtype``'s own for operands in ``dtype`` (or ``None``), else :data:`HALF_ACCUMULATION_U`."""
+    ``dtype``'s own for operands in ``dtype`` (or ``None``), else ``HALF_ACCUMULATION_U``."""
     if operands is None or jnp.dtype(operands) == jnp.dtype(dtype):
         return unit_roundoff(dtype)
     return HALF_ACCUMULATION_U
@@ -157,7 +157,7 @@ def is_half(x) -> bool:
 
 
 def contract(x, y, dims, dtype):
-    """``lax.dot_general(x, y, dims)`` accumulated in ``dtype`` at :func:`dot_precision`."""
+    """``lax.dot_general(x, y, dims)`` accumulated in ``dtype`` at ``dot_precision``."""
     return lax.dot_general(
         x, y, dims, precision=dot_precision(x.dtype, dtype), preferred_element_type=dtype
     )

@@ -5,11 +5,11 @@ jaxpr for ONE example is traced and flattened (``jit`` calls inlined); each
 parameter leaf is followed through layout-only operations
 (``convert_element_type``, ``reshape``, ``broadcast_in_dim``, ``transpose``,
 ``squeeze``, ``expand_dims``, ``copy``) and static slices (its "window",
-:mod:`dpmp.clipping.ghost._window`: the layer sees a view of the parameter) to
+``dpmp.clipping.ghost._window``: the layer sees a view of the parameter) to
 the single equation that uses it, whose primitive names the rule of its layer
-family (:func:`dpmp.clipping.ghost._rule.rule_for`), or to the two layers of a table
+family (``dpmp.clipping.ghost._rule.rule_for``), or to the two layers of a table
 tied between an embedding and an output projection
-(:mod:`dpmp.clipping.ghost._tied`). A parameter used anywhere else —
+(``dpmp.clipping.ghost._tied``). A parameter used anywhere else —
 in two other places (shared weights), inside a ``scan``, a ``custom_jvp`` function,
 ``remat``, or by a primitive no rule takes — makes the model unsupported, and
 ``method="auto"`` falls back to per-example gradients: the norm is never
@@ -59,7 +59,7 @@ class Tap:
 
     The layer sees the leaf's "view": the leaf itself, or where ``window`` is not
     empty the static slice of it those equations take
-    (:mod:`dpmp.clipping.ghost._window`); every per-example quantity of the tap
+    (``dpmp.clipping.ghost._window``); every per-example quantity of the tap
     (gradients, norms, the clipped sum before it is padded back) is the view's.
 
     ``mode``: ``"ghost"`` (the norm from the stored ``x_i``, ``g_i`` by ``rule``),
@@ -87,10 +87,10 @@ class GhostPlan:
     Attributes:
       jaxpr: the flat per-example ``ClosedJaxpr`` (inputs: parameter leaves,
         other-argument leaves, example leaves; output: the float32 loss).
-      taps: one :class:`Tap` per used floating parameter leaf.
+      taps: one ``Tap`` per used floating parameter leaf.
       unused: indices of parameter leaves the loss does not use (zero gradient).
       ties: the leaves tied between an embedding and an output projection, each with
-        two taps whose norms add a cross term (:mod:`dpmp.clipping.ghost._tied`).
+        two taps whose norms add a cross term (``dpmp.clipping.ghost._tied``).
     """
 
     jaxpr: Any
@@ -116,7 +116,7 @@ class GhostPlan:
         to) can exceed the norm the clip factor used for that layer: 1 where the
         gradient is formed or the layer has one row, else ``64 / lambda`` with
         ``lambda`` the float32 rounding of the magnitude ``m``
-        (:func:`dpmp.clipping.ghost._gram.cancellation_floor`,
+        (``dpmp.clipping.ghost._gram.cancellation_floor``,
         ``GhostRule.magnitude_ratio``); ``inf`` when no bound exists.
         """
         rows, cancellation = 1, 1.0
@@ -149,7 +149,7 @@ def plan_ghost(example_loss: Callable, params, others, example) -> GhostPlan:
     """Trace ``example_loss(params, others, *example)`` for one example and find the layers.
 
     ``params``, ``others`` and ``example`` may be arrays or ``ShapeDtypeStruct``s
-    (``example`` without the batch axis). Raises :class:`Unsupported` naming
+    (``example`` without the batch axis). Raises ``Unsupported`` naming
     the first parameter leaf without a rule.
     """
     p_leaves = jax.tree.leaves(params)
@@ -175,7 +175,7 @@ def plan_ghost(example_loss: Callable, params, others, example) -> GhostPlan:
 
 def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[Tap], list[int], list[Tie]]:
     """Each parameter leaf followed to its layer, or to the two layers of a tied
-    embedding and output projection (:mod:`dpmp.clipping.ghost._tied`), or found unused."""
+    embedding and output projection (``dpmp.clipping.ghost._tied``), or found unused."""
     uses, outs = jaxpr_uses(jaxpr)
     param_vars = set(jaxpr.invars[:n_params])
     taps, unused, ties, claimed = [], [], [], {}

@@ -7,9 +7,9 @@ how that norm is taken from the layer's input ``x_i`` and output gradient
 ``g_i`` alone. Rules are looked up by the equation's primitive name.
 
 A family without a ghost norm (a bias, a norm scale) is a
-:class:`PerExampleRule`: its layer's per-example gradient is formed and normed
+``PerExampleRule``: its layer's per-example gradient is formed and normed
 like any other. A new family is one module with its rule and one
-:func:`register_rule` call in :mod:`dpmp.clipping.ghost`.
+``register_rule`` call in ``dpmp.clipping.ghost``.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class GhostRule(Protocol):
         out_dtype) -> array`` (laid out as operand ``pos``, in ``out_dtype``):
         ``sum_i factor_i`` (gradient from ``a_i``, ``g_i``), rows of examples not in
         ``keep`` adding exactly 0, read after ``before`` (see
-        :func:`dpmp.clipping._weighted.after`); or ``None``: the vjp of the layer,
+        ``dpmp.clipping._weighted.after``); or ``None``: the vjp of the layer,
         weighted, on zero-filled operands.
       half_operands: whether ``sq_norms``, ``operand_grad`` and ``clipped_sum`` read
         bf16/fp16 operands as they are (their bounds hold for such operands), so
@@ -81,7 +81,7 @@ class GhostRule(Protocol):
         """``(layer kind, ghost)``: the readable kind (``"dense"``), and whether the
         family's ghost norm holds for this layer (``bijective``: the parameter reaches
         it through layout operations that keep every entry once). Raises
-        :class:`Unsupported` naming ``path`` where no gradient can be formed."""
+        ``Unsupported`` naming ``path`` where no gradient can be formed."""
         ...
 
     def mode(self, eqn: Eqn, pos: int) -> str:
@@ -97,7 +97,7 @@ class GhostRule(Protocol):
 
     def magnitude_ratio(self, eqn: Eqn, pos: int, dtype, wide_dtype) -> float:
         """``lambda``: the computed magnitude ``m`` is at least ``lambda sum_t |x_t|
-        |g_t|`` (exact); see :meth:`dpmp.clipping.ghost.GhostPlan.sum_rounding`."""
+        |g_t|`` (exact); see ``dpmp.clipping.ghost.GhostPlan.sum_rounding``."""
         ...
 
     def sq_norms(self, eqn: Eqn, pos: int, a, g, dtype, wide_dtype) -> tuple[jax.Array, jax.Array]:
@@ -159,7 +159,7 @@ def register_rule(rule: GhostRule, *, replace: bool = False) -> GhostRule:
     """Make ``rule`` the one for each of its primitives; returns it.
 
     Raises ``ValueError`` when a primitive already has a rule, unless ``replace``,
-    and ``TypeError`` naming what ``rule`` lacks of :class:`GhostRule`.
+    and ``TypeError`` naming what ``rule`` lacks of ``GhostRule``.
     """
     missing = [m for m in _MEMBERS if not hasattr(rule, m)]
     if missing:

@@ -1,9 +1,9 @@
 """A parameter tied between an embedding and an output projection (GPT-2's ``wte``).
 
 Most published language models use one table ``W [V, D]`` twice: as the input
-embedding (``ids -> W[ids]``, :mod:`dpmp.clipping.ghost._embedding`) and as the
+embedding (``ids -> W[ids]``, ``dpmp.clipping.ghost._embedding``) and as the
 output projection (``logits = h W^T``, a dense layer,
-:mod:`dpmp.clipping.ghost._dense`). One example's gradient of ``W`` is then the
+``dpmp.clipping.ghost._dense``). One example's gradient of ``W`` is then the
 sum of the two layers' gradients, ``g = g_emb + g_head``, and its squared norm::
 
     ||g||^2 = ||g_emb||^2 + ||g_head||^2 + 2 <g_emb, g_head>
@@ -18,8 +18,8 @@ h``, so::
     <g_emb, g_head> = sum_{t, t'} G[t, id_t'] (h_t . dY_t') = sum(A * B)
 
 with ``A = h dY^T [T, T']`` and ``B[t, t'] = G[t, id_t']`` (a gather of ``G``'s
-columns at the ids, exact). :func:`cross_term` computes it with a bound on its
-rounding, derived as :func:`dpmp.clipping.ghost._gram.gram` derives the Gram
+columns at the ids, exact). ``cross_term`` computes it with a bound on its
+rounding, derived as ``dpmp.clipping.ghost._gram.gram`` derives the Gram
 form's: ``|A^_tt' - A_tt'| <= gamma_D |h_t| |dY_t'|``, and the sum is T row dot
 products of length T' then a sum of T (``gamma_{T + T'}``), so::
 
@@ -28,24 +28,24 @@ products of length T' then a sum of T (``gamma_{T + T'}``), so::
 doubled to cover the rounding of the bound itself and of the row norms. Where
 the dense rule forms the head's per-example gradient ``g_head`` instead (few
 tokens against ``D V``, or too many for a Gram bound,
-:func:`dpmp.clipping.ghost._gram.gram_mode`), :func:`formed_cross_term` reads
+``dpmp.clipping.ghost._gram.gram_mode``), ``formed_cross_term`` reads
 its rows at the ids: ``X = sum_t' dY_t' . g_head[id_t']``, within ``gamma_{D +
 T'} sum_t' |dY_t'| |g_head[id_t']|`` (doubled), and that layer's magnitude is
 its norm. The
 cross term can be negative and cancel the own terms (``g_head ~ -g_emb``), so
-:func:`tied_sq_norm` adds the bound, never subtracts it: the result is never
+``tied_sq_norm`` adds the bound, never subtracts it: the result is never
 below the exact ``||g||^2``. Its clip factor floors the norm at ``(m_emb +
-m_head) / 64`` (:func:`dpmp.clipping.ghost._gram.cancellation_floor`): both layers'
+m_head) / 64`` (``dpmp.clipping.ghost._gram.cancellation_floor``): both layers'
 clip-weighted contractions add into one leaf, and the rounding of each is
 proportional to its own magnitude, whatever the sum cancels.
 
-The tie is recognised in the plan (:func:`pair`) where one parameter leaf
+The tie is recognised in the plan (``pair``) where one parameter leaf
 reaches exactly two layers, one a ghost embedding lookup of ``W`` itself and
 the other a dense layer whose ghost norm holds, contracting ``W``'s second axis
 (``h @ W.T``, an einsum), each through casts, copies and transposes only; the
 dense layer keeps its rule's choice of mode. The leaf's clip-weighted sum is
 rounded to the output dtype once: with the head in the Gram form, both layers'
-contractions a block of table rows at a time (:func:`tied_clipped_sum`); with
+contractions a block of table rows at a time (``tied_clipped_sum``); with
 its gradient formed, both layers' sums in the accumulation dtype, added there.
 Every other double use keeps the plan's refusal.
 """
@@ -152,7 +152,7 @@ def cross_term(emb_eqn, head_eqn, head_pos, ids, dy, act, g, dtype):
 
 
 def formed_cross_term(emb_eqn, ids, dy, gh, dtype):
-    """Per example, ``(X^, E)`` as :func:`cross_term`, where the head's per-example
+    """Per example, ``(X^, E)`` as ``cross_term``, where the head's per-example
     gradient ``gh [V, D]`` (laid out as the table, unscaled, in ``dtype``) is formed:
     ``X = sum_t' dY_t' . gh[id_t']``, T' dot products of length D and a sum of T', so
     ``|X^ - X| <= gamma_{D + T'} sum_t' |dY_t'| |gh[id_t']|``, doubled."""
@@ -206,8 +206,8 @@ def tied_sq_norm(own_emb, own_head, cross, norm_dtype):
     """The squared norm of a tied leaf's gradient as the clip factor uses it.
 
     ``own_emb``, ``own_head``: ``(sq, m)`` of each layer (certified, unfloored);
-    ``cross``: ``(X^, E)`` of :func:`cross_term`. In ``norm_dtype`` (inside
-    :func:`dpmp.clipping._rounding.wide`): ``S = sq_e + sq_h + 2 X^ + 2 E``, never below
+    ``cross``: ``(X^, E)`` of ``cross_term``. In ``norm_dtype`` (inside
+    ``dpmp.clipping._rounding.wide``): ``S = sq_e + sq_h + 2 X^ + 2 E``, never below
     the exact ``||g_emb + g_head||^2``; its own rounding (four terms of either sign,
     then the bound added) is within ``gamma_4 (sq_e + sq_h + 2 |X^| + 2 E)``, added
     three times over. Floored at ``((m_e + m_h) / 64)^2``; negative or NaN stays NaN.
@@ -228,7 +228,7 @@ def tied_clipped_sum(
     ``out_dtype``, where the head takes the Gram form (its inputs ``act`` and output
     gradients ``g`` are stored). ``ids``, ``dy``: the embedding's indices and unscaled
     output gradients; rows of examples not in ``keep`` add exactly 0; read after
-    ``before`` (:func:`dpmp.clipping._weighted.after`).
+    ``before`` (``dpmp.clipping._weighted.after``).
 
     A block of at most ``max(B T, 128)`` table rows at a time: the head's
     contraction over examples and tokens for those rows (as the dense rule's

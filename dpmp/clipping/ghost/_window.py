@@ -10,7 +10,7 @@ the view's, and the clipped sum is the view's sum padded with zeros (the
 transpose of the slice, which adds nothing and rounds nothing). The plan
 therefore treats the view as the parameter: every rule norms and sums the view's
 gradient as it would a parameter of that shape, with the same bounds, and
-:func:`from_view` pads the sum back once per step.
+``from_view`` pads the sum back once per step.
 
 The window is the chain of equations from the parameter leaf to its last
 slice; every one of them must keep each entry at most once (layout operations
@@ -43,7 +43,7 @@ def split_window(eqns, chain, injective, path) -> tuple[tuple[int, ...], tuple[i
     """``(window, rest)``: ``chain`` (equation indices from a parameter leaf to its
     layer) cut after its last static slice; ``window`` is empty where it has none.
 
-    Raises :class:`Unsupported` naming ``path`` where an equation of the window
+    Raises ``Unsupported`` naming ``path`` where an equation of the window
     other than a slice is not in ``injective`` (the names of layout operations
     that keep every entry once).
     """
@@ -75,7 +75,7 @@ def view_shape(eqns, window, shape) -> tuple[int, ...]:
 
 def from_view(eqns, window, shape, grad):
     """A gradient of the view laid out as the leaf of ``shape``: zero outside the
-    window (the transpose of :func:`to_view`, exact)."""
+    window (the transpose of ``to_view``, exact)."""
     if not window:
         return grad
     _, pull = jax.vjp(lambda q: to_view(eqns, window, q), jnp.zeros(shape, grad.dtype))

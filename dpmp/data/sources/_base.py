@@ -16,9 +16,9 @@ defines it and registers it::
 
     register_source(MySource())
 
-Public text for non-private pre-training is a :class:`TextCorpus` registered
+Public text for non-private pre-training is a ``TextCorpus`` registered
 with ``register_public_text``; a corpus that also serves as private data is
-registered as a source through :class:`TextSource`.
+registered as a source through ``TextSource``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class SourceOptions:
 
 @runtime_checkable
 class DataSource(Protocol):
-    """A named way to load a :class:`Dataset`.
+    """A named way to load a ``Dataset``.
 
     Attributes:
       name: the name it is registered and configured by (``data.dataset``).

@@ -105,7 +105,7 @@ def build_model(
     architecture: Architecture | None = None,
 ) -> Model:
     """Builds the family registered as ``kind`` for data with ``data_info.input_shape``,
-    ``data_info.num_classes`` and ``data_info.task`` (a :class:`dpmp.Dataset` works).
+    ``data_info.num_classes`` and ``data_info.task`` (a ``dpmp.Dataset`` works).
 
     Raises:
       ValueError: no such family, or it does not fit the data (a language model

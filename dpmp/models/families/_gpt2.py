@@ -22,7 +22,7 @@ the ones LoRA adapts.
 The parameters are used in whatever dtype they hold (a bfloat16 checkpoint
 stays bfloat16) and cast to ``policy.compute`` for the forward pass; the
 LayerNorm statistics and the attention softmax are computed in float32.
-:mod:`dpmp.models._gpt2_checkpoint` reads and writes the checkpoint folders.
+``dpmp.models._gpt2_checkpoint`` reads and writes the checkpoint folders.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _record_losses(logits: jax.Array, batch: dict, pad_id: int | None):
 def gpt2_model(
     config: GPT2Config, policy: Policy | str = "f32", *, pad_id: int | None = None
 ) -> Model:
-    """The GPT-2 of ``config`` as a :class:`dpmp.models.Model`.
+    """The GPT-2 of ``config`` as a ``dpmp.models.Model``.
 
     ``init(key)`` draws fresh float32 parameters (``gpt2_init``); to start from a
     checkpoint, pass its parameters as ``init_params``. The batch is ``x``:
