@@ -174,14 +174,16 @@ def calibrate_noise_multiplier(
     found by doubling. With count or preprocessing releases, their noise is
     held fixed and only the gradient noise is calibrated.
 
+    The other arguments (``sampling_prob``, ``steps``, ``delta``,
+    ``accountant``, ``neighboring``, ``count_noise_stddev``, ``count_every``,
+    ``value_discretization_interval``, ``preprocessing_noise_multiplier``,
+    ``noised_coordinates``, ``noise_sampler``) are as in ``epsilon``; steps >=
+    1. With ``noised_coordinates`` the target covers the noise residual too:
+    the exact plan is calibrated to the target minus the residual, at the delta
+    the residual leaves.
+
     Args:
       target_epsilon: in (0, MAX_EPSILON].
-      sampling_prob, steps, delta, accountant, neighboring, count_noise_stddev,
-        count_every, value_discretization_interval,
-        preprocessing_noise_multiplier, noised_coordinates, noise_sampler: as in
-        ``epsilon``; steps >= 1. With ``noised_coordinates`` the target covers
-        the noise residual too: the exact plan is calibrated to the target
-        minus the residual, at the delta the residual leaves.
       rtol: relative tolerance on the noise multiplier.
 
     Returns:

@@ -171,8 +171,8 @@ def numeric_audit(
         clip_C(g_i)`` (e.g. ``lambda p, b: private_grad(p, b).grads`` or a
         jax-privacy ``clipped_grad``). It must clip per example, so that
         called on a batch of one it returns that example's clipped gradient.
-      params, batch: the inputs; ``batch`` is a pytree whose leaves have the
-        example axis first.
+      params: the parameters, ``sum_fn``'s first argument.
+      batch: a pytree whose leaves have the example axis first.
       l2_clip_norm: the clip norm ``C``.
       policy: used for the clip tolerance (``4 eps`` of its clip dtype;
         default float32).

@@ -65,7 +65,10 @@ class PrivateDynamicLossScale:
         (sensitivity 1, so this is also the noise multiplier of the release).
       threshold: back off when the noised count exceeds this; defaults to
         ``3 * count_noise_stddev``.
-      period, factor, min_scale, max_scale: as in ``DynamicLossScale``.
+      period: as in ``DynamicLossScale``.
+      factor: as in ``DynamicLossScale``.
+      min_scale: as in ``DynamicLossScale``.
+      max_scale: as in ``DynamicLossScale``.
       counter: finite steps since the last change.
     """
 

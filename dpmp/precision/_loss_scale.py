@@ -201,7 +201,8 @@ class DynamicLossScale:
       counter: finite steps since the last change (int32), normally left at 0.
       period: finite steps before the scale grows by ``factor``.
       factor: growth and back-off factor.
-      min_scale, max_scale: clamps; ``adjust`` never leaves ``[min_scale, max_scale]``.
+      min_scale: lower clamp; ``adjust`` never leaves ``[min_scale, max_scale]``.
+      max_scale: upper clamp.
 
     ``period``, ``factor``, ``min_scale`` and ``max_scale`` are static: they
     are kept in the pytree's metadata and survive ``jit``, ``vmap`` and
