@@ -1,6 +1,8 @@
-"""The plots draw what was released: noised overflow counts below zero included."""
+"""The plots draw what was released (noised overflow counts below zero included), show
+something for every run, and are drawn again only when their public inputs change."""
 
 import json
+from pathlib import Path
 
 import matplotlib
 import numpy as np
@@ -35,7 +37,7 @@ def test_noised_overflow_counts_are_drawn_as_released_negative_ones_included():
     assert counts == released and steps == [r["step"] for r in records]
 
     fig = plots._precision_figure(plt, plots.plot_series(records), "t")
-    counts_ax = fig.axes[1]
+    counts_ax = fig.axes[2]
     (line,) = [ln for ln in counts_ax.get_lines() if ln.get_label() == "released noised count"]
     np.testing.assert_array_equal(line.get_ydata(), released)
     low, high = counts_ax.get_ylim()
@@ -72,7 +74,7 @@ def test_the_loss_scale_changes_where_the_history_says_and_every_count_is_drawn(
     assert steps == [1, 51, 101, 120] and scale == [1024.0, 2048.0, 4096.0, 4096.0]
     assert series["noised_overflow"] == (list(range(1, 121)), report["overflow"]["noised_counts"])
     fig = plots._precision_figure(plt, series, "t")
-    scale_ax, counts_ax = fig.axes
+    _, scale_ax, counts_ax = fig.axes
     drawn = scale_ax.get_lines()[0]
     assert list(drawn.get_xdata()) == steps  # a step plot from the changes' own steps
     (line,) = [ln for ln in counts_ax.get_lines() if ln.get_label() == "released noised count"]
@@ -88,3 +90,80 @@ def test_a_language_model_plots_perplexity(tmp_path):
     assert eps == [r["epsilon"] for r in records]
     np.testing.assert_allclose(ppl, np.exp([r["test_loss"] for r in records]))
     assert "test_perplexity" not in plots.plot_series(records, {"test_perplexity": None})
+
+
+def test_a_language_model_draws_loss_and_perplexity_on_separate_axes():
+    """Perplexity is exp(loss): on one panel with two y-axes they drew as one curve."""
+    import matplotlib.pyplot as plt
+
+    records = [dict(r, test_loss=2.0 - 0.1 * i) for i, r in enumerate(_records())]
+    series = plots.plot_series(records, {"test_perplexity": 3.0})
+    fig = plots._utility_figure(plt, series, "t")
+    drawn = {ax.get_ylabel(): ax.get_lines() for ax in fig.axes}
+    assert set(drawn) == {"test loss", "test perplexity"}
+    ((loss,), (ppl,)) = drawn["test loss"], drawn["test perplexity"]
+    np.testing.assert_allclose(ppl.get_ydata(), np.exp(loss.get_ydata()))
+    plt.close(fig)
+
+
+def test_a_constant_loss_scale_is_said_and_the_stages_dtypes_are_drawn():
+    """The default run (no loss scale, nothing released) drew a flat line over an empty
+    panel; now one panel of the policy's dtypes and a line saying what the scale did."""
+    import matplotlib.pyplot as plt
+
+    records = [{"step": s, "epsilon": 0.01 * s, "loss_scale": 1.0} for s in (10, 20, 30)]
+    report = {
+        "steps": 30,
+        "policy": "param=f32,compute=bf16,output=f32,grad=bf16,clip=f32,accumulate=f32,noise=f32",
+        "loss_scale": {"kind": "none", "history": [[1, 1.0]]},
+        "audit": {"ok": True, "counts": {"norm": 3, "noise_add": 1, "all_reduce": 0}},
+    }
+    fig = plots._precision_figure(plt, plots.plot_series(records, report), "t", report)
+    (ax,) = fig.axes
+    stages = [t.get_text() for t in ax.get_yticklabels()]
+    policy = dict(kv.split("=") for kv in report["policy"].split(","))
+    assert stages == list(policy)
+    bits = {"f32": 32, "bf16": 16}
+    assert [bar.get_width() for bar in ax.patches] == [bits[policy[s]] for s in stages]
+    assert "precision audit ok" in ax.get_xlabel() and "all_reduce" not in ax.get_xlabel()
+    (line,) = [t.get_text() for t in fig.texts]
+    assert "constant 1 for all 30 steps" in line and "no overflow count released" in line
+    plt.close(fig)
+    # a scale that changed is drawn against steps, below the dtypes
+    report["loss_scale"]["history"] = [[1, 1024.0], [21, 2048.0]]
+    fig = plots._precision_figure(plt, plots.plot_series(records, report), "t", report)
+    assert len(fig.axes) == 3 and list(fig.axes[1].get_lines()[0].get_ydata()) == [1024, 2048, 2048]
+    plt.close(fig)
+
+
+def test_plots_are_drawn_again_only_when_their_public_inputs_change(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    saved = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(
+        Figure,
+        "savefig",
+        lambda self, path, **kw: (saved.append(Path(path).name), savefig(self, path, **kw)),
+    )
+    lines = [json.dumps(r) for r in _records()]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines[:6]) + "\n")
+    paths = plots.plot_run(tmp_path)
+    assert saved == list(plots.PLOT_FILES) and plots.plots_current(tmp_path)
+    drawn = [p.read_bytes() for p in paths]
+    # unchanged inputs, and a private file that the plots never read: nothing drawn
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "diagnostics.json").write_text("{}")
+    assert plots.plot_run(tmp_path) == paths and len(saved) == 2
+    assert [p.read_bytes() for p in paths] == drawn
+    # more metrics: both drawn again, with the new digest
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert not plots.plots_current(tmp_path)
+    plots.plot_run(tmp_path)
+    assert len(saved) == 4 and plots.plots_current(tmp_path)
+    # a report written: the plots are stale; a plot deleted: both drawn again
+    (tmp_path / "report.json").write_text(json.dumps({"steps": 120}))
+    assert not plots.plots_current(tmp_path)
+    paths[1].unlink()
+    plots.plot_run(tmp_path)
+    assert len(saved) == 6 and plots.plots_current(tmp_path)

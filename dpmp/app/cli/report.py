@@ -47,24 +47,26 @@ def _read_report(run_dir: str) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dpmp.app.plots import plot_run
+    from dpmp.app.plots import plot_run, plots_current
 
     report = _read_report(args.run_dir)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     run = Path(args.run_dir)
-    plots, skipped = [], None
+    plots, skipped, note = [], None, ""
     if _read_only(run):  # a reader leaves a folder marked read-only as it is
         skipped = f"{run} is read-only: its plots were not rewritten"
     else:
+        # drawn only when one is missing or metrics.jsonl / report.json changed
+        note = " (up to date)" if plots_current(run) else ""
         try:
             plots = plot_run(run)  # its other errors come before any output
         except OSError as e:  # a folder this process may not write
             skipped = f"plots not rewritten: {e}"
     print(summary(report))
     for p in plots:
-        print(f"plot: {p}")
+        print(f"plot: {p}{note}")
     for line in inventory(run):
         print(line)
     if skipped:
@@ -81,8 +83,9 @@ def _read_only(run: Path) -> bool:
 COMMAND = Command(
     name="report",
     help="summary table and plots of a finished run",
-    description="Print a run's summary, (re)write its plots (not in a read-only run "
-    "directory) and say which of its files are safe to publish.",
+    description="Print a run's summary, draw its plots when they are missing or their "
+    "inputs changed (not in a read-only run directory) and say which of its files are "
+    "safe to publish.",
     add_arguments=_arguments,
     run=_run,
     imports=("dpmp.app.release", "dpmp.app.plots", "matplotlib"),
