@@ -8,7 +8,8 @@ A fenced block's language says how it is tested:
   ``examples/``;
 - ``bash``: the block runs in bash in such a folder, each ``dpmp train``
   shortened to two steps; a block of ``make`` lines is checked with
-  ``make -n`` (each target exists and expands);
+  ``make -n`` (each target exists and expands), a block of ``pip install``
+  lines against ``pyproject.toml`` (the project and the extras it names);
 - ``sh``: a shell template that cannot run on one machine (several hosts):
   each ``dpmp`` command in it is checked against that command's ``--help``;
 - ``text``: output, a synopsis or a figure: its ``dpmp`` command lines are
@@ -39,7 +40,6 @@ BIN = Path(sys.executable).parent
 
 # Pages whose python blocks take more than ~10 s (they train): the slow suite.
 SLOW_PYTHON = {
-    "README.md",  # one step: noise calibrated, ghost clipping compiled (15-40 s)
     "docs/quickstart.md",  # the same step (15-40 s)
     "docs/own-model.md",  # trains the default config through dpmp.train (~30 s)
     "docs/language-models.md",  # trains a tiny language model through dpmp.train (~15 s)
@@ -102,6 +102,8 @@ def test_the_readme_is_a_door():
 def _python_pages() -> list:
     params = []
     for page in PAGES:
+        if page.name == "README.md":  # tests/test_readme.py runs it and checks what it prints
+            continue
         code = [c for lang, c in _blocks(page) if lang == "python"]
         if code:
             marks = [pytest.mark.slow] if _name(page) in SLOW_PYTHON else []
@@ -150,6 +152,9 @@ def _commands(code: str) -> list[str]:
 @pytest.mark.parametrize(("page", "code"), _bash_cases())
 def test_bash_blocks_run(page, code, tmp_path):
     commands = _commands(code)
+    if all(c.startswith("pip install ") for c in commands):
+        _check_pip_installs(commands)
+        return
     if all(c.startswith("make ") for c in commands):
         for command in commands:
             target = shlex.split(command)[1]
@@ -168,6 +173,21 @@ def test_bash_blocks_run(page, code, tmp_path):
     assert out.returncode == 0, f"{_name(page)}:\n{script}\n{out.stderr[-4000:]}"
     for run_dir in re.findall(r"--out (\S+)", code):
         assert (tmp_path / run_dir / "report.json").is_file(), run_dir
+
+
+def _check_pip_installs(commands: list[str]) -> None:
+    """``pip install .`` or ``.[extra,...]`` (``-e`` allowed): this checkout's project, with
+    extras that its pyproject.toml declares."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for command in commands:
+        for arg in shlex.split(command)[2:]:
+            if arg == "-e":
+                continue
+            m = re.fullmatch(r"\.(?:\[([\w,-]+)\])?", arg)
+            assert m, f"`{command}`: installs {arg!r}, not this checkout"
+            extras = m.group(1).split(",") if m.group(1) else []
+            unknown = [e for e in extras if e not in project.get("optional-dependencies", {})]
+            assert not unknown, f"`{command}`: pyproject.toml has no extra {unknown}"
 
 
 # -- sh and text --------------------------------------------------------------------------------
