@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dpmp.noise import _key128 as key128
-from dpmp.noise._threefry import threefry2x32, threefry4x32
+from dpmp.noise._threefry import threefry2x32, threefry4x32, threefry4x32_rolled
 
 # Random123 (Salmon et al. 2011), tests/kat_vectors: rounds, counter, key, output.
 KAT_4X32 = [
@@ -74,6 +74,11 @@ def test_the_128_bit_key_derives_every_key_and_bit_by_its_definition():
     bits = np.asarray(jax.random.bits(key, (6,), jnp.uint32))
     want = np.concatenate([_np_block(data, j, key128.BITS) for j in range(2)])[:6]
     np.testing.assert_array_equal(bits, want)
+    # past ``ROLLED_MAX`` blocks the rounds are written out: the same definition
+    n = 4 * (key128.ROLLED_MAX + 3)
+    many = np.asarray(jax.random.bits(key, (n,), jnp.uint32)).reshape(-1, 4)
+    for j in (0, key128.ROLLED_MAX, n // 4 - 1):
+        np.testing.assert_array_equal(many[j], _np_block(data, j, key128.BITS))
     assert jax.random.key_impl(jax.random.split(key)[0]) == impl
     assert key128.is_key128(key) and not key128.is_key128(jax.random.key(0))
 
@@ -91,3 +96,21 @@ def test_the_128_bit_keys_normals_are_standard_normal():
     b8 = np.asarray(jax.random.bits(key, (100_000,), jnp.uint8))
     counts = np.bincount(b8, minlength=256)
     assert stats.chisquare(counts).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("rounds,counter,key,want", [v for v in KAT_4X32 if v[0] == 20])
+def test_the_rolled_threefry4x32_gives_the_known_answers(rounds, counter, key, want):
+    out = jax.jit(threefry4x32_rolled)(_words(key), _words(counter))
+    assert [f"{int(w[0]):08x}" for w in out] == want.split()
+
+
+def test_the_rolled_threefry4x32_is_the_written_out_one_bit_for_bit():
+    """On random keys (scalar, as a key's words) and counters of several shapes."""
+    rng = np.random.default_rng(4)
+    for shape in [(), (7,), (3, 64)]:
+        k = tuple(jnp.uint32(w) for w in rng.integers(0, 2**32, 4, dtype=np.uint32))
+        c = tuple(jnp.asarray(rng.integers(0, 2**32, shape, dtype=np.uint32)) for _ in range(4))
+        want = jax.jit(threefry4x32)(k, c)
+        got = jax.jit(threefry4x32_rolled)(k, c)
+        for a, b in zip(want, got, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

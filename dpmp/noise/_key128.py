@@ -26,7 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dpmp.noise._threefry import threefry4x32
+from dpmp.noise._threefry import threefry4x32, threefry4x32_rolled
 
 __all__ = ["NAME", "NOISE", "block", "is_key128", "key128_impl"]
 
@@ -34,12 +34,20 @@ NAME = "dpmp_threefry4x32"
 NOISE, SPLIT, FOLD, BITS = 0, 1, 2, 3
 
 
+# Up to this many blocks the rounds are a loop (a key's split, fold_in, a table of
+# leaf keys: compiled in a fraction of the written-out rounds' time); more (bits
+# for an array: ``jax.random.normal`` with such a key) are written out, fused
+# with what consumes them.
+ROLLED_MAX = 4096
+
+
 def block(key_data: jax.Array, index: jax.Array, tag: int) -> jax.Array:
     """The Threefry-4x32 blocks of counters ``(index, 0, 0, tag)`` under the key
     words ``key_data`` (uint32[4]); uint32 of ``index.shape + (4,)``."""
     index = jnp.asarray(index, jnp.uint32)
     zero = jnp.zeros_like(index)
-    words = threefry4x32(tuple(key_data[w] for w in range(4)), (index, zero, zero, zero + tag))
+    rounds = threefry4x32_rolled if index.size <= ROLLED_MAX else threefry4x32
+    words = rounds(tuple(key_data[w] for w in range(4)), (index, zero, zero, zero + tag))
     return jnp.stack(words, axis=-1)
 
 
