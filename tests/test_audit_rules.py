@@ -12,19 +12,17 @@ import pytest
 import dpmp
 from dpmp.audit import _source
 from dpmp.audit._values import GRAD, NOISE, RNG
-from dpmp.audit.rules import RULES, Rule, register, rule_for
+from dpmp.audit.rules import Rule, _registry, register, rule_for
 
 F32 = jnp.float32
 B = 8
 
 
 @pytest.fixture
-def rule_table():
-    """The rule table, restored after the test whatever it registered."""
-    saved = dict(RULES)
-    yield RULES
-    RULES.clear()
-    RULES.update(saved)
+def rule_table(monkeypatch):
+    """The rule table, restored after the test (the test registers in a copy)."""
+    monkeypatch.setattr(_registry, "RULES", _registry.RULES.copy())
+    return _registry.RULES
 
 
 def _loss(w, x):
@@ -86,6 +84,10 @@ def test_each_stage_of_a_primitive_is_registered_once(rule_table):
     assert rule_for("erf_inv").gradient is not None and rule_for("erf_inv").source is not None
     with pytest.raises(ValueError, match="unknown stage.*allowed: walk, axes"):
         register("tan", draw=_tan_draw)
+    # a registration that is refused for one primitive registers for none
+    with pytest.raises(ValueError, match="audit rule 'erf_inv': stage.*source.*already registered"):
+        register("tan", "erf_inv", source=_tan_draw)
+    assert rule_for("tan") == Rule() and "tan" not in rule_table
 
 
 def test_locations_come_from_the_public_source_info_api():

@@ -1,5 +1,7 @@
 """Ghost rules are registered per layer family: a new family is one rule and one
-registration, and ``private_grad(method="ghost")`` uses it."""
+registration, and ``private_grad(method="ghost")`` and ``dpmp train`` use it."""
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +27,8 @@ N, CLIP = 24, 0.5
 
 @pytest.fixture
 def registry(monkeypatch):
-    """The rule registry, restored after the test."""
-    monkeypatch.setattr(_rule, "_RULES", dict(_rule._RULES))
+    """The rule registry, restored after the test (the test registers in a copy)."""
+    monkeypatch.setattr(_rule, "RULES", _rule.RULES.copy())
     return _rule
 
 
@@ -153,12 +155,93 @@ def test_a_rule_lacking_what_the_driver_reads_is_refused(registry):
         primitives = ("exp",)
         described = "partial"
 
-    with pytest.raises(TypeError, match="lacks norm, operand_grad, clipped_sum, half_operands"):
+    with pytest.raises(
+        TypeError, match="ghost rule: Partial lacks norm, operand_grad, clipped_sum, half_operands"
+    ):
         registry.register_rule(Partial())
+    assert registry.rule_for("exp") is None
 
 
 def test_the_built_in_families_are_registered():
+    """Each layer family is one rule under each of its primitives, and the message
+    naming what is supported names each family once (added ones too)."""
     rules = ghost.registered_rules()
-    assert set(rules) == {"dot_general", "conv_general_dilated", "gather", "add", "sub", "mul"}
+    assert {"dot_general", "conv_general_dilated", "gather", "add", "sub", "mul"} <= set(rules)
     assert rules["add"] is rules["sub"]
-    assert _rule.supported() == "dense/einsum, convolution, embedding, bias, norm scale"
+    for primitive, rule in rules.items():
+        assert primitive in rule.primitives
+    named = _rule.supported().split(", ")
+    assert sorted(named) == sorted({r.described for r in rules.values()})
+    assert {"dense/einsum", "convolution", "embedding", "bias", "norm scale"} <= set(named)
+
+
+TOY_MODEL = """
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def tempered(input_shape, num_classes):
+    \"\"\"Softmax regression with a learned temperature per class: a parameter that
+    DIVIDES the logits, which no built-in ghost rule takes.\"\"\"
+    d = int(np.prod(input_shape))
+
+    def init(key):
+        w = 0.01 * jax.random.normal(key, (d, num_classes), jnp.float32)
+        return {"w": w, "t": jnp.ones((num_classes,), jnp.float32)}
+
+    def apply(params, x):
+        h = x.reshape(x.shape[0], -1).astype(params["w"].dtype) @ params["w"]
+        return h / params["t"]
+
+    return init, apply
+
+
+def exponential(input_shape, num_classes):
+    \"\"\"Softmax regression on exp(w): a parameter read by a one-input primitive.\"\"\"
+    d = int(np.prod(input_shape))
+
+    def init(key):
+        return {"w": 0.01 * jax.random.normal(key, (d, num_classes), jnp.float32)}
+
+    def apply(params, x):
+        return x.reshape(x.shape[0], -1).astype(params["w"].dtype) @ jnp.exp(params["w"])
+
+    return init, apply
+"""
+
+
+@pytest.mark.slow  # a 2-step run through dpmp train (~15 s)
+def test_a_rule_registered_after_a_config_trains_through_dpmp_train(
+    registry, tmp_path, monkeypatch, capsys
+):
+    """A toy rule for a layer the built-ins do not take (``div``), registered after
+    the first config, trains the user's model through ``dpmp train`` under ghost
+    clipping and is reported as itself; a rule for a one-input primitive (``exp``)
+    is refused in one line, exit status 2."""
+    from dpmp.app import cli
+    from dpmp.app.config import load_config
+
+    (tmp_path / "toy_ghost_models.py").write_text(TOY_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    load_config(None)
+    registry.register_rule(ghost.PerExampleRule(("div",), kind="divisor", described="divisor"))
+    registry.register_rule(ghost.PerExampleRule(("exp",), kind="exp", described="exp"))
+
+    def train(factory, out):
+        argv = ["train", "--quiet", "--out", str(out)]
+        for item in (f"model.kind=toy_ghost_models:{factory}", "privacy.clip_method=ghost"):
+            argv += ["--set", item]
+        return cli.main([*argv, "--set", "training.steps=2"])
+
+    assert train("tempered", tmp_path / "run") == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["clipping"]["method"] == "ghost" and report["steps"] == 2
+    assert {"param": "['t']", "layer": "divisor", "rule": "per-example"} in (
+        report["clipping"]["layers"]
+    )
+    assert report["audit"]["ok"] is True and report["audit"]["missing"] == []
+    capsys.readouterr()
+    assert train("exponential", tmp_path / "exp") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'exp', a primitive of 1 inputs" in err, err

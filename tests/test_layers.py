@@ -2,10 +2,12 @@
 
 The layers, bottom to top: precision < accounting < noise < clipping < audit
 < data < models < step < app, with ``dpmp/__init__.py`` and ``dpmp/cli.py``
-on top. A module may import its own layer and any layer below it; nothing
-outside ``dpmp/app/`` imports the application (its config above all), and
-nothing imports the command line. Imports inside functions count too: a
-lazy import is still a dependency.
+on top and ``dpmp/_registry.py`` (the one registry type every extension
+point uses; it imports nothing of dpmp) below them all. A module may import
+its own layer and any layer below it; nothing outside ``dpmp/app/`` imports
+the application (its config above all), and nothing imports the command
+line. Imports inside functions count too: a lazy import is still a
+dependency.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "dpmp"
 LAYERS = ("precision", "accounting", "noise", "clipping", "audit", "data", "models", "step", "app")
 TOP = len(LAYERS)  # dpmp/__init__.py, dpmp/cli.py and anything else at the top
+BASE = {"dpmp._registry": -1}  # modules below every layer
 
 
 def _module_name(path: Path) -> str:
@@ -24,7 +27,10 @@ def _module_name(path: Path) -> str:
 
 
 def _layer(module: str) -> int:
-    """The layer of ``dpmp.<layer>...``; the top for ``dpmp`` itself and its other modules."""
+    """The layer of ``dpmp.<layer>...``; below them all for a ``BASE`` module; the top
+    for ``dpmp`` itself and its other modules."""
+    if module in BASE:
+        return BASE[module]
     parts = module.split(".")
     return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else TOP
 
@@ -77,6 +83,7 @@ def test_the_scan_sees_imports_in_functions_and_relative_ones():
     assert _imports(source, "dpmp.data", package=True) >= {"dpmp.data", "dpmp.app.config"}
     assert _layer("dpmp.app.config") > _layer("dpmp.models") > _layer("dpmp.data._probe")
     assert _layer("dpmp") == _layer("dpmp.cli") == TOP
+    assert _layer("dpmp._registry") < _layer("dpmp.precision._policy")
 
 
 def test_the_scan_finds_the_package_imports():
@@ -85,9 +92,16 @@ def test_the_scan_finds_the_package_imports():
     assert ("dpmp.data._sampling", "dpmp.noise._entropy") in edges
 
 
-def test_every_layer_is_a_folder_or_still_to_come():
+def test_every_layer_is_a_folder():
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
-    assert folders - {"step"} <= set(LAYERS), folders
+    assert folders == set(LAYERS), folders
+
+
+def test_the_base_imports_nothing_of_dpmp():
+    """``dpmp._registry`` sits below every layer: it may import no layer at all."""
+    wrong = [(a, b) for a, b in _edges() if a in BASE and b != "dpmp"]
+    assert not wrong, wrong
+    assert ("dpmp.noise._registry", "dpmp._registry") in _edges()
 
 
 def test_imports_point_down():

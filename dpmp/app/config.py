@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpmp.accounting._registry import accountant_names
-from dpmp.app.config_checkpoint import CHECKPOINT_KINDS, check_checkpoint
+from dpmp.app.config_checkpoint import check_checkpoint
 from dpmp.app.config_text import check_tokenizer
 from dpmp.noise._registry import sampler_names
 
@@ -290,10 +290,10 @@ class ModelConfig:
 
     def __post_init__(self):
         if not (isinstance(self.kind, str) and _is_factory(self.kind)):
-            if self.kind not in _families() and self.kind not in CHECKPOINT_KINDS:
+            if self.kind not in _families():
                 raise ConfigError(
                     f"model.kind: {self.kind!r} is not allowed; allowed: "
-                    f"{', '.join((*_families().names(), *CHECKPOINT_KINDS))}, "
+                    f"{', '.join(_families().names())}, "
                     "or your own as 'package.module:factory'"
                 )
         check_checkpoint(self.kind, self.checkpoint)
@@ -553,8 +553,14 @@ def _pretrain_datasets() -> tuple[str, ...]:
     return ("none", *_public_text().names())
 
 
+def _pretrained_kinds() -> tuple[str, ...]:
+    """The model kinds a ``[pretrain]`` section pre-trains: the families of next-token
+    models built from the ``[model]`` sizes (not read from a checkpoint)."""
+    return tuple(f.name for f in _families() if f.task == "next_token" and f.checkpoint is None)
+
+
 def _model_kinds() -> str:
-    kinds = ", ".join(f'"{k}"' for k in (*_families().names(), *CHECKPOINT_KINDS))
+    kinds = ", ".join(f'"{k}"' for k in _families().names())
     return f'{kinds}, or "package.module:factory"'
 
 
@@ -590,10 +596,12 @@ class Config:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         object.__setattr__(self, "policy", str(policy))
-        if self.pretrain.enabled and self.model.kind != "lm":
+        kinds = _pretrained_kinds() if self.pretrain.enabled else ()
+        if self.pretrain.enabled and self.model.kind not in kinds:
             raise ConfigError(
                 f"pretrain.dataset: {self.pretrain.dataset!r} pre-trains the byte-level "
-                f"language model; it needs model.kind = 'lm', got {self.model.kind!r}"
+                f"language model; it needs model.kind = {' or '.join(map(repr, kinds))}, "
+                f"got {self.model.kind!r}"
             )
 
     @property

@@ -2,7 +2,9 @@
 ``model.checkpoint``.
 
 ``CHECKPOINT_KINDS`` are the model kinds read from a checkpoint folder rather
-than built from the ``[model]`` sizes; ``check_checkpoint`` is called by
+than built from the ``[model]`` sizes: the registered model families whose
+``checkpoint`` says what their folder holds, read when asked (a family
+registered after the first config counts). ``check_checkpoint`` is called by
 ``ModelConfig`` when a config is made. It checks the value only: the folder is
 read, and its errors raised, when the run starts
 (``dpmp.app.published.start_from_checkpoint``), before anything is written.
@@ -10,12 +12,35 @@ read, and its errors raised, when the run starts
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 __all__ = ["CHECKPOINT_KINDS", "check_checkpoint"]
 
-# model.kind -> what its folder holds (the docs' key table says it)
-CHECKPOINT_KINDS = {"gpt2": "a GPT-2 checkpoint folder"}
+
+class _CheckpointKinds(Mapping[str, str]):
+    """``model.kind`` -> what its folder holds, for each registered family read
+    from a checkpoint folder (its ``checkpoint``), in registration order."""
+
+    def _kinds(self) -> dict[str, str]:
+        from dpmp.models.families import FAMILIES  # imports JAX: when a value is checked
+
+        return {f.name: f.checkpoint for f in FAMILIES if f.checkpoint is not None}
+
+    def __getitem__(self, kind: str) -> str:
+        return self._kinds()[kind]
+
+    def __contains__(self, kind: object) -> bool:
+        return isinstance(kind, str) and kind in self._kinds()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._kinds())
+
+    def __len__(self) -> int:
+        return len(self._kinds())
+
+
+CHECKPOINT_KINDS: Mapping[str, str] = _CheckpointKinds()
 
 
 def check_checkpoint(kind: Any, checkpoint: Any) -> None:

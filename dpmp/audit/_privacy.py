@@ -59,12 +59,12 @@ from dpmp.precision._policy import Policy
 
 __all__ = ["PrivacyAuditReport", "privacy_audit", "MECHANISMS"]
 
-# What ``mechanism`` may name; a GradientTransformation audits your own noise stage.
+# What ``mechanism`` may name besides a registered sampler (or the sampler object,
+# audited as itself: ``dpmp.gaussian_privatizer`` drawing with it on the
+# policy.accumulate sum); a GradientTransformation audits your own noise stage.
 MECHANISMS = {
-    "dpmp": "dpmp.gaussian_privatizer, the default: dpmp.snapped_gaussian noise on the "
+    "dpmp": "dpmp.gaussian_privatizer, the default: the default sampler's noise on the "
     "policy.accumulate sum",
-    "plain": "dpmp.gaussian_privatizer(sampler='plain'): float32 jax.random.normal noise "
-    "drawn and added in policy.noise on the policy.accumulate sum",
     "naive": "jax-privacy's gaussian_privatizer with noise in policy.compute on a "
     "policy.compute sum (bf16 noise, bf16 noisy sum under a bf16 policy)",
 }

@@ -1,4 +1,4 @@
-"""Noise samplers as strategies, registered by name.
+"""Noise samplers as strategies, registered by name (a ``dpmp._registry.Registry``).
 
 A sampler is a small object (``NoiseSampler``): how it adds its noise to a
 gradient sum, the accounting contract of what it draws, and what the precision
@@ -10,12 +10,13 @@ names imports no JAX: the built-in samplers load on first use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Annotated, Any, Protocol, runtime_checkable
 
+from dpmp._registry import Registry
 from dpmp.accounting._contract import NoiseContract, register_noise_contract
-from dpmp.accounting._registry import Registry
 
 if TYPE_CHECKING:
+    import jax
     import optax
 
     from dpmp.precision._policy import Policy
@@ -43,8 +44,9 @@ class NoiseSampler(Protocol):
       jit_name: the name of the jitted function that draws its normals, by which
         the precision audit records the draw as a ``noise_sample`` site; None
         when the draw is a primitive the audit knows (``erf_inv``).
-      min_noise_bits: the narrowest noise dtype it draws in; a policy with
-        narrower noise (an unsafe opt-in) is drawn by ``"plain"`` instead.
+      min_noise_bits: the narrowest noise dtype it draws in (its bits); a
+        policy with narrower noise (an unsafe opt-in) is drawn by the first
+        registered sampler that draws in it (``drawn_sampler``).
       privacy_warning: why a run that draws with it is NOT differentially
         private against some observer (the report, the log and the summary say
         it), or None.
@@ -56,8 +58,10 @@ class NoiseSampler(Protocol):
     min_noise_bits: int
     privacy_warning: str | None
 
-    def release_grid(self, value: Any, stddev: float) -> tuple[float, float, float] | None:
-        """Every release of ``value`` (float[1]) it can make, for the privacy audit:
+    def release_grid(
+        self, value: Annotated[jax.Array, "float[1]"], stddev: float
+    ) -> tuple[float, float, float] | None:
+        """Every release of ``value`` it can make, for the privacy audit:
         ``(smallest, largest, grid)`` when they are the multiples of ``grid``
         between the two; None when the audit must enumerate its draws instead."""
         ...
@@ -65,12 +69,12 @@ class NoiseSampler(Protocol):
     def update(
         self,
         inner: optax.GradientTransformation,
-        grads: Any,
-        state: Any,
+        grads: Annotated[Any, "a pytree of float arrays"],
+        state: tuple[Any, Any],
         *,
         stddev: float,
         sharding: Any,
-    ) -> tuple[Any, Any]:
+    ) -> tuple[Annotated[Any, "grads' pytree"], tuple[Any, Any]]:
         """``grads`` (lifted to the noise dtype) plus N(0, stddev^2) noise, and the new
         state. ``inner`` is jax-privacy's Gaussian privatizer in the noise dtype,
         whose state layout ``(key, inner)`` every sampler keeps, so that all of them
@@ -81,6 +85,7 @@ class NoiseSampler(Protocol):
 SAMPLER_REGISTRY: Registry[NoiseSampler] = Registry(
     "sampler",
     {"snapped": "dpmp.noise._snapped:SNAPPED", "plain": "dpmp.noise._plain:PLAIN"},
+    protocol=NoiseSampler,
 )
 
 
@@ -90,21 +95,25 @@ def sampler_names() -> tuple[str, ...]:
 
 
 def sampler(name: Any) -> NoiseSampler:
-    """The sampler registered as ``name``; its contract is handed to the accounting."""
-    try:
-        obj = SAMPLER_REGISTRY.get(name)
-    except ValueError:
-        raise ValueError(f"sampler: must be one of {sampler_names()}, got {name!r}") from None
+    """The sampler registered as ``name``; its contract is handed to the accounting.
+
+    Raises:
+      ValueError: no sampler is registered as ``name`` (the message lists them).
+    """
+    obj = SAMPLER_REGISTRY.get(name)
     register_noise_contract(obj.name, obj.contract)
     return obj
 
 
-def register_sampler(obj: NoiseSampler) -> NoiseSampler:
+def register_sampler(obj: NoiseSampler, *, replace: bool = False) -> NoiseSampler:
     """Makes ``obj`` available as ``sampler=obj.name`` (the privatizer, the config,
-    the accounting's ``noise_sampler``); returns it."""
-    if not isinstance(obj, NoiseSampler):
-        raise TypeError(f"sampler: {obj!r} does not implement dpmp.noise.NoiseSampler")
-    SAMPLER_REGISTRY.register(obj)
+    the accounting's ``noise_sampler``); returns it.
+
+    Raises:
+      TypeError: ``obj`` lacks a member of ``NoiseSampler`` (named).
+      ValueError: the name is taken and ``replace`` is false.
+    """
+    SAMPLER_REGISTRY.register(obj, replace=replace)
     register_noise_contract(obj.name, obj.contract)
     return obj
 
@@ -112,10 +121,23 @@ def register_sampler(obj: NoiseSampler) -> NoiseSampler:
 def drawn_sampler(name: str, policy: Policy) -> NoiseSampler:
     """The sampler that ``gaussian_privatizer(sampler=name, policy=policy)`` draws
     with: ``name``'s, unless the policy's noise is narrower than it draws in
-    (half-precision noise, an unsafe opt-in, is drawn plain in that dtype)."""
+    (its ``min_noise_bits``); then the first registered sampler that draws in that
+    dtype (half-precision noise, an unsafe opt-in, is drawn by the built-in
+    ``plain``, which draws in any dtype and is registered before any of yours).
+
+    Raises:
+      ValueError: no sampler is registered as ``name``, or none draws in the
+        policy's noise dtype.
+    """
     import jax.numpy as jnp
 
+    bits = jnp.finfo(policy.noise).bits
     chosen = sampler(name)
-    if jnp.finfo(policy.noise).bits >= chosen.min_noise_bits:
+    if bits >= chosen.min_noise_bits:
         return chosen
-    return sampler("plain")
+    for other in SAMPLER_REGISTRY:
+        if bits >= other.min_noise_bits:
+            return sampler(other.name)
+    raise ValueError(
+        f"sampler: none of {sampler_names()} draws in {jnp.dtype(policy.noise).name} noise"
+    )

@@ -1,11 +1,12 @@
 """The ``dpmp`` parser, ``main`` and the console script ``console``.
 
-``COMMANDS`` lists the commands in the order ``dpmp --help`` shows them; a new
-command is a module defining a ``Command`` and one
-line here. ``main`` parses the arguments (importing nothing heavy, so that
-``--help`` is fast), loads what the command needs with Ctrl-C (and SIGTERM) held, runs it and
-turns its errors into one line and an exit status.
-"""
+``COMMANDS`` is the registry of commands (a ``dpmp._registry.Registry``), in
+the order ``dpmp --help`` shows them; a new command is a module defining a
+``Command`` and its name in ``_BUILT_IN`` (built in) or
+``register_command(command)``. ``main`` parses the arguments (importing
+nothing heavy, so that ``--help`` is fast), loads what the command needs with
+Ctrl-C (and SIGTERM) held, runs it and turns its errors into one line and an
+exit status."""
 
 from __future__ import annotations
 
@@ -15,22 +16,31 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from dpmp.app.cli import audit, budget, compare, export, generate, report, train
+from dpmp._registry import Registry
 from dpmp.app.cli.command import Command, UsageError
 
-__all__ = ["COMMANDS", "console", "main", "parser"]
+__all__ = ["COMMANDS", "console", "main", "parser", "register_command"]
 
-COMMANDS: tuple[Command, ...] = (
-    train.COMMAND,
-    audit.COMMAND,
-    compare.COMMAND,
-    budget.COMMAND,
-    report.COMMAND,
-    export.COMMAND,
-    generate.COMMAND,
+# The built-in commands, in the order ``dpmp --help`` lists them: each is the
+# ``COMMAND`` of its module ``dpmp.app.cli.<name>``, loaded when the parser is
+# built (none imports JAX).
+_BUILT_IN = ("train", "audit", "compare", "budget", "report", "export", "generate")
+COMMANDS: Registry[Command] = Registry(
+    "command", {name: f"dpmp.app.cli.{name}:COMMAND" for name in _BUILT_IN}, protocol=Command
 )
+
+
+def register_command(command: Command, *, replace: bool = False) -> Command:
+    """Makes ``command`` a ``dpmp`` command (``dpmp NAME``, listed in ``--help``
+    after the built-in ones); returns it.
+
+    Raises:
+      TypeError: ``command`` lacks a field of ``Command`` (named).
+      ValueError: the name is taken and ``replace`` is false.
+    """
+    return COMMANDS.register(command, replace=replace)
 
 
 def _version() -> str:
@@ -43,7 +53,7 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
+def parser(commands: Iterable[Command] = COMMANDS) -> argparse.ArgumentParser:
     """The ``dpmp`` argument parser: one sub-parser per command."""
     top = argparse.ArgumentParser(
         prog="dpmp",
@@ -108,7 +118,7 @@ def _join(distributed: dict | None) -> None:
             raise UsageError(str(e)) from None
 
 
-def main(argv: list[str] | None = None, *, commands: Sequence[Command] = COMMANDS) -> int:
+def main(argv: list[str] | None = None, *, commands: Iterable[Command] = COMMANDS) -> int:
     """Runs ``dpmp ARGV`` and returns its exit status.
 
     0 done; 1 an audit found a violation; 2 an error in the arguments, the config

@@ -52,6 +52,7 @@ from dpmp.data._preprocess import FeatureStats, standardize
 from dpmp.models._lora import lora_model
 from dpmp.models._model import Model, count_bytes, count_params
 from dpmp.models._params_file import arrange, load_params_file, param_names
+from dpmp.models.families import FAMILIES
 from dpmp.noise._registry import sampler
 from dpmp.precision._loss_scale import (
     DynamicLossScale,
@@ -488,19 +489,25 @@ def _check_fits(
     if need <= limit:
         return
     m = config.model
-    fields = {
-        "mlp": f"model.hidden = {list(m.hidden)}",
-        "nnx_mlp": f"model.hidden = {list(m.hidden)}",
-        "vit": f"model.dim = {m.dim}, model.depth = {m.depth}",
-        "lm": f"model.dim = {m.dim}, model.depth = {m.depth}",
-    }.get(m.kind, f"model.kind = {m.kind!r}")
-    if trainable and m.lora_rank:
-        fields = f"model.lora_rank = {m.lora_rank}"
+    fields = f"model.lora_rank = {m.lora_rank}" if trainable and m.lora_rank else _sized_by(m)
     what = "with gradients and optimizer state " if trainable else ""
     raise ConfigError(
         f"{fields}: {count:,} parameters need {need / 2**30:,.1f} GiB {what}and this "
         f"machine has {limit / 2**30:,.1f} GiB"
     )
+
+
+def _sized_by(m: Any) -> str:
+    """The ``[model]`` keys that set the size of ``model.kind`` (its family's
+    ``sizes``) with their values, or ``model.kind`` itself where none does."""
+    family = FAMILIES.find(m.kind)
+    keys = () if family is None else family.sizes
+    shown = (f"model.{k} = {_listed(getattr(m, k))}" for k in keys)
+    return ", ".join(shown) or f"model.kind = {m.kind!r}"
+
+
+def _listed(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _starting_point(

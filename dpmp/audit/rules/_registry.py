@@ -36,6 +36,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dpmp._registry import Registry
 from dpmp.audit._values import (
     FLOAT_ONLY,
     GRAD,
@@ -187,30 +188,33 @@ class Rule:
 
 
 NO_RULE = Rule()
-RULES: dict[str, Rule] = {}
+# primitive name -> its rule (the stages registered for it)
+RULES: Registry[Rule] = Registry("audit rule", protocol=Rule)
 _STAGES = tuple(f.name for f in dataclasses.fields(Rule))
 
 
-def register(*primitives: str, **stages) -> None:
+def register(*primitives: str, **stages: StageFn | AxesFn | bool) -> None:
     """Adds stages to the rules of ``primitives`` (names as in
     ``eqn.primitive.name``).
 
     Stages of one primitive may come from different modules (``reduce_sum``
     has its axes from the reductions and its ``norm`` stage from the norms),
     but each stage of a primitive is registered once: a second registration
-    raises ``ValueError`` instead of silently replacing the first.
+    raises ``ValueError`` instead of silently replacing the first (and then
+    nothing is registered).
     """
     unknown = set(stages) - set(_STAGES)
     if unknown:
         raise ValueError(f"unknown stage(s) {sorted(unknown)}; allowed: {', '.join(_STAGES)}")
     for name in primitives:
-        rule = RULES.get(name, NO_RULE)
+        rule = rule_for(name)
         taken = [s for s in stages if getattr(rule, s) not in (None, False)]
         if taken:
-            raise ValueError(f"primitive {name!r}: stage(s) {taken} already registered")
-        RULES[name] = dataclasses.replace(rule, **stages)
+            raise ValueError(f"audit rule {name!r}: stage(s) {taken} already registered")
+    for name in primitives:
+        RULES.register(dataclasses.replace(rule_for(name), **stages), name=name, replace=True)
 
 
 def rule_for(primitive: str) -> Rule:
     """The rule of ``primitive`` (a rule without stages when none is registered)."""
-    return RULES.get(primitive, NO_RULE)
+    return RULES.find(primitive) or NO_RULE

@@ -15,13 +15,15 @@ like any other. A new family is one module with its rule and one
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
+from dpmp._registry import Registry
+
 __all__ = [
+    "RULES",
     "GhostRule",
     "PerExampleRule",
     "Unsupported",
@@ -32,7 +34,36 @@ __all__ = [
     "supported",
 ]
 
-Eqn = Any  # a ``jax.extend.core.JaxprEqn``
+Eqn = Annotated[Any, "jax.extend.core.JaxprEqn: the layer's equation"]
+# The arrays a rule reads and returns, by shape (B: the batch's examples).
+Batched = Annotated[jax.Array, "[B, ...]: per example, laid out as the layer's operand"]
+Example = Annotated[jax.Array, "[...]: one example's, laid out as the layer's operand"]
+PerExample = Annotated[jax.Array, "[B]: one value per example"]
+Keep = Annotated[jax.Array, "bool[B]: the examples that count"]
+Operand = Annotated[jax.Array, "the parameter operand's shape (operand pos)"]
+
+
+class OperandGrad(Protocol):
+    """A rule's ``operand_grad``: one example's gradient of the parameter operand."""
+
+    def __call__(self, eqn: Eqn, pos: int, a: Example, g: Example, dtype: Any) -> Operand: ...
+
+
+class ClippedSum(Protocol):
+    """A rule's ``clipped_sum``: the clip-weighted sum over the batch, in ``out_dtype``."""
+
+    def __call__(
+        self,
+        eqn: Eqn,
+        pos: int,
+        a: Batched,
+        g: Batched,
+        factor: PerExample,
+        keep: Keep,
+        before: Any,
+        dtype: Any,
+        out_dtype: Any,
+    ) -> Operand: ...
 
 
 class Unsupported(ValueError):
@@ -73,8 +104,8 @@ class GhostRule(Protocol):
     primitives: tuple[str, ...]
     described: str
     norm: str
-    operand_grad: Callable[..., jax.Array] | None
-    clipped_sum: Callable[..., jax.Array] | None
+    operand_grad: OperandGrad | None
+    clipped_sum: ClippedSum | None
     half_operands: bool
 
     def classify(self, eqn: Eqn, pos: int, bijective: bool, path: str) -> tuple[str, bool]:
@@ -95,13 +126,15 @@ class GhostRule(Protocol):
         (tokens, patches, ids)."""
         ...
 
-    def magnitude_ratio(self, eqn: Eqn, pos: int, dtype, wide_dtype) -> float:
+    def magnitude_ratio(self, eqn: Eqn, pos: int, dtype: Any, wide_dtype: Any) -> float:
         """``lambda``: the computed magnitude ``m`` is at least ``lambda sum_t |x_t|
         |g_t|`` (exact); see ``dpmp.clipping.ghost.GhostPlan.sum_rounding``."""
         ...
 
-    def sq_norms(self, eqn: Eqn, pos: int, a, g, dtype, wide_dtype) -> tuple[jax.Array, jax.Array]:
-        """``(sq, m)``, each ``[B]``: per example, the squared norm of the parameter's
+    def sq_norms(
+        self, eqn: Eqn, pos: int, a: Batched, g: Batched, dtype: Any, wide_dtype: Any
+    ) -> tuple[PerExample, PerExample]:
+        """``(sq, m)``: per example, the squared norm of the parameter's
         gradient PLUS a bound on its rounding error (never below the exact one), and
         the magnitude ``sum_t |x_t| |g_t|``, from the batch's inputs ``a`` and unscaled
         output gradients ``g`` (``dtype``; sums of squares in ``wide_dtype``)."""
@@ -138,53 +171,37 @@ class PerExampleRule:
     mode = rows = magnitude_ratio = sq_norms = _no_ghost_norm
 
 
-_RULES: dict[str, GhostRule] = {}
-# What the driver reads of a rule (GhostRule's attributes and methods).
-_MEMBERS = (
-    "primitives",
-    "described",
-    "norm",
-    "operand_grad",
-    "clipped_sum",
-    "half_operands",
-    "classify",
-    "mode",
-    "rows",
-    "magnitude_ratio",
-    "sq_norms",
-)
+# primitive name -> the rule of the layer family that takes a parameter in it
+RULES: Registry[GhostRule] = Registry("ghost rule", protocol=GhostRule)
 
 
 def register_rule(rule: GhostRule, *, replace: bool = False) -> GhostRule:
-    """Make ``rule`` the one for each of its primitives; returns it.
+    """Make ``rule`` the one for each of its ``primitives``; returns it.
 
-    Raises ``ValueError`` when a primitive already has a rule, unless ``replace``,
-    and ``TypeError`` naming what ``rule`` lacks of ``GhostRule``.
+    Raises:
+      TypeError: ``rule`` lacks a member of ``GhostRule`` (named).
+      ValueError: a primitive already has another rule and ``replace`` is false;
+        then no primitive is registered.
     """
-    missing = [m for m in _MEMBERS if not hasattr(rule, m)]
-    if missing:
-        raise TypeError(f"ghost rule {rule!r}: lacks {', '.join(missing)} (see GhostRule)")
-    taken = [p for p in rule.primitives if p in _RULES and _RULES[p] is not rule]
-    if taken and not replace:
-        raise ValueError(
-            f"ghost rule for {', '.join(taken)} already registered "
-            f"({_RULES[taken[0]].described}); pass replace=True to override it"
-        )
+    RULES.check(rule)
     for p in rule.primitives:
-        _RULES[p] = rule
+        if RULES.find(p) not in (None, rule) and not replace:
+            RULES.register(rule, name=p)  # refused: names the taken primitive
+    for p in rule.primitives:
+        RULES.register(rule, name=p, replace=True)
     return rule
 
 
 def rule_for(primitive: str) -> GhostRule | None:
     """The rule of the layer family that takes a parameter in ``primitive``, if any."""
-    return _RULES.get(primitive)
+    return RULES.find(primitive)
 
 
 def registered_rules() -> dict[str, GhostRule]:
     """A copy of the registry: primitive name -> rule."""
-    return dict(_RULES)
+    return dict(zip(RULES.names(), RULES, strict=True))
 
 
 def supported() -> str:
     """The registered families, as the message naming what is supported lists them."""
-    return ", ".join(dict.fromkeys(r.described for r in _RULES.values()))
+    return ", ".join(dict.fromkeys(r.described for r in RULES))

@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, runtime_checkable
 
+from dpmp._registry import Registry
 from dpmp.data._dataset import DataError, Dataset
-from dpmp.data._registry import Registry
 from dpmp.data._tokens import records_dataset
 
 __all__ = [
@@ -132,28 +132,28 @@ class TextSource:
 
 
 # ``data.dataset``: the private training data.
-SOURCES: Registry[DataSource] = Registry("data source")
+SOURCES: Registry[DataSource] = Registry("data source", protocol=DataSource)
 # ``pretrain.dataset``: PUBLIC text for non-private pre-training (not protected).
-PUBLIC_TEXT: Registry[TextCorpus] = Registry("public text")
+PUBLIC_TEXT: Registry[TextCorpus] = Registry("public text", protocol=TextCorpus)
 
 
 def register_source(source: DataSource, *, replace: bool = False) -> DataSource:
-    """Makes ``source.name`` a valid ``data.dataset``; returns ``source``."""
-    if not isinstance(source, DataSource):
-        raise TypeError(
-            f"data source: expected an object with name, needs_path, task and "
-            f"load(options), got {type(source).__name__}"
-        )
+    """Makes ``source.name`` a valid ``data.dataset``; returns ``source``.
+
+    Raises:
+      TypeError: ``source`` lacks a member of ``DataSource`` (named).
+      ValueError: the name is taken and ``replace`` is false.
+    """
     return SOURCES.register(source, replace=replace)
 
 
 def register_public_text(corpus: TextCorpus, *, replace: bool = False) -> TextCorpus:
-    """Makes ``corpus.name`` a valid ``pretrain.dataset``; returns ``corpus``."""
-    if not isinstance(corpus, TextCorpus):
-        raise TypeError(
-            f"public text: expected an object with name, needs_path and records(path, "
-            f"field), got {type(corpus).__name__}"
-        )
+    """Makes ``corpus.name`` a valid ``pretrain.dataset``; returns ``corpus``.
+
+    Raises:
+      TypeError: ``corpus`` lacks a member of ``TextCorpus`` (named).
+      ValueError: the name is taken and ``replace`` is false.
+    """
     return PUBLIC_TEXT.register(corpus, replace=replace)
 
 
@@ -179,13 +179,15 @@ def load_dataset(
 
     Raises:
       ValueError: no source is registered as ``name``.
-      DataError: the source's data cannot be used, or a ``path`` is given for a
-        source that reads none.
+      DataError: the source's data cannot be used, or a ``path`` is missing for
+        a source that reads one or given for a source that reads none.
     """
     options = SourceOptions(
         path=path, test_fraction=test_fraction, seq_len=seq_len, seed=seed, tokenizer=tokenizer
     )
     source = SOURCES.get(name)
+    if source.needs_path and not path:
+        raise DataError(f'data.path: required when data.dataset = "{name}"')
     if path and not source.needs_path:
         raise DataError(
             f"data.path: data.dataset {name!r} reads no file; {path!r} would be ignored"

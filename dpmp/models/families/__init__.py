@@ -1,4 +1,5 @@
-"""Built-in model families by name: the registry behind ``model.kind``.
+"""Built-in model families by name: the registry behind ``model.kind`` (a
+``dpmp._registry.Registry``).
 
 Each family is one module that defines it and registers it; a new family is
 one more ``register_family`` call (see ``dpmp.models.families._base``). The
@@ -17,5 +18,6 @@ from dpmp.models.families import _nnx_mlp  # noqa: F401, E402  isort: skip
 from dpmp.models.families import _linear  # noqa: F401, E402  isort: skip
 from dpmp.models.families import _vit  # noqa: F401, E402  isort: skip
 from dpmp.models.families import _lm  # noqa: F401, E402  isort: skip
+from dpmp.models.families import _gpt2  # noqa: F401, E402  isort: skip
 
 __all__ = ["FAMILIES", "Architecture", "ModelFamily", "build_model", "register_family"]

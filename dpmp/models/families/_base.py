@@ -1,14 +1,17 @@
 """Built-in model families: what a family is, their registry, and ``build_model``.
 
-A family is a small object with a ``name`` (the value of the config's
-``model.kind``), the ``task`` of the data it fits (``"classify"`` or
-``"next_token"``, as ``Dataset.task``) and ``build(architecture,
-input_shape, num_classes, policy) -> Model``. A new family is one file that
-defines it and registers it::
+A family is a small object (``ModelFamily``) with a ``name`` (the value
+of the config's ``model.kind``), the ``task`` of the data it fits
+(``"classify"`` or ``"next_token"``, as ``Dataset.task``), the ``[model]``
+keys that set its size, whether it is read from a published ``checkpoint``
+folder, and ``build(architecture, input_shape, num_classes, policy) ->
+Model``. A new family is one file that defines it and registers it::
 
     class Wide:
         name = "wide"
         task = "classify"
+        sizes = ("hidden",)
+        checkpoint = None
 
         def build(self, architecture, input_shape, num_classes, policy) -> Model:
             ...
@@ -25,7 +28,7 @@ import dataclasses
 import math
 from typing import Any, Protocol, runtime_checkable
 
-from dpmp.data._registry import Registry
+from dpmp._registry import Registry
 from dpmp.data.sources import SOURCES
 from dpmp.models._model import Model
 from dpmp.precision._policy import Policy
@@ -63,10 +66,19 @@ class ModelFamily(Protocol):
     Attributes:
       name: the name it is registered and configured by (``model.kind``).
       task: the ``Dataset.task`` it fits: ``"classify"`` or ``"next_token"``.
+      sizes: the ``Architecture`` fields (``[model]`` keys) that set its
+        number of parameters, which a model too large for the machine is
+        named by (``("hidden",)``); empty when none does.
+      checkpoint: what its published folder holds (``"a GPT-2 checkpoint
+        folder"``) when the model, its sizes and its parameters are read from
+        ``model.checkpoint`` rather than built from the ``[model]`` sizes; None
+        for a family ``build`` makes.
     """
 
     name: str
     task: str
+    sizes: tuple[str, ...]
+    checkpoint: str | None
 
     def build(
         self,
@@ -85,16 +97,16 @@ class ModelFamily(Protocol):
 
 
 # ``model.kind``: the built-in families.
-FAMILIES: Registry[ModelFamily] = Registry("model family")
+FAMILIES: Registry[ModelFamily] = Registry("model family", protocol=ModelFamily)
 
 
 def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
-    """Makes ``family.name`` a valid ``model.kind``; returns ``family``."""
-    if not isinstance(family, ModelFamily):
-        raise TypeError(
-            f"model family: expected an object with name, task and build(architecture, "
-            f"input_shape, num_classes, policy), got {type(family).__name__}"
-        )
+    """Makes ``family.name`` a valid ``model.kind``; returns ``family``.
+
+    Raises:
+      TypeError: ``family`` lacks a member of ``ModelFamily`` (named).
+      ValueError: the name is taken and ``replace`` is false.
+    """
     return FAMILIES.register(family, replace=replace)
 
 

@@ -36,9 +36,10 @@ import jax.numpy as jnp
 
 from dpmp.models._model import Model, next_token_losses, token_losses
 from dpmp.models._params_file import nest
+from dpmp.models.families._base import Architecture, register_family
 from dpmp.precision._policy import Policy
 
-__all__ = ["GPT2Config", "gpt2_forward", "gpt2_init", "gpt2_model"]
+__all__ = ["GPT2Config", "GPT2Family", "gpt2_forward", "gpt2_init", "gpt2_model"]
 
 Params = dict[str, Any]
 
@@ -211,3 +212,31 @@ def gpt2_model(
             f"MLP {4 * c.n_embd}, head tied to the token embedding"
         ),
     )
+
+
+class GPT2Family:
+    """``model.kind = "gpt2"``: a GPT-2 read from its published checkpoint folder
+    (``model.checkpoint``; ``dpmp.models._gpt2_checkpoint``), sizes and
+    parameters included; the ``[model]`` sizes are not read."""
+
+    name = "gpt2"
+    task = "next_token"
+    sizes = ()
+    checkpoint = "a GPT-2 checkpoint folder"
+
+    def build(
+        self,
+        architecture: Architecture,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        policy: Policy,
+    ) -> Model:
+        """Refused: its sizes are its checkpoint's (``dpmp.models.load_gpt2``)."""
+        del architecture, input_shape, num_classes, policy
+        raise ValueError(
+            f"model.kind = {self.name!r} is read from {self.checkpoint} (model.checkpoint, "
+            "dpmp.models.load_gpt2), not built from the [model] sizes"
+        )
+
+
+register_family(GPT2Family())

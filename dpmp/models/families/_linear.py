@@ -14,6 +14,8 @@ from dpmp.precision._policy import Policy
 class LinearFamily:
     name = "linear"
     task = "classify"
+    sizes = ()
+    checkpoint = None
 
     def build(
         self,

@@ -23,6 +23,8 @@ from dpmp.precision._policy import Policy
 class LMFamily:
     name = "lm"
     task = "next_token"
+    sizes = ("dim", "depth")
+    checkpoint = None
 
     def build(
         self,

@@ -13,6 +13,8 @@ from dpmp.precision._policy import Policy
 class MLPFamily:
     name = "mlp"
     task = "classify"
+    sizes = ("hidden",)
+    checkpoint = None
 
     def build(
         self,

@@ -13,6 +13,8 @@ from dpmp.precision._policy import Policy
 class NnxMLPFamily:
     name = "nnx_mlp"
     task = "classify"
+    sizes = ("hidden",)
+    checkpoint = None
 
     def build(
         self,

@@ -18,6 +18,8 @@ from dpmp.precision._policy import Policy
 class ViTFamily:
     name = "vit"
     task = "classify"
+    sizes = ("dim", "depth")
+    checkpoint = None
 
     def build(
         self,
