@@ -88,6 +88,22 @@ def test_every_block_declares_a_kind_that_is_checked():
     assert not unknown, f"blocks whose language says nothing about how to test them: {unknown}"
 
 
+# Columns a code block shows without scrolling at 1280 px (the site's table of contents is in
+# the left sidebar, mkdocs.yml's toc.integrate); right-hand comments past it were hidden.
+CODE_COLUMNS = 100
+
+
+def test_code_blocks_fit_the_page():
+    wide = [
+        f"{_name(page)}: {len(line)} columns: {line[:60]}..."
+        for page in PAGES
+        for _, code in _blocks(page)
+        for line in code.splitlines()
+        if len(line) > CODE_COLUMNS
+    ]
+    assert not wide, "\n".join(wide)
+
+
 def test_the_readme_is_a_door():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 300

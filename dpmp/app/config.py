@@ -329,7 +329,9 @@ class PrivacyConfig:
       ``steps`` spend exactly ``target_epsilon``. A given sigma too small for
       ``training.steps`` within ``target_epsilon`` is refused before training.
     l2_clip_norm: C, the per-example clip norm.
-    accountant: ``"pld"`` or ``"rdp"``.
+    accountant: the registered accountant that composes the run's releases
+      (``dpmp.accounting.register_accountant`` adds one; the choices are read
+      from the registry when a config is checked).
     sampling: ``"poisson"`` (what the accounting assumes) or ``"shuffle"``
       (fixed shuffled batches: the report says the Poisson epsilon does not apply).
     clip_method: how per-example norms are taken (``dpmp.private_grad``'s
