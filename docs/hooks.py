@@ -441,6 +441,38 @@ def gpt2_step(name: str, unit: str = "s") -> str:
     return _table(header, rows)
 
 
+OPERAND_MODELS = {
+    "mlp": "MLP 784-1024-1024-1024-10",
+    "cnn": "CNN",
+    "vit": "small ViT",
+    "guide_vit": "guide ViT",
+    "lm": "LM",
+    "gpt2": "GPT-2-shaped LM (compiled only)",
+}
+
+
+def ghost_operands(name: str) -> str:
+    """A bf16 ghost step's memory and time with bf16 operands against float32 ones."""
+    rows = []
+    for r in _load(name)["runs"]:
+        model = OPERAND_MODELS.get(r["model"], r["model"])
+        f32, bf16 = r.get("f32_operands"), r.get("bf16_operands")
+        memory = f"{r['mem_ratio']:.2f}x"
+        if f32 and bf16:
+            memory = (
+                f"{f32['temp_bytes'] / 1e6:,.1f} -> {bf16['temp_bytes'] / 1e6:,.1f} MB ({memory})"
+            )
+        time = f"{r['time_ratio']:.2f}x" if "time_ratio" in r else "not run"
+        rows.append([model, f"{r['params']:,}", memory, time])
+    header = [
+        "model",
+        "parameters",
+        "temp memory, float32 -> bf16 operands",
+        "step time, bf16 / float32 operands",
+    ]
+    return _table(header, rows)
+
+
 def gpt2_checkpoint(name: str) -> str:
     """Loading a GPT-2-small-sized checkpoint, and a forward pass, per stored dtype."""
     data = _load(name)
@@ -483,6 +515,7 @@ TABLES: dict[str, Callable[..., str]] = {
     "lora_compile": lora_compile,
     "gpt2_step": gpt2_step,
     "gpt2_checkpoint": gpt2_checkpoint,
+    "ghost_operands": ghost_operands,
 }
 
 
