@@ -110,7 +110,49 @@ def _bf16_speedup(name: str, model: str, method: str) -> str:
     return f"{by['f32']['median_s'] / by['bf16']['median_s']:.2f}"
 
 
+def _result(name: str, *keys, scale: float = 1.0, fmt: str = ".1f") -> str:
+    value = json.loads((RESULTS / name).read_text())
+    for key in keys:
+        value = value[key]
+    return f"{value / scale:{fmt}}"
+
+
+MESH, NOISE_COMPILE = "cpu_mesh.json", "mesh_noise_compile.json"
+DIFFS = ("runs", "4_devices", "max_param_diff_relative")
+MEMORY = ("memory_per_device_mlp_1024x1024",)
+
 HAND_WRITTEN = [
+    ("devices.md", "compiles in 5.8 s", lambda: _result(NOISE_COMPILE, "together", "compile_s")),
+    (
+        "devices.md",
+        "against 40.4 s leaf",
+        lambda: _result(NOISE_COMPILE, "leaf_by_leaf", "compile_s"),
+    ),
+    ("devices.md", "(CPU time 3.8 s", lambda: _result(NOISE_COMPILE, "together", "cpu_s")),
+    ("devices.md", "28.1 s), and draws", lambda: _result(NOISE_COMPILE, "leaf_by_leaf", "cpu_s")),
+    (
+        "devices.md",
+        "the same sigma (12.38)",
+        lambda: _result(MESH, "runs", "4_devices", "noise_multiplier", fmt=".2f"),
+    ),
+    ("devices.md", "difference of 2.1e-4", lambda: _result(MESH, *DIFFS, 4, scale=1e-4)),
+    ("devices.md", "growing to 1.6e-3", lambda: _result(MESH, *DIFFS, -1, scale=1e-3)),
+    ("devices.md", "holds 3.4 MB", lambda: _result(MESH, *MEMORY, "sharded", "argument_mb")),
+    (
+        "devices.md",
+        "instead of 13.6 MB",
+        lambda: _result(MESH, *MEMORY, "replicated", "argument_mb"),
+    ),
+    (
+        "devices.md",
+        "from 105 MB to",
+        lambda: _result(MESH, *MEMORY, "replicated", "temp_mb", fmt=".0f"),
+    ),
+    (
+        "devices.md",
+        "34 MB (`benchmarks/mesh.py`)",
+        lambda: _result(MESH, *MEMORY, "sharded", "temp_mb", fmt=".0f"),
+    ),
     ("precision.md", "grew by 0.08% on the guide", lambda: _norm_growth("guide_vit")),
     ("precision.md", "by 0.10% on the LM", lambda: _norm_growth("lm")),
     (
