@@ -15,16 +15,16 @@ from dpmp.app.trainer.step import _make_optimizer
 from dpmp.step._step import WithFrozen
 
 
-def step_pair(step) -> dict[str, tuple]:
-    """``{"private": (fn, make_args), "non-private": (fn, make_args)}`` of a
-    ``build_private_step`` result: its jitted step, and ``jax.grad`` of the
+def step_pair(step, config) -> dict[str, tuple]:
+    """``{"private": (fn, make_args), "non-private": (fn, make_args)}`` of
+    ``build_private_step(config)``'s result: its jitted step, and ``jax.grad`` of the
     batch's mean loss with the same optimizer (``dpmp compare``'s non-private
     step), each with the model's frozen arrays (a LoRA base) as last arguments.
     ``make_args()`` gives the arguments: the non-private optimizer state is
     allocated only when asked for (a model's size, twice with Adam)."""
     params, data, pad, opt_state, scale = step.example_args
     frozen = step.model.frozen_args()
-    optimizer = _make_optimizer(step.config)
+    optimizer = _make_optimizer(config)
     private = step.step_fn.jitted if isinstance(step.step_fn, WithFrozen) else step.step_fn
     return {
         "private": (private, lambda: (*step.example_args, *frozen)),

@@ -111,7 +111,7 @@ def steps(row: str, checkpoint: Path, text: Path, batch: int, tokens: int, sets=
         "clip_reason": step.clipping["reason"],
         "clip_layers": dict(Counter(f"{t['layer']} {t['rule']}" for t in step.clipping["layers"])),
     }
-    return step_pair(step), facts
+    return step_pair(step, config), facts
 
 
 def ratios(by_step: dict[str, dict]) -> dict:

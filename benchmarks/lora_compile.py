@@ -47,7 +47,7 @@ def steps(dim: int, depth: int, batch: int, closed_over: bool, sets) -> tuple[di
     step = build_private_step(config)
     params, data, pad, opt_state, scale = step.example_args
     frozen = step.model.frozen_args()
-    fns = step_pair(step)
+    fns = step_pair(step, config)
     if closed_over and frozen:
         model = step.model
         old = private_grad(

@@ -52,7 +52,7 @@ def train(overrides: list[str], steps: int) -> tuple[list[list[np.ndarray]], flo
         times.append(time.perf_counter() - tic)
         if t + 1 in CHECKPOINTS:
             kept.append([np.asarray(x, np.float64) for x in jax.tree.leaves(local(s["params"]))])
-    return kept, step.noise_multiplier, statistics.median(times[1:])
+    return kept, step.plan.noise_multiplier, statistics.median(times[1:])
 
 
 WIDE = ["model.hidden=[1024,1024]"]

@@ -61,9 +61,10 @@ def main():
     params, batch, pad, opt_state, scale = chunked.example_args
     chunk, chunk_pad = next(physical_chunks(batch, pad, args.physical))
     acc = jax.tree.map(jnp.zeros_like, params)
-    chunk_temp = temp_bytes(chunked.chunk_fn.lower(params, chunk, chunk_pad, scale, acc).compile())
+    parts = chunked.fn.chunked
+    chunk_temp = temp_bytes(parts.chunk_fn.lower(params, chunk, chunk_pad, scale, acc).compile())
     apply_temp = temp_bytes(
-        chunked.apply_fn.lower(params, acc, opt_state, scale, jnp.int32(0)).compile()
+        parts.apply_fn.lower(params, acc, opt_state, scale, jnp.int32(0)).compile()
     )
     one_temp = temp_bytes(one.step_fn.lower(*one.example_args).compile())
     one_time = median_time(one.step_fn, one.example_args, args.repeats)

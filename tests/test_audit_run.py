@@ -171,9 +171,9 @@ def test_audit_run_keeps_the_configs_noise_and_rate_on_n_plus_m_records():
     own, step = setup.own, setup.step
     n, records = base.num_train, base.num_train + 100
     assert step.data.num_train == records and own.data.num_train == n
-    assert step.noise_multiplier == own.noise_multiplier and own.noise_calibrated
-    assert abs(step.sampling_prob - own.sampling_prob) <= 0.5 / records
-    assert step.config.training.steps == config.training.steps
+    assert step.plan.noise_multiplier == own.plan.noise_multiplier and own.plan.calibrated
+    assert abs(step.plan.sampling_prob - own.plan.sampling_prob) <= 0.5 / records
+    assert setup.audit_config.training.steps == config.training.steps
     np.testing.assert_array_equal(step.data.x_train[n:], setup.x)  # appended, in order
     np.testing.assert_array_equal(step.data.y_train[n:], setup.y)
     assert set(np.unique(setup.x)) == {-1.0, 1.0} and setup.y.max() < base.num_classes

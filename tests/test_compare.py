@@ -57,8 +57,10 @@ def test_each_share_measures_one_stage(rows, digits, policy):
     the private step less the clipped one, which differ by the noise draws and
     additions only: one per leaf of more than ``GROUP_MAX`` coordinates, one per
     dtype for the smaller leaves, drawn together (the audit's sites of each step)."""
-    step = build_private_step(load_config(None, [*SMALL, f"policy={policy}"]), digits)
-    sites = {kind: _sites(f, args, step.policy) for kind, (f, args) in _steps(step).items()}
+    config = load_config(None, [*SMALL, f"policy={policy}"])
+    step = build_private_step(config, digits)
+    steps = _steps(step, config)
+    sites = {kind: _sites(f, args, config.precision) for kind, (f, args) in steps.items()}
     params = jax.tree.leaves(step.example_args[0])
     leaves = len(params)
     small = {p.dtype for p in params if p.size <= GROUP_MAX}

@@ -84,9 +84,9 @@ def test_the_configs_tables_epsilon_column_is_the_plans(name, digits):
     guarantee, the noise residual and the count releases' cost at the planned steps."""
     config = load_config(CONFIGS / name)
     step = build_private_step(config, digits)
-    releases = config.training.steps if step.count_noise_stddev else 0
+    releases = config.training.steps if step.plan.count_noise_stddev else 0
     parts = accounting.BudgetTracker(
-        step.budget, steps=config.training.steps, count_releases=releases
+        step.plan.budget, steps=config.training.steps, count_releases=releases
     ).breakdown()
     cell = _table_row(name)[3]
     assert cell.startswith(f"{parts.total:.2f} "), cell
@@ -134,7 +134,7 @@ def test_config_builds_and_traces_its_private_step(name, digits, tmp_path):
     text = config.model.kind in ("lm", "gpt2")
     step = build_private_step(config, None if text else digits)
     assert step.model.kind == config.model.kind
-    assert 0 < step.noise_multiplier < math.inf
+    assert 0 < step.plan.noise_multiplier < math.inf
     params, *_ = jax.eval_shape(step.step_fn, *step.example_args)
     assert jax.tree.structure(params) == jax.tree.structure(step.example_args[0])
     report = audit_step(config, step=step)

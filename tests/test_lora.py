@@ -119,7 +119,7 @@ def test_the_adapters_start_as_the_base_model_and_are_all_that_is_noised(tmp_pat
     expected = 2 * (4 * 32 + 2 * 80 + 274)
     assert len(adapted(base)) == 7
     assert count_params(step.init_state["params"]) == expected < count_params(base) / 3
-    assert step.budget.noised_coordinates == expected
+    assert step.plan.budget.noised_coordinates == expected
     params, *_ = jax.eval_shape(step.step_fn, *step.example_args)
     assert jax.tree.structure(params) == jax.tree.structure(step.init_state["params"])
 

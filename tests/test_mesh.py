@@ -74,16 +74,16 @@ for name, extra in cases.items():
         continue
     four, p4, s4, scale4 = run(4, *extra)
     one, p1, s1, scale1 = run(
-        1, *[e for e in extra if "shard_params" not in e], noise_for=four.sensitivity
+        1, *[e for e in extra if "shard_params" not in e], noise_for=four.fn.sensitivity
     )
     out[name] = {
         "max_diff": max(float(np.abs(a - b).max()) for a, b in zip(p1, p4)),
         "max_param": max(float(np.abs(a).max()) for a in p1),
         "stats_1": s1, "stats_4": s4, "scale_1": scale1, "scale_4": scale4,
-        "sigma_1": one.noise_multiplier, "sigma_4": four.noise_multiplier,
-        "method_4": four.clipping["method"], "mesh_4": four.mesh.size,
+        "sigma_1": one.plan.noise_multiplier, "sigma_4": four.plan.noise_multiplier,
+        "method_4": four.clipping["method"], "mesh_4": four.fn.mesh.size,
         "padded_4": four.sampler.padded_batch_size,
-        "sensitivity_4": four.sensitivity,
+        "sensitivity_4": four.fn.sensitivity,
         # bytes of parameters and optimizer state each device holds, against the whole
         "state_share": sum(
             x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(four.init_state)
@@ -94,7 +94,8 @@ for name, extra in cases.items():
         ),
     }
     if name == "ghost":
-        out["audit"] = audit_step(four.config, step=four).to_dict()
+        config = load_config(None, BASE + ["training.devices=4"])  # the ghost case's
+        out["audit"] = audit_step(config, step=four).to_dict()
 if "ghost" not in CASES:
     print("JSON" + json.dumps(out))
     raise SystemExit
@@ -104,10 +105,10 @@ from dpmp.step._step import _whole_step
 from dpmp.audit._precision import audit_precision
 step = run(4, steps=0)[0]
 def half_sums(*args, **kwargs):
-    got = step.grad_fn(*args, **kwargs)
+    got = step.fn.grad_fn(*args, **kwargs)
     return got._replace(grads=jax.tree.map(lambda g: g.astype(jnp.bfloat16), got.grads))
-bad = _whole_step(step.mesh.summed(half_sums), step.optimizer)
-out["bf16_psum"] = audit_precision(bad, *step.example_args, policy=step.policy,
+bad = _whole_step(step.fn.mesh.summed(half_sums), step.fn.optimizer)
+out["bf16_psum"] = audit_precision(bad, *step.example_args, policy=step.fn.grad_fn.policy,
                                    params_argnums=0, batch_argnums=1).to_dict()
 print("JSON" + json.dumps(out))
 """
@@ -318,11 +319,11 @@ for method in ("auto", "vmap"):
     batch4, pad4 = four.batch(four.sampler.batch(0))
     batch1, pad1 = local((batch4, pad4))
     mesh = four.fn.mesh
-    g4, st4 = jax.jit(mesh.summed(four.grad_fn, frozen=1))(
+    g4, st4 = jax.jit(mesh.summed(four.fn.grad_fn, frozen=1))(
         mesh.put(adapters), batch4, pad4, dpmp.NoOpLossScale(), mesh.put(base))
-    method_4 = four.grad_fn.resolved_method  # what the mesh's own trace took
+    method_4 = four.fn.grad_fn.resolved_method  # what the mesh's own trace took
     # the base an argument, as in the step (a constant may be folded into other roundings)
-    g1 = jax.jit(lambda p, b, pad, f: one.grad_fn(p, b, f, is_padding_example=pad))(
+    g1 = jax.jit(lambda p, b, pad, f: one.fn.grad_fn(p, b, f, is_padding_example=pad))(
         adapters, batch1, pad1, base)
     st4 = local(st4)
     diff = [np.asarray(a, np.float64) - np.asarray(b, np.float64)
@@ -335,9 +336,9 @@ for method in ("auto", "vmap"):
         "clipped": [int(st4.num_clipped), int(g1.stats.num_clipped)],
         "norm_max": [float(st4.norm_max), float(g1.stats.norm_max)],
         "padded": len(pad1), "tokens": int(batch1["x"].shape[1]),
-        "methods": [method_4, one.grad_fn.resolved_method, four.clipping["method"]],
+        "methods": [method_4, one.fn.grad_fn.resolved_method, four.clipping["method"]],
         "sensitivity_4": four.fn.sensitivity,
-        "sigma": [four.noise_multiplier, one.noise_multiplier],
+        "sigma": [four.plan.noise_multiplier, one.plan.noise_multiplier],
     }
     out[method] = case
     if method == "vmap":

@@ -44,9 +44,17 @@ def digits():
 
 
 @pytest.fixture(scope="module")
-def steps(digits):
-    chunked = load_config(None, [*LOGICAL, "training.physical_batch_size=128"])
-    one_shot = load_config(None, LOGICAL)
+def configs():
+    """The chunked and the one-shot configs of ``steps``."""
+    return (
+        load_config(None, [*LOGICAL, "training.physical_batch_size=128"]),
+        load_config(None, LOGICAL),
+    )
+
+
+@pytest.fixture(scope="module")
+def steps(configs, digits):
+    chunked, one_shot = configs
     keys = run_keys(chunked)
     return (
         build_private_step(chunked, digits, keys=keys),
@@ -65,11 +73,11 @@ def test_chunks_sum_to_the_one_shot_clipped_sum(steps):
     params, batch, pad = chunked.example_args[:3]
     assert chunked.sampler.padded_batch_size % 128 == 0
     # the one-shot step on the very same (padded) sample
-    whole = one_shot.grad_fn(params, batch, is_padding_example=pad)
+    whole = one_shot.fn.grad_fn(params, batch, is_padding_example=pad)
     acc = jax.tree.map(jnp.zeros_like, whole.grads)
     parts = []
     for chunk, chunk_pad in physical_chunks(batch, pad, 128):
-        acc, stats = chunked.chunk_fn(
+        acc, stats = chunked.fn.chunked.chunk_fn(
             params, chunk, chunk_pad, chunked.init_state["loss_scale"], acc
         )
         parts.append(stats)
@@ -82,57 +90,58 @@ def test_chunks_sum_to_the_one_shot_clipped_sum(steps):
     assert float(total.norm_mean) == pytest.approx(float(whole.stats.norm_mean), rel=1e-5)
 
 
-def test_chunked_step_draws_the_noise_once(steps):
+def test_chunked_step_draws_the_noise_once(configs, steps):
     chunked, one_shot = steps
     a = chunked.step_fn(*chunked.example_args)
     # The one-shot sum with the chunked step's optimizer: its noise is drawn for the
     # chunked sum's sensitivity (8 float32 partial sums), a little above the one-shot's.
-    b = _whole_step(_summed(one_shot.grad_fn), chunked.optimizer)(*one_shot.example_args)
+    b = _whole_step(_summed(one_shot.fn.grad_fn), chunked.fn.optimizer)(*one_shot.example_args)
     # Same key, one draw each: the same noisy update. A second draw (or a draw
     # per chunk) would move the parameters by ~sigma C / E[B] per coordinate.
     assert _rel(a[0], b[0]) < 1e-5
     # and the audit finds the same noise draws in both (one per leaf and piece)
-    report = audit_step(chunked.config, step=chunked)
-    whole = audit_step(one_shot.config, step=one_shot)
+    report = audit_step(configs[0], step=chunked)
+    whole = audit_step(configs[1], step=one_shot)
     assert report.ok and report.counts()["noise_sample"] == whole.counts()["noise_sample"]
 
 
-def test_the_noise_is_drawn_for_the_sensitivity_of_the_sum_as_computed(steps):
+def test_the_noise_is_drawn_for_the_sensitivity_of_the_sum_as_computed(configs, steps):
     """stddev = noise multiplier x the sensitivity of the noised sum, rounding included:
     the padded batch, and the chunks' float32 partial sums added up (8 here)."""
     chunked, one_shot = steps
-    c = chunked.config.privacy.l2_clip_norm
+    config = configs[0]
+    c = config.privacy.l2_clip_norm
     for step, chunk in ((chunked, 128), (one_shot, None)):
         padded = step.sampler.padded_batch_size  # a multiple of the chunk size
         parts = 1 if chunk is None else padded // chunk
-        bound = step.sensitivity
+        bound = step.fn.sensitivity
         assert (bound["batch_size"], bound["parts"]) == (padded, parts)
-        assert bound["sensitivity"] == step.grad_fn.sensitivity(batch_size=padded, parts=parts)
+        assert bound["sensitivity"] == step.fn.grad_fn.sensitivity(batch_size=padded, parts=parts)
         assert bound["accumulate_dtype"] == "float64"
         # 2 u n C for the rounding to float32, 2 gamma_(M-1) n C for the partial sums
         u = 2.0**-24
         low = c * (1 + 2 * padded * u + 2 * (parts - 1) * padded * u)
         assert low < bound["sensitivity"] < low * (1 + 1e-6)
-    assert chunked.sensitivity["sensitivity"] > one_shot.sensitivity["sensitivity"]
+    assert chunked.fn.sensitivity["sensitivity"] > one_shot.fn.sensitivity["sensitivity"]
 
     # the optimizer's noise is the one private_optimizer draws for that sensitivity
     params, _, _, opt_state, _ = chunked.example_args
     zeros = jax.tree.map(jnp.zeros_like, params)
-    got, _ = chunked.optimizer.update(zeros, opt_state, params)
+    got, _ = chunked.fn.optimizer.update(zeros, opt_state, params)
 
     def noise_for(l2_clip_norm):
         opt = private_optimizer(
-            _make_optimizer(chunked.config),
-            noise_multiplier=chunked.noise_multiplier,
+            _make_optimizer(config),
+            noise_multiplier=chunked.plan.noise_multiplier,
             l2_clip_norm=l2_clip_norm,
-            expected_batch_size=chunked.config.training.expected_batch_size,
+            expected_batch_size=config.training.expected_batch_size,
             prng_key=chunked.keys.noise,
-            policy=chunked.policy,
-            sampler=chunked.config.privacy.noise_sampler,
+            policy=config.precision,
+            sampler=config.privacy.noise_sampler,
         )
         return opt.update(zeros, opt.init(params), params)[0]
 
-    assert _rel(got, noise_for(chunked.sensitivity["sensitivity"])) == 0
+    assert _rel(got, noise_for(chunked.fn.sensitivity["sensitivity"])) == 0
     assert _rel(got, noise_for(c)) > 0
 
 
@@ -141,8 +150,9 @@ def test_chunked_step_compiles_to_a_quarter_of_the_memory(steps):
     params, batch, pad, opt_state, scale = chunked.example_args
     chunk, chunk_pad = next(physical_chunks(batch, pad, 128))
     acc = jax.tree.map(jnp.zeros_like, params)
-    small = chunked.chunk_fn.lower(params, chunk, chunk_pad, scale, acc).compile()
-    apply = chunked.apply_fn.lower(params, acc, opt_state, scale, jnp.int32(0)).compile()
+    small = chunked.fn.chunked.chunk_fn.lower(params, chunk, chunk_pad, scale, acc).compile()
+    apply = chunked.fn.chunked.apply_fn.lower(params, acc, opt_state, scale, jnp.int32(0))
+    apply = apply.compile()
     big = one_shot.step_fn.lower(*one_shot.example_args).compile()
     chunk_temp = max(
         small.memory_analysis().temp_size_in_bytes, apply.memory_analysis().temp_size_in_bytes
@@ -242,7 +252,7 @@ def test_a_truncated_poisson_sample_takes_a_thousandth_of_delta_at_most(digits, 
     p = stats.binom.sf(s.padded_batch_size, s.num_examples + 1, s.sampling_prob)
     assert p == pytest.approx(s.truncation_probability)
     assert 300 * p * (1 + np.exp(target)) <= step.plan.truncation_delta <= 1e-3 * delta
-    assert step.budget.delta == pytest.approx(delta - step.plan.truncation_delta)
+    assert step.plan.budget.delta == pytest.approx(delta - step.plan.truncation_delta)
 
 
 # A small run whose mechanism the builder is given by hand below.
@@ -288,7 +298,7 @@ def test_a_step_built_from_objects_is_the_trainers_step(digits, physical):
     trainer = build_private_step(load_config(None, [*_SMALL, *chunks]), digits)
     padded = trainer.sampler.padded_batch_size
     step, state = _by_hand(trainer.model, digits, trainer.keys, padded, physical=physical)
-    assert step.sensitivity == trainer.sensitivity
+    assert step.sensitivity == trainer.fn.sensitivity
     assert (step.chunked is None) == (physical is None)
     ref = dict(trainer.init_state)
     for t in range(3):
@@ -315,7 +325,7 @@ def test_the_builder_refuses_what_it_cannot_build(digits):
         _by_hand(trainer.model, digits, trainer.keys, padded, physical=100)
     with pytest.raises(ValueError, match="shard_params: shards over a mesh"):
         dpmp.private_step(
-            trainer.grad_fn,
+            trainer.fn.grad_fn,
             optax.sgd(0.1),
             params=trainer.init_state["params"],
             batch=trainer.example_args[1],

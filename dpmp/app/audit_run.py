@@ -278,12 +278,11 @@ def _zero_out(sampled: SampledBatch, out: np.ndarray) -> SampledBatch:
     return sampled._replace(is_padding_example=pad | out[idx])
 
 
-def _train(step: PrivateStep, out: np.ndarray, progress: bool) -> Any:
-    """Runs ``step`` for the config's steps, excluded records zeroed out; the final
+def _train(step: PrivateStep, steps: int, out: np.ndarray, progress: bool) -> Any:
+    """Runs ``step`` for ``steps`` steps, excluded records zeroed out; the final
     parameters. Each step is the trainer's own (``PrivateStep.step_fn`` on
     ``PrivateStep.batch`` of the sampler's batch); ``step`` is left as it was
     (the sampler is copied)."""
-    steps = step.config.training.steps
     bar = ProgressBar(steps, enabled=progress)
     every = max(1, steps // 10)
     state = dict(step.init_state)
@@ -318,15 +317,17 @@ def _losses(step: PrivateStep, params: Any, x: np.ndarray, y: np.ndarray) -> np.
 # ---- the claim ----------------------------------------------------------------------
 
 
-def _epsilon(step: PrivateStep, sampling_prob: float, *, preprocessing: bool) -> float:
-    p, b = step.config.privacy, step.budget
+def _epsilon(
+    config: Config, step: PrivateStep, sampling_prob: float, *, preprocessing: bool
+) -> float:
+    b = step.plan.budget
     return accounting.epsilon(
-        noise_multiplier=step.noise_multiplier,
+        noise_multiplier=step.plan.noise_multiplier,
         sampling_prob=sampling_prob,
-        steps=step.config.training.steps,
+        steps=config.training.steps,
         delta=b.delta,  # privacy.delta less what a truncated Poisson sample may take
-        accountant=p.accountant,
-        count_noise_stddev=step.count_noise_stddev,
+        accountant=config.privacy.accountant,
+        count_noise_stddev=step.plan.count_noise_stddev,
         count_every=1,
         preprocessing_noise_multiplier=b.preprocessing_noise_multiplier if preprocessing else None,
         noised_coordinates=b.noised_coordinates,
@@ -340,10 +341,12 @@ def _say(progress: bool, message: str) -> None:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Setup:
-    """The config's own step (its plan), the audit run's step, and the canaries:
-    the last ``len(member)`` training records of ``step.data``."""
+    """The config and its own step (its plan), the audit run's config and step, and
+    the canaries: the last ``len(member)`` training records of ``step.data``."""
 
+    config: Config
     own: PrivateStep
+    audit_config: Config
     step: PrivateStep
     x: np.ndarray
     y: np.ndarray
@@ -363,15 +366,15 @@ def _setup(config: Config, base: Dataset, m: int, seed: int | None) -> _Setup:
     x, y = make_canaries(rng, m, base.input_shape, base.num_classes)
     member = rng.random(m) < 0.5
     records = base.num_train + m
-    batch = min(records, max(1, round(own.sampling_prob * records)))
+    batch = min(records, max(1, round(own.plan.sampling_prob * records)))
     audit_config = _with_plan(
-        config, noise_multiplier=own.noise_multiplier, expected_batch_size=batch
+        config, noise_multiplier=own.plan.noise_multiplier, expected_batch_size=batch
     )
     stats = None
     if config.data.standardize != "none":  # from the n records: the canaries play no part
         stats = feature_stats(config, base, fresh_seed())
     step = build_private_step(audit_config, _with_canaries(base, x, y), feature_stats=stats)
-    return _Setup(own, step, x, y, member)
+    return _Setup(config, own, audit_config, step, x, y, member)
 
 
 def _scores(setup: _Setup, params: Any) -> np.ndarray:
@@ -441,12 +444,12 @@ def audit_run(
     _say(
         progress,
         f"training with {m} canaries ({step.data.num_train} records, q "
-        f"{step.sampling_prob:.5g}, sigma {step.noise_multiplier:.4g}, "
+        f"{step.plan.sampling_prob:.5g}, sigma {step.plan.noise_multiplier:.4g}, "
         f"{config.training.steps} steps)",
     )
     out = np.zeros(step.data.num_train, bool)
     out[setup.num_train :] = ~setup.member
-    params = _train(step, out, progress)
+    params = _train(step, config.training.steps, out, progress)
     scores = _scores(setup, params)
     _say(progress, "simulating the same audit of the exact Gaussian mechanism")
     report = _report(setup, params, scores, k, significance, started)
@@ -459,14 +462,14 @@ def _report(
     setup: _Setup, params: Any, scores: np.ndarray, k: int, significance: float, started: float
 ) -> RunAuditReport:
     step, own, member = setup.step, setup.own, setup.member
-    config, m = own.config, len(member)
+    config, m = setup.config, len(member)
     delta = config.privacy.delta
     correct = guess(scores, member, k)
     game = exact_gaussian_game(
         noise_multiplier=accounting.effective_noise_multiplier(
-            step.noise_multiplier, step.count_noise_stddev
+            step.plan.noise_multiplier, step.plan.count_noise_stddev
         ),
-        sampling_prob=step.sampling_prob,
+        sampling_prob=step.plan.sampling_prob,
         steps=config.training.steps,
         num_canaries=m,
         num_guesses=k,
@@ -484,8 +487,10 @@ def _report(
         num_guesses=k,
         num_correct=correct,
         epsilon_lower=epsilon_lower_bound(m, k, correct, delta=delta, significance=significance),
-        epsilon_claimed=_epsilon(step, step.sampling_prob, preprocessing=False),
-        epsilon_config=_epsilon(own, own.sampling_prob, preprocessing=True),
+        epsilon_claimed=_epsilon(
+            setup.audit_config, step, step.plan.sampling_prob, preprocessing=False
+        ),
+        epsilon_config=_epsilon(config, own, own.plan.sampling_prob, preprocessing=True),
         epsilon_gaussian=game.epsilon_median,
         epsilon_gaussian_low=game.epsilon_low,
         epsilon_gaussian_high=game.epsilon_high,
@@ -494,14 +499,14 @@ def _report(
         auc_gaussian=game.auc,
         delta=float(delta),
         significance=float(significance),
-        noise_multiplier=float(step.noise_multiplier),
+        noise_multiplier=float(step.plan.noise_multiplier),
         clip_norm=float(config.privacy.l2_clip_norm),
         steps=config.training.steps,
         accountant=config.privacy.accountant,
-        sampling_prob=float(step.sampling_prob),
-        config_sampling_prob=float(own.sampling_prob),
+        sampling_prob=float(step.plan.sampling_prob),
+        config_sampling_prob=float(own.plan.sampling_prob),
         num_train=setup.num_train,
-        expected_batch_size=step.config.training.expected_batch_size,
+        expected_batch_size=setup.audit_config.training.expected_batch_size,
         test_accuracy=float(test_accuracy),
         score="loss at the initial minus the final parameters",
         seconds=time.perf_counter() - started,

@@ -364,13 +364,12 @@ def epsilon_text(epsilon: float) -> str:
     return f"{math.ceil(epsilon * 1e5 - 1e-6) / 1e5:.5f}"
 
 
-def _sampling_section(step, sampler, completed: int, breakdown) -> dict[str, Any]:
+def _sampling_section(config, step, sampler, completed: int, breakdown) -> dict[str, Any]:
     """How batches were drawn, and what truncating a Poisson sample may cost."""
-    config = step.config
     poisson = config.privacy.sampling == "poisson"
     sampling: dict[str, Any] = {
         "kind": "poisson" if poisson else "shuffle",
-        "sampling_prob": step.sampling_prob,
+        "sampling_prob": step.plan.sampling_prob,
         "expected_batch_size": config.training.expected_batch_size,
         "padded_batch_size": sampler.padded_batch_size,
         "privacy_note": sampler.privacy_note,
@@ -381,13 +380,13 @@ def _sampling_section(step, sampler, completed: int, breakdown) -> dict[str, Any
     return sampling
 
 
-def _overflow_section(step, tracker, totals: dict[str, Any], breakdown) -> dict[str, Any]:
+def _overflow_section(config, step, tracker, totals: dict[str, Any], breakdown) -> dict[str, Any]:
     """The loss scale's releases (noised overflow counts) and their epsilon."""
-    kind = step.config.loss_scale.kind
+    kind = config.loss_scale.kind
     overflow: dict[str, Any] = {
         "privatized": kind == "private_dynamic",
         "count_releases": tracker.count_releases,
-        "count_noise_stddev": step.count_noise_stddev,
+        "count_noise_stddev": step.plan.count_noise_stddev,
         "epsilon_cost": breakdown.counts,
         "epsilon_without_counts": breakdown.dpsgd,
     }
@@ -404,15 +403,15 @@ def _overflow_section(step, tracker, totals: dict[str, Any], breakdown) -> dict[
     return overflow
 
 
-def _standardize_section(step, breakdown) -> dict[str, Any]:
+def _standardize_section(config, step, breakdown) -> dict[str, Any]:
     """The preprocessing release (private standardisation) and its epsilon."""
-    d = step.config.data
+    d = config.data
     standardize: dict[str, Any] = {"mode": d.standardize}
     if d.standardize == "private":
         standardize.update(
             clip=d.standardize_clip,
             noise_multiplier=d.standardize_noise_multiplier,
-            release_noise_multiplier=step.budget.preprocessing_noise_multiplier,
+            release_noise_multiplier=step.plan.budget.preprocessing_noise_multiplier,
             epsilon_cost=breakdown.preprocessing,
         )
     elif d.standardize == "nonprivate":
@@ -420,25 +419,25 @@ def _standardize_section(step, breakdown) -> dict[str, Any]:
     return standardize
 
 
-def _noise_section(step, breakdown) -> dict[str, Any]:
+def _noise_section(config, step, breakdown) -> dict[str, Any]:
     """The gradient noise: its sampler, the residual accounted, its stddev."""
+    sensitivity = step.fn.sensitivity
     return {
-        "sampler": step.config.privacy.noise_sampler,
-        "noised_coordinates": step.budget.noised_coordinates,
+        "sampler": config.privacy.noise_sampler,
+        "noised_coordinates": step.plan.budget.noised_coordinates,
         "epsilon_residual": breakdown.noise_residual,
         # The sum's L2 sensitivity as computed (the clip norm plus a bound on the
         # floating-point rounding of the clipped sum, from public constants: the
         # padded batch size, the partial sums, the dtypes and the model's shapes);
         # the noise stddev is noise_multiplier times it.
-        "l2_sensitivity": step.sensitivity.get("sensitivity"),
-        "stddev": step.noise_multiplier * step.sensitivity.get("sensitivity", math.nan),
-        "sensitivity_bound": dict(step.sensitivity),
+        "l2_sensitivity": sensitivity.get("sensitivity"),
+        "stddev": step.plan.noise_multiplier * sensitivity.get("sensitivity", math.nan),
+        "sensitivity_bound": dict(sensitivity),
     }
 
 
-def _privacy_section(step, tracker, breakdown, warnings_: list[str]) -> dict[str, Any]:
+def _privacy_section(config, step, breakdown, warnings_: list[str]) -> dict[str, Any]:
     """The guarantee: epsilon, delta and its parts, the relation, the noise."""
-    config = step.config
     p = config.privacy
     return {
         "policy": config.policy,
@@ -453,16 +452,16 @@ def _privacy_section(step, tracker, breakdown, warnings_: list[str]) -> dict[str
         "target_epsilon": p.target_epsilon,
         "delta": p.delta,
         "delta_parts": {
-            "accountant": step.budget.delta,
+            "accountant": step.plan.budget.delta,
             "truncation_reserved": step.plan.truncation_delta,
             "note": "delta is the whole: the accountant's epsilon holds at the delta a "
             "possibly truncated Poisson sample leaves (its part reserved), and covers the "
             "snapped noise's residual, whose failure probability is part of it",
         },
         "accountant": p.accountant,
-        "noise_multiplier": step.noise_multiplier,
-        "noise_multiplier_calibrated": step.noise_calibrated,
-        "noise": _noise_section(step, breakdown),
+        "noise_multiplier": step.plan.noise_multiplier,
+        "noise_multiplier_calibrated": step.plan.calibrated,
+        "noise": _noise_section(config, step, breakdown),
         "l2_clip_norm": p.l2_clip_norm,
     }
 
@@ -483,6 +482,7 @@ def _test_metrics(step, evaluation: dict[str, Any]) -> dict[str, Any]:
 
 def build_report(
     *,
+    config,
     step,
     tracker: accounting.BudgetTracker,
     completed: int,
@@ -499,17 +499,17 @@ def build_report(
     num_params: int,
     starting_point: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``report.json``: the plan, epsilon, test metrics, loss scale, audit. Public."""
-    config = step.config
+    """``report.json`` of a run of ``config`` with ``step`` (a ``PrivateStep``): the
+    plan, epsilon, test metrics, loss scale, audit. Public."""
     breakdown = tracker.breakdown()
     warnings_ = privacy_warnings(config, step.data.num_train) + audit_warnings(audit)
     return {
-        **_privacy_section(step, tracker, breakdown, warnings_),
+        **_privacy_section(config, step, breakdown, warnings_),
         "steps": completed,
         "planned_steps": config.training.steps,
         "stopped_early": stopped,
         **_test_metrics(step, evaluation),
-        "overflow": _overflow_section(step, tracker, totals, breakdown),
+        "overflow": _overflow_section(config, step, tracker, totals, breakdown),
         "loss_scale": {
             "kind": config.loss_scale.kind,
             "initial": scale_history[0][1],
@@ -518,7 +518,7 @@ def build_report(
             "history": scale_history,
             "history_note": "[step, value]: the scale used from that (1-based) step on",
         },
-        "standardize": _standardize_section(step, breakdown),
+        "standardize": _standardize_section(config, step, breakdown),
         "clipping": {
             "method_requested": step.clipping["requested"],
             "method": step.clipping["method"],
@@ -526,8 +526,8 @@ def build_report(
             "layers": step.clipping["layers"],
         },
         "audit": audit,
-        "sampling": _sampling_section(step, sampler, completed, breakdown),
-        "mesh": mesh_summary(step.mesh, sharded=config.training.shard_params),
+        "sampling": _sampling_section(config, step, sampler, completed, breakdown),
+        "mesh": mesh_summary(step.fn.mesh, sharded=config.training.shard_params),
         "model": step.model.summary(params),
         "data": step.data.summary(),
         "config": public_config(config),

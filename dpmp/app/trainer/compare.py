@@ -50,7 +50,7 @@ _SAMPLE_S = 0.2  # a fast step is timed as the mean of enough calls to last this
 
 
 def _nonprivate_step(step, optimizer) -> Callable:
-    policy, loss_fn = step.policy, step.model.loss_fn
+    policy, loss_fn = step.fn.grad_fn.policy, step.model.loss_fn
 
     def nonprivate_step(params, batch, is_padding_example, opt_state, loss_scale, *frozen):
         def loss(p):
@@ -64,7 +64,7 @@ def _nonprivate_step(step, optimizer) -> Callable:
 
 
 def _clipped_step(step, optimizer) -> Callable:
-    grad_fn = step.grad_fn
+    grad_fn = step.fn.grad_fn
 
     def clipped_step(params, batch, is_padding_example, opt_state, loss_scale, *frozen):
         out = grad_fn(
@@ -76,11 +76,12 @@ def _clipped_step(step, optimizer) -> Callable:
     return clipped_step
 
 
-def _steps(step) -> dict[str, tuple[Callable, tuple]]:
-    """Each kind's jitted function and its arguments (the model's frozen arrays, a
-    LoRA base, last: an argument of each program, not constants in it)."""
+def _steps(step, config: Config) -> dict[str, tuple[Callable, tuple]]:
+    """Each kind's jitted function and its arguments, for ``config``'s ``step`` (the
+    model's frozen arrays, a LoRA base, last: an argument of each program, not
+    constants in it)."""
     params, batch, pad, opt_state, scale = step.example_args
-    base = _make_optimizer(step.config)
+    base = _make_optimizer(config)
     base_state = base.init(params)
     frozen = step.model.frozen_args()
     private = step.step_fn
@@ -129,7 +130,7 @@ def _with_policy(config: Config, policy: str) -> Config:
 
 def _one_policy(cfg: Config, data: Dataset, policy: str, repeats: int) -> list[dict]:
     step = build_private_step(cfg, data)
-    fns = _steps(step)
+    fns = _steps(step, cfg)
     temp = {
         kind: int(jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes)
         for kind, (f, args) in fns.items()
@@ -139,7 +140,7 @@ def _one_policy(cfg: Config, data: Dataset, policy: str, repeats: int) -> list[d
     param_dtypes = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(params)})
     return [
         {
-            "policy": str(step.policy),
+            "policy": str(cfg.precision),
             "preset": policy,
             "step": kind,
             "param_dtype": ",".join(param_dtypes),

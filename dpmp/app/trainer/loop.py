@@ -120,9 +120,8 @@ def _new_totals() -> dict[str, Any]:
     }
 
 
-def _log_plan(run: RunDir, step: PrivateStep) -> None:
-    config = step.config
-    p, t = config.privacy, config.training
+def _log_plan(run: RunDir, config: Config, step: PrivateStep) -> None:
+    p, t, plan = config.privacy, config.training, step.plan
     for note in step.notes:
         run.log(note)
     if step.data.cut_to is not None:  # the rule only: how many were cut is private
@@ -131,21 +130,21 @@ def _log_plan(run: RunDir, step: PrivateStep) -> None:
             f"{step.data.cut_to} (how many were: private/diagnostics.json)"
         )
     run.log(
-        f"noise multiplier {step.noise_multiplier:.6g} "
-        f"({'calibrated to' if step.noise_calibrated else 'given; target'} epsilon "
+        f"noise multiplier {plan.noise_multiplier:.6g} "
+        f"({'calibrated to' if plan.calibrated else 'given; target'} epsilon "
         f"{p.target_epsilon:g} at delta {p.delta:g} over {t.steps} "
-        f"steps, q = {step.sampling_prob:.6g}, accountant {p.accountant})"
+        f"steps, q = {plan.sampling_prob:.6g}, accountant {p.accountant})"
     )
-    if step.sensitivity:
-        bound = step.sensitivity
+    if step.fn.sensitivity:
+        bound = step.fn.sensitivity
         run.log(
             f"noise stddev = noise multiplier x L2 sensitivity {bound['sensitivity']:.9g}: the "
             f"clip norm {bound['clip_norm']:g} plus the rounding of the clipped sum of "
             f"{bound['batch_size']} padded examples in {bound['parts']} part(s), accumulated "
             f"in {bound['accumulate_dtype']}"
         )
-    if step.mesh is not None:
-        where = release.mesh_summary(step.mesh, sharded=t.shard_params)
+    if step.fn.mesh is not None:
+        where = release.mesh_summary(step.fn.mesh, sharded=t.shard_params)
         run.log(
             f"data-parallel mesh: {where['devices']} {where['platform']} devices in "
             f"{where['processes']} process(es); each clips its share of the batch, the "
@@ -304,9 +303,9 @@ def _train(
         config, data, model=model, loss=loss, feature_stats=saved_stats, init_params=init_params
     )
     if fixed:
-        _check_fixed_noise(config, step.budget)
+        _check_fixed_noise(config, step.plan.budget)
     step_bytes = check_step_memory(step)  # compiled now; the first step reuses it
-    run = _Run(step, run_dir, data_fingerprint, start)
+    run = _Run(config, step, run_dir, data_fingerprint, start)
     if found is not None:
         check_model(found[0], run.signature, found[1])
         check_start(found[0], start, found[1])
@@ -315,9 +314,9 @@ def _train(
         run.start()
     for line in told:
         run_dir.log(line)
-    _log_plan(run_dir, run.step)
+    _log_plan(run_dir, config, run.step)
     run_dir.log(f"the compiled step needs {step_bytes / 2**20:,.1f} MiB per device")
-    audit = audit_summary(run.step)
+    audit = audit_summary(config, run.step)
     verdict = {True: "ok", False: "VIOLATIONS", None: "error"}[audit["ok"]]
     run_dir.log(f"precision audit of the step: {verdict}")
     run.loop(callback, progress=progress, interrupts=interrupts)
@@ -453,22 +452,23 @@ class _Run:
 
     def __init__(
         self,
+        config: Config,
         step: PrivateStep,
         run_dir: RunDir,
         data_fingerprint: str,
         start: dict[str, Any] | None = None,
     ):
-        self.step, self.config, self.run_dir = step, step.config, run_dir
+        self.step, self.config, self.run_dir = step, config, run_dir
         self.start_info = start
         self.ckpt_dir = run_dir.path / "checkpoints"
         self.data_fingerprint = data_fingerprint
         self.signature = model_signature(step.init_state["params"])
         # evaluation calls hold no more rows than a step's (physical_batch_size)
-        chunk = step.config.training.physical_batch_size or 512
+        chunk = config.training.physical_batch_size or 512
         self.evaluate_split = evaluator(step.model, chunk, input_dtype=input_dtype(step.data))
         self.state = dict(step.init_state)
         self.sampler = step.sampler
-        self.tracker = accounting.BudgetTracker(step.budget)
+        self.tracker = accounting.BudgetTracker(step.plan.budget)
         self.totals = _new_totals()
         first_scale = float(local(self.state["loss_scale"].loss_scale))
         self.scale_history: list[list[float]] = [[1, first_scale]]
@@ -499,18 +499,18 @@ class _Run:
         if restored is None:
             return False
         self.state, meta, path = restored
-        if self.step.mesh is not None:
-            self.state = self.step.mesh.put(self.state, self.step.state_shardings)
+        if self.step.fn.mesh is not None:
+            self.state = self.step.fn.mesh.put(self.state, self.step.state_shardings)
         self.step = self.step.starting_from(self.state)  # the built state is let go
         check_config(meta, self.config, path)
         check_data(meta, self.data_fingerprint, path)
         check_model(meta, self.signature, path)
         check_start(meta, self.start_info, path)
         self.tracker = accounting.BudgetTracker.from_state_dict(meta["tracker"])
-        if self.tracker.budget != self.step.budget:
+        if self.tracker.budget != self.step.plan.budget:
             raise CheckpointError(
                 f"{path}: privacy plan differs from this config's: checkpoint "
-                f"{self.tracker.budget}, config {self.step.budget}"
+                f"{self.tracker.budget}, config {self.step.plan.budget}"
             )
         self.sampler = type(self.sampler).from_state_dict(
             meta["sampler"], num_steps=self.config.training.steps
@@ -667,7 +667,7 @@ class _Run:
             "totals": self.totals,
             "loss_scale_history": self.scale_history,
             "last_eval": self.last_eval,
-            "noise_multiplier": self.step.noise_multiplier,
+            "noise_multiplier": self.step.plan.noise_multiplier,
             "finished": finished,
             "stopped_early": self.stopped,
         }
@@ -706,6 +706,7 @@ class _Run:
             self.save(finished=True)
         params = local(self.state["params"])
         report = release.build_report(
+            config=self.config,
             step=self.step,
             tracker=self.tracker,
             completed=self.completed,

@@ -16,11 +16,11 @@ directly)::
                                  frozen=model.frozen (a LoRA base, or None), ...)
     state    = fn.init(params, loss scale of [loss_scale])
 
-``PrivateStep`` keeps that step with the parts the loop, the report and the
-audits read: the config, the data as the step sees it, the model, the sampler,
-the plan, the keys, the initial state and a first batch. What one step
-computes (physical chunks, the mesh, the sensitivity the noise is drawn for)
-is said in ``dpmp.step``.
+``PrivateStep`` is that step with what the loop needs beside it: real
+arguments and the initial state, the data its batches are read from, the
+model it trains, the sampler, the plan and the keys. The config stays the
+caller's. What one step computes (physical chunks, the mesh, the sensitivity
+the noise is drawn for) is said in ``dpmp.step``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from dpmp.precision._loss_scale import (
     StaticLossScale,
 )
 from dpmp.step._mesh import DataParallelMesh
-from dpmp.step._step import PrivateStepFn, StepState, _static, private_step
+from dpmp.step._step import PrivateStepFn, _static, private_step
 
 __all__ = [
     "AUDIT_EXPECT",
@@ -79,24 +79,31 @@ AUDIT_EXPECT = ("batch_reduction", "norm", "noise_sample", "noise_add", "update"
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PrivateStep:
-    """The private step of a run and what it was built from (``build_private_step``).
+    """The private step of a run (``build_private_step``) and what the loop needs
+    beside it; ``step_fn, example_args = build_private_step(config)`` unpacks it.
 
     Attributes:
-      fn: the ``dpmp.step.PrivateStepFn``; ``step_fn``, ``grad_fn``,
-        ``optimizer``, ``sensitivity``, ``mesh`` and the chunked pieces
-        (``chunk_fn``, ``apply_fn``, ``chunks``, ``zeros``: None without
-        physical chunks) are read from it.
+      step_fn: the step the loop calls, ``step_fn(params, batch,
+        is_padding_example, opt_state, loss_scale) -> (params, opt_state,
+        loss_scale, stats)`` (``fn.step_fn``).
+      fn: the ``dpmp.step.PrivateStepFn`` it is: ``fn.grad_fn``,
+        ``fn.optimizer``, ``fn.sensitivity`` (the L2 sensitivity the noise is
+        drawn for), ``fn.mesh`` (None on one device) and ``fn.chunked`` (the
+        pieces of a step over physical chunks, or None).
       example_args: real arguments for ``step_fn`` (initial state, batch 0).
-      config: the run's ``Config``; ``policy`` is its precision policy.
-      data: the training data as the step sees it (standardised, if the
-        config says so).
-      model: the ``Model`` (LoRA adapters over a frozen base, if the config says so).
-      sampler: the run's sampler (Poisson, padded; or shuffled).
-      plan: the ``NoisePlan`` (sigma, calibrated or given, the budget, q).
       init_state: the initial ``params``, ``opt_state`` and ``loss_scale``
         (on the mesh, if there is one). A donating step (``build_private_step(...,
         donate=True)``, the trainer's) deletes them, and ``example_args``'
         state, at its first call.
+      state_shardings: on a mesh, the sharding of every leaf of ``init_state``
+        (a restored state is put with it); else None.
+      data: the training data the batches are read from (standardised, if the
+        config says so).
+      model: the ``Model`` the step trains (LoRA adapters over a frozen base, if
+        the config says so).
+      sampler: the run's sampler (Poisson, padded; or shuffled).
+      plan: the ``NoisePlan``: ``noise_multiplier`` (``calibrated`` or given),
+        the ``budget``, ``sampling_prob``, ``count_noise_stddev``.
       clipping: ``grad_fn.explain(...)`` for this run's batches: the clip
         method requested, the one used, why, and the rule for each parameter.
       feature_stats: the standardisation statistics, or None.
@@ -107,14 +114,15 @@ class PrivateStep:
         and the starting point, never of the private data.
     """
 
+    step_fn: Any
     fn: PrivateStepFn
     example_args: tuple
-    config: Config
+    init_state: dict[str, Any]
+    state_shardings: dict[str, Any] | None
     data: Dataset
     model: Model
     sampler: Any
     plan: NoisePlan
-    init_state: dict[str, Any]
     clipping: dict[str, Any]
     feature_stats: FeatureStats | None
     keys: RunKeys
@@ -124,7 +132,8 @@ class PrivateStep:
         """The ``(batch, is_padding_example)`` arguments of ``step_fn`` for a sampled
         batch, read from the training data (on a mesh: split over its devices,
         each process reading only its own rows)."""
-        return _step_batch(self.data, sampled, self.mesh, self.config.training.physical_batch_size)
+        chunk = None if self.fn.chunked is None else self.fn.chunked.size
+        return _step_batch(self.data, sampled, self.fn.mesh, chunk)
 
     def __iter__(self):  # ``step_fn, example_args = build_private_step(...)``
         return iter((self.step_fn, self.example_args))
@@ -135,34 +144,6 @@ class PrivateStep:
         _, batch, pad, _, _ = self.example_args
         args = (state["params"], batch, pad, state["opt_state"], state["loss_scale"])
         return dataclasses.replace(self, init_state=dict(state), example_args=args)
-
-    @property
-    def state_shardings(self) -> dict[str, Any] | None:
-        """On a mesh, the sharding of every leaf of ``init_state``; else None."""
-        shardings = self.fn.state_shardings(StepState(**self.init_state))
-        return None if shardings is None else shardings._asdict()
-
-    # The step's parts, as the loop, the report and the audits read them.
-    step_fn = property(lambda self: self.fn.step_fn)
-    grad_fn = property(lambda self: self.fn.grad_fn)
-    optimizer = property(lambda self: self.fn.optimizer)
-    sensitivity = property(lambda self: self.fn.sensitivity)
-    mesh = property(lambda self: self.fn.mesh)
-    policy = property(lambda self: self.config.precision)
-    chunk_fn = property(lambda self: _chunked(self, "chunk_fn"))
-    apply_fn = property(lambda self: _chunked(self, "apply_fn"))
-    chunks = property(lambda self: _chunked(self, "chunks"))
-    zeros = property(lambda self: _chunked(self, "zeros"))
-    # The plan's numbers, as the report and the log read them.
-    noise_multiplier = property(lambda self: self.plan.noise_multiplier)
-    noise_calibrated = property(lambda self: self.plan.calibrated)
-    budget = property(lambda self: self.plan.budget)
-    sampling_prob = property(lambda self: self.plan.sampling_prob)
-    count_noise_stddev = property(lambda self: self.plan.count_noise_stddev)
-
-
-def _chunked(step: PrivateStep, name: str) -> Any:
-    return None if step.fn.chunked is None else getattr(step.fn.chunked, name)
 
 
 def _make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -349,9 +330,11 @@ def build_private_step(
         frozen=model.frozen,  # an argument of the compiled step, never a constant in it
         donate=donate,
     )
-    init_state = fn.init(params, _make_loss_scale(config, keys.loss_scale))._asdict()
+    state = fn.init(params, _make_loss_scale(config, keys.loss_scale))
+    init_state, shardings = state._asdict(), fn.state_shardings(state)
     batch, pad = jax.tree.map(jnp.asarray, _step_batch(data, first, mesh, size))
     return PrivateStep(
+        step_fn=fn.step_fn,
         fn=fn,
         example_args=(
             init_state["params"],
@@ -360,12 +343,12 @@ def build_private_step(
             init_state["opt_state"],
             init_state["loss_scale"],
         ),
-        config=config,
+        init_state=init_state,
+        state_shardings=None if shardings is None else shardings._asdict(),
         data=data,
         model=model,
         sampler=sampler,
         plan=plan,
-        init_state=init_state,
         clipping=clipping,
         feature_stats=feature_stats,
         keys=keys,
@@ -421,13 +404,14 @@ def step_memory(step: PrivateStep) -> int:
     the noise-and-update call, each with the state that stays on the device
     beside it (the optimizer state during the chunks, the whole batch)."""
     params, batch, pad, opt_state, scale = step.example_args
-    if step.chunk_fn is None:
+    chunked = step.fn.chunked
+    if chunked is None:
         return _compiled_bytes(step.step_fn, *step.example_args)
-    chunk, chunk_pad = next(iter(step.chunks(batch, pad)))
-    acc = step.zeros()
+    chunk, chunk_pad = next(iter(chunked.chunks(batch, pad)))
+    acc = chunked.zeros()
     beside = _device_bytes((batch, pad))
-    chunk_call = _compiled_bytes(step.chunk_fn, params, chunk, chunk_pad, _static(scale), acc)
-    apply_call = _compiled_bytes(step.apply_fn, params, acc, opt_state, scale, jnp.int32(0))
+    chunk_call = _compiled_bytes(chunked.chunk_fn, params, chunk, chunk_pad, _static(scale), acc)
+    apply_call = _compiled_bytes(chunked.apply_fn, params, acc, opt_state, scale, jnp.int32(0))
     return max(chunk_call + _device_bytes(opt_state), apply_call) + beside
 
 
@@ -437,10 +421,9 @@ def check_step_memory(step: PrivateStep, limit: int | None = None) -> int:
     need = step_memory(step)
     limit = _memory_bytes() if limit is None else limit
     if need > limit:
-        t = step.config.training
         knobs = (
             "training.physical_batch_size"
-            if t.physical_batch_size
+            if step.fn.chunked is not None
             else "training.expected_batch_size or training.physical_batch_size"
         )
         raise ConfigError(
@@ -591,7 +574,7 @@ def _explain_clipping(grad_fn, params, batch, *frozen) -> dict[str, Any]:
 
 def _expected_sites(step: PrivateStep) -> tuple[str, ...]:
     """The sites the step's audit must find: on a mesh, the all-reduce too."""
-    return AUDIT_EXPECT + (() if step.mesh is None else ("all_reduce",))
+    return AUDIT_EXPECT + (() if step.fn.mesh is None else ("all_reduce",))
 
 
 def audit_step(config: Config, data: Dataset | None = None, *, step: PrivateStep | None = None):
@@ -600,12 +583,12 @@ def audit_step(config: Config, data: Dataset | None = None, *, step: PrivateStep
     return audit_precision(
         step.step_fn,
         *step.example_args,
-        policy=step.policy,
+        policy=config.precision,
         params_argnums=0,
         batch_argnums=1,
         expect=_expected_sites(step),
         name=f"private step ({step.model.name}, {config.policy}"
-        + ("" if step.mesh is None else f", {step.mesh.size} devices")
+        + ("" if step.fn.mesh is None else f", {step.fn.mesh.size} devices")
         + ")",
     )
 
@@ -622,19 +605,20 @@ def privacy_audit_step(
     norm with the rounding bound of the clipped sum) and delta."""
     step = build_private_step(config, data) if step is None else step
     return privacy_audit(
-        step.noise_multiplier,
-        policy=step.policy,
-        clip_norm=step.sensitivity["sensitivity"],
+        step.plan.noise_multiplier,
+        policy=config.precision,
+        clip_norm=step.fn.sensitivity["sensitivity"],
         delta=config.privacy.delta,
         num_releases=num_releases,
         mechanism=sampler(config.privacy.noise_sampler),
     )
 
 
-def audit_summary(step: PrivateStep) -> dict[str, Any]:
-    """The precision audit as the report gives it; an audit error never stops a run."""
+def audit_summary(config: Config, step: PrivateStep) -> dict[str, Any]:
+    """The precision audit of ``config``'s ``step`` as the report gives it; an audit
+    error never stops a run."""
     try:
-        report = audit_step(step.config, step=step)
+        report = audit_step(config, step=step)
     except Exception as e:  # the audit must never take the run down
         return {"ok": None, "error": f"{type(e).__name__}: {e}"}
     return {
