@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 
 from dpmp._registry import Registry
 from dpmp.data._dataset import DataError, Dataset
+from dpmp.data._features import FEATURE_MAPS
 from dpmp.data._tokens import records_dataset
 
 __all__ = [
@@ -165,20 +166,26 @@ def load_dataset(
     seq_len: int = 64,
     seed: int = 0,
     tokenizer: str | None = None,
+    features: str = "none",
 ) -> Dataset:
-    """Loads the data set of the source registered as ``name`` (no standardisation).
+    """Loads the data set of the source registered as ``name`` (no standardisation),
+    its examples mapped by the feature map registered as ``features``.
 
     Args:
       name: a registered source: ``"digits"`` (scikit-learn's, shipped with
-        it), ``"npz"``, ``"npy"``, ``"python_docs"``, ``"text"``, or your own.
+        it), ``"npz"``, ``"npy"``, ``"fashion_mnist"`` (Debian's package),
+        ``"idx"`` (a folder of idx files), ``"python_docs"``, ``"text"``, or your own.
       path: the file or folder the source reads.
       test_fraction: share held out for testing when the data has no test split.
       seq_len: text: bytes (or with ``tokenizer``, predicted tokens) per record.
       seed: seeds the train/test split.
       tokenizer: text: a ``tokenizer.json`` whose tokens replace the bytes.
+      features: a registered feature map (``dpmp.data._features``): ``"none"``,
+        ``"scattering"`` (computed once, cached) or your own; a fixed function
+        of each record alone, applied to both splits.
 
     Raises:
-      ValueError: no source is registered as ``name``.
+      ValueError: no source is registered as ``name``, or no feature map as ``features``.
       DataError: the source's data cannot be used, or a ``path`` is missing for
         a source that reads one or given for a source that reads none.
     """
@@ -186,6 +193,7 @@ def load_dataset(
         path=path, test_fraction=test_fraction, seq_len=seq_len, seed=seed, tokenizer=tokenizer
     )
     source = SOURCES.get(name)
+    feature_map = FEATURE_MAPS.get(features)
     if source.needs_path and not path:
         raise DataError(f'data.path: required when data.dataset = "{name}"')
     if path and not source.needs_path:
@@ -194,4 +202,4 @@ def load_dataset(
         )
     if tokenizer is not None and not isinstance(source, TextSource):
         raise DataError(f"data.tokenizer: encodes text; data.dataset {name!r} is not text")
-    return source.load(options)
+    return feature_map.apply(source.load(options))
