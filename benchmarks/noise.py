@@ -284,14 +284,14 @@ def residual_table() -> list[dict]:
     rows = []
     for params in RESIDUAL_PARAMS:
         for steps in RESIDUAL_STEPS:
-            parts = dpmp.accounting.epsilon_breakdown(
+            parts = dpmp.accounting.epsilon(
                 noise_multiplier=1.0,
                 sampling_prob=0.01,
                 steps=steps,
                 delta=1e-5,
                 accountant="rdp",
-                count_noise_stddev=None,
                 noised_coordinates=params,
+                breakdown=True,
             )
             rows.append(
                 {

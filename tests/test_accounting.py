@@ -31,6 +31,13 @@ def _accountant(name, interval=1e-4, relation=ADD_REMOVE):
     )
 
 
+def _configured(name, interval):
+    """dpmp's accountant ``name`` at the PLD ``interval`` (RDP has none)."""
+    if name == "pld":
+        return acc.PldAccountant(value_discretization_interval=interval)
+    return name
+
+
 def _sampled_gaussian(q, sigma):
     return dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
 
@@ -96,8 +103,7 @@ def test_epsilon_matches_dp_accounting(accountant, q, sigma, steps, delta, inter
         sampling_prob=q,
         steps=steps,
         delta=delta,
-        accountant=accountant,
-        value_discretization_interval=interval,
+        accountant=_configured(accountant, interval),
     )
     want = _reference_epsilon(accountant, q, sigma, steps, delta, interval)
     assert got == pytest.approx(want, rel=1e-6)
@@ -136,7 +142,7 @@ def test_replace_one_matches_dp_accounting(q, sigma, steps):
         steps=steps,
         delta=1e-5,
         neighboring="replace_one",
-        value_discretization_interval=1e-3,
+        accountant=_configured("pld", 1e-3),
     )
     want = _reference_epsilon("pld", q, sigma, steps, 1e-5, 1e-3, REPLACE_ONE)
     assert got == pytest.approx(want, rel=1e-6)
@@ -174,15 +180,14 @@ def test_calibrated_noise_hits_target(accountant, target, q, steps):
         sampling_prob=q,
         steps=steps,
         delta=1e-5,
-        accountant=accountant,
-        value_discretization_interval=1e-3,
+        accountant=_configured(accountant, 1e-3),
     )
     eps = _reference_epsilon(accountant, q, sigma, steps, 1e-5, 1e-3)
     assert eps <= target
     assert eps == pytest.approx(target, rel=1e-2)
 
 
-@pytest.mark.parametrize("accountant", ["pld"])
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
 def test_calibrated_noise_with_counts_hits_target(accountant):
     q, steps, sigma_c, every = 0.05, 100, 8.0, 4
     sigma = acc.calibrate_noise_multiplier(
@@ -191,10 +196,9 @@ def test_calibrated_noise_with_counts_hits_target(accountant):
         sampling_prob=q,
         steps=steps,
         delta=1e-5,
-        accountant=accountant,
+        accountant=_configured(accountant, 1e-3),
         count_noise_stddev=sigma_c,
         count_every=every,
-        value_discretization_interval=1e-3,
     )
     eps = _reference_with_counts(accountant, q, sigma, sigma_c, steps, every, 1e-5, 1e-3)
     assert eps <= 3.0
@@ -223,8 +227,7 @@ def test_calibrate_steps_is_the_most_steps_within_target(accountant, target, q, 
         noise_multiplier=sigma,
         sampling_prob=q,
         delta=1e-5,
-        accountant=accountant,
-        value_discretization_interval=1e-3,
+        accountant=_configured(accountant, 1e-3),
     )
     assert n >= 1
     assert _reference_epsilon(accountant, q, sigma, n, 1e-5, 1e-3) <= target
@@ -246,10 +249,9 @@ def test_counts_match_hand_built_composed_event(accountant, sigma_c, every, step
         sampling_prob=q,
         steps=steps,
         delta=delta,
-        accountant=accountant,
+        accountant=_configured(accountant, 1e-3),
         count_noise_stddev=sigma_c,
         count_every=every,
-        value_discretization_interval=1e-3,
     )
     want = _reference_with_counts(accountant, q, sigma, sigma_c, steps, every, delta, 1e-3)
     assert got == pytest.approx(want, rel=1e-6)
@@ -264,8 +266,7 @@ def test_counts_cost_tends_to_zero_with_infinite_noise(accountant):
         sampling_prob=0.05,
         steps=200,
         delta=1e-5,
-        accountant=accountant,
-        value_discretization_interval=1e-3,
+        accountant=_configured(accountant, 1e-3),
     )
     dpsgd = _reference_epsilon(accountant, 0.05, 1.5, 200, 1e-5, 1e-3)
     extras = []
@@ -448,7 +449,7 @@ def test_tracker_remaining_steps_agrees_with_calibrate_steps():
         noise_multiplier=2.0,
         sampling_prob=0.05,
         delta=1e-5,
-        value_discretization_interval=acc.TRACKING_DISCRETIZATION,
+        accountant=acc.get_accountant("pld").for_tracking(),
     )
     tracker = acc.BudgetTracker(budget, steps=100)
     assert tracker.remaining_steps() == total - 100
@@ -584,7 +585,8 @@ def test_epsilon_errors_name_the_field(field, value, error, message):
         ("target_epsilon", 0.0, r"target_epsilon must be in \(0, 100\]"),
         ("target_epsilon", math.inf, r"target_epsilon must be in \(0, 100\]"),
         ("target_epsilon", 1000.0, r"target_epsilon must be in \(0, 100\]"),
-        ("value_discretization_interval", 0.0, "value_discretization_interval must be in"),
+        ("accountant", "moments", r"accountant must be one of \("),
+        ("neighboring", "zero_out", "neighboring must be one of"),
         ("sampling_prob", -0.1, r"sampling_prob must be in \(0, 1\]"),
     ],
 )

@@ -299,7 +299,7 @@ def test_run_stops_at_the_last_step_within_budget(digits, tmp_path, monkeypatch)
     n = report["steps"]
     assert 0 < n < 40 and stopped["step"] == n
     common = dict(noise_multiplier=0.9, sampling_prob=64 / 1437, delta=1e-5)
-    tracking = dict(common, value_discretization_interval=accounting.TRACKING_DISCRETIZATION)
+    tracking = dict(common, accountant=accounting.get_accountant("pld").for_tracking())
     assert (
         accounting.epsilon(noised_coordinates=None, steps=n, **tracking)
         <= 2.0

@@ -2,33 +2,37 @@
 
 An ``AccountingPlan`` records what a run releases: the DP-SGD steps and, when
 a private dynamic loss scale is used, its noised overflow counts, a one-off
-preprocessing release, and the noise's accounting contract with the
-coordinates it noises. ``plan_epsilon``, ``plan_epsilon_breakdown`` and
-``calibrate_plan`` answer one-shot questions about a plan; ``BudgetTracker``
-follows a run step by step against a ``PrivacyBudget``. The keyword functions
-``epsilon``, ``epsilon_breakdown``, ``calibrate_noise_multiplier`` and
-``calibrate_steps`` build the plan from their arguments. Every release of a run
-is composed, and every epsilon covers the floating-point residual of the noise
-dpmp draws (``noise_residual``) for the ``noised_coordinates`` each function
-requires.
+preprocessing release, the accountant, and the noise's accounting contract
+with the coordinates it noises. Each question has one function, which takes a
+plan or the plan's fields as keyword arguments: ``epsilon`` (with
+``breakdown=True``, its parts), ``calibrate_noise_multiplier`` and
+``calibrate_steps``; ``BudgetTracker`` follows a run step by step against a
+``PrivacyBudget``. (``epsilon_breakdown``, ``plan_epsilon``,
+``plan_epsilon_breakdown`` and ``calibrate_plan`` are the same questions under
+earlier names.) Every release of a run is composed, and every epsilon covers
+the floating-point residual of the noise dpmp draws (``noise_residual``) for
+the ``noised_coordinates`` each function requires.
 
 Formal Guarantees:
   * The events of a run and what they assume: see ``dpmp.accounting._events``.
-  * Accountants are registered by name (``register_accountant``):
-    ``accountant="rdp"``, Renyi DP of the sampled Gaussian mechanism (Mironov
-    2017; Mironov, Talwar & Zhang 2019), an upper bound typically loose by
-    5-20 percent; ``accountant="pld"``, privacy loss distributions (Koskela,
-    Jalko & Honkela 2020; Doroshenko et al. 2022) with dp-accounting's
-    *pessimistic* discretisation, an upper bound for every
-    ``value_discretization_interval``.
+  * Accountants are objects that carry their settings, registered by name
+    (``register_accountant``) as default-configured instances:
+    ``RdpAccountant(orders=...)`` (``accountant="rdp"``), Renyi DP of the
+    sampled Gaussian mechanism (Mironov 2017; Mironov, Talwar & Zhang 2019),
+    an upper bound at any orders, typically loose by 5-20 percent;
+    ``PldAccountant(value_discretization_interval=...)``
+    (``accountant="pld"``), privacy loss distributions (Koskela, Jalko &
+    Honkela 2020; Doroshenko et al. 2022) with dp-accounting's *pessimistic*
+    discretisation, an upper bound for every interval.
   * ``neighboring="add_or_remove"`` (default) is adjacency by adding or
     removing one example, the relation under which Poisson sampling is
-    analysed. ``"replace_one"`` (substitute one example) is supported by the
-    PLD accountant only; its count analysis is conservative (it allows a
-    count to move by 2 where a substitution moves it by at most 1). Its
-    analysis is dp-accounting's ``REPLACE_ONE``: the two substituted records'
-    clipped gradients colinear and opposite (``g' = -g``, ``|g| = C``). That this
-    one-dimensional pair dominates every pair of clipped gradients is
+    analysed. ``"replace_one"`` (substitute one example) is supported where an
+    accountant lists it in ``neighboring_relations`` (the PLD's); its count
+    analysis is conservative (it allows a count to move by 2 where a
+    substitution moves it by at most 1). Its analysis is dp-accounting's
+    ``REPLACE_ONE``: the two substituted records' clipped gradients colinear
+    and opposite (``g' = -g``, ``|g| = C``). That this one-dimensional pair
+    dominates every pair of clipped gradients is
     assumed, not proved (the step's ``(1-q) N(mu) + q N(mu + g)`` against
     ``(1-q) N(mu) + q N(mu + g')``; the pair puts ``g`` and ``g'`` furthest
     apart); a replace-one epsilon rests on it, the noise residual's included.
@@ -73,6 +77,8 @@ _PUBLIC = {
     "dpsgd_event": ("dpmp.accounting._events", "dpsgd_event"),
     "effective_noise_multiplier": ("dpmp.accounting._events", "effective_noise_multiplier"),
     "Accountant": ("dpmp.accounting._accountants", "Accountant"),
+    "PldAccountant": ("dpmp.accounting._pld", "PldAccountant"),
+    "RdpAccountant": ("dpmp.accounting._rdp", "RdpAccountant"),
     "composing_curve": ("dpmp.accounting._accountants", "composing_curve"),
     "get_accountant": ("dpmp.accounting._accountants", "get_accountant"),
     "register_accountant": ("dpmp.accounting._accountants", "register_accountant"),
@@ -85,9 +91,10 @@ _PUBLIC = {
     "register_noise_contract": ("dpmp.accounting._contract", "register_noise_contract"),
     "AccountingPlan": ("dpmp.accounting._plan", "AccountingPlan"),
     "EpsilonBreakdown": ("dpmp.accounting._plan", "EpsilonBreakdown"),
-    "plan_epsilon": ("dpmp.accounting._plan", "plan_epsilon"),
-    "plan_epsilon_breakdown": ("dpmp.accounting._plan", "plan_epsilon_breakdown"),
-    "calibrate_plan": ("dpmp.accounting._calibrate", "calibrate_plan"),
+    "PlanFields": ("dpmp.accounting._functions", "PlanFields"),
+    "plan_epsilon": ("dpmp.accounting._functions", "plan_epsilon"),
+    "plan_epsilon_breakdown": ("dpmp.accounting._functions", "plan_epsilon_breakdown"),
+    "calibrate_plan": ("dpmp.accounting._functions", "calibrate_plan"),
     "BudgetExceededError": ("dpmp.accounting._tracker", "BudgetExceededError"),
     "BudgetTracker": ("dpmp.accounting._tracker", "BudgetTracker"),
     "PrivacyBudget": ("dpmp.accounting._tracker", "PrivacyBudget"),
@@ -103,7 +110,6 @@ if TYPE_CHECKING:
     from dpmp.accounting._accountants import composing_curve as composing_curve
     from dpmp.accounting._accountants import get_accountant as get_accountant
     from dpmp.accounting._accountants import register_accountant as register_accountant
-    from dpmp.accounting._calibrate import calibrate_plan as calibrate_plan
     from dpmp.accounting._contract import DEFAULT_NOISE_SAMPLER as DEFAULT_NOISE_SAMPLER
     from dpmp.accounting._contract import NoiseContract as NoiseContract
     from dpmp.accounting._contract import NoiseResidual as NoiseResidual
@@ -114,15 +120,19 @@ if TYPE_CHECKING:
     from dpmp.accounting._events import count_releases as count_releases
     from dpmp.accounting._events import dpsgd_event as dpsgd_event
     from dpmp.accounting._events import effective_noise_multiplier as effective_noise_multiplier
+    from dpmp.accounting._functions import PlanFields as PlanFields
     from dpmp.accounting._functions import calibrate_noise_multiplier as calibrate_noise_multiplier
+    from dpmp.accounting._functions import calibrate_plan as calibrate_plan
     from dpmp.accounting._functions import calibrate_steps as calibrate_steps
     from dpmp.accounting._functions import epsilon as epsilon
     from dpmp.accounting._functions import epsilon_breakdown as epsilon_breakdown
     from dpmp.accounting._functions import noise_residual as noise_residual
+    from dpmp.accounting._functions import plan_epsilon as plan_epsilon
+    from dpmp.accounting._functions import plan_epsilon_breakdown as plan_epsilon_breakdown
     from dpmp.accounting._plan import AccountingPlan as AccountingPlan
     from dpmp.accounting._plan import EpsilonBreakdown as EpsilonBreakdown
-    from dpmp.accounting._plan import plan_epsilon as plan_epsilon
-    from dpmp.accounting._plan import plan_epsilon_breakdown as plan_epsilon_breakdown
+    from dpmp.accounting._pld import PldAccountant as PldAccountant
+    from dpmp.accounting._rdp import RdpAccountant as RdpAccountant
     from dpmp.accounting._residual import RESIDUAL_DELTA_SHARE as RESIDUAL_DELTA_SHARE
     from dpmp.accounting._residual import GridNoiseContract as GridNoiseContract
     from dpmp.accounting._tracker import BudgetExceededError as BudgetExceededError
@@ -181,10 +191,13 @@ __all__ = [
     "NEIGHBOURING_RELATION_NOTE",
     "NoiseContract",
     "NoiseResidual",
+    "PlanFields",
+    "PldAccountant",
     "PrivacyBudget",
     "REPORT_DISCRETIZATION",
     "REQUIRED",
     "RESIDUAL_DELTA_SHARE",
+    "RdpAccountant",
     "Release",
     "SNAP_TAIL",
     "TRACKING_DISCRETIZATION",

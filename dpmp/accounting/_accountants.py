@@ -1,16 +1,20 @@
 """Accountants: what turns a run's releases into epsilon.
 
-An accountant is an object with a name, registered by it
-(``register_accountant``; ``"rdp"`` and ``"pld"`` are built in). It makes a
-dp-accounting ``PrivacyAccountant`` for one-shot questions and calibration,
-and a ``Curve`` for the budget tracker: epsilon as a function of how many
-releases of each kind a run has made, cheap to ask again step after step.
-A new accountant is a new module with such an object and one registration.
+An accountant is a configured object: a frozen record of its settings (the
+PLD's discretisation, the RDP's orders) with a name. The registered ``"rdp"``
+and ``"pld"`` are default-configured instances (``register_accountant``);
+every function that takes ``accountant=`` takes a registered name or such an
+object. It makes a dp-accounting ``PrivacyAccountant`` for one-shot questions
+and calibration, and a ``Curve`` for the budget tracker: epsilon as a function
+of how many releases of each kind a run has made, cheap to ask again step
+after step. A new accountant is a new module with such an object and one
+registration.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -28,8 +32,9 @@ __all__ = [
     "Accountant",
     "Curve",
     "EpsilonAt",
-    "get_accountant",
+    "as_accountant",
     "composing_curve",
+    "get_accountant",
     "register_accountant",
 ]
 
@@ -47,7 +52,7 @@ Curve = Callable[[Mapping[Release, int]], EpsilonAt | None]
 
 @runtime_checkable
 class Accountant(Protocol):
-    """What dpmp needs of an accountant.
+    """What dpmp needs of an accountant: a configured object, asked for itself.
 
     Attributes:
       name: the name it is registered and chosen by (``privacy.accountant``).
@@ -62,19 +67,21 @@ class Accountant(Protocol):
     neighboring_relations: tuple[str, ...]
     bounded_first: bool
 
-    def make(self, neighboring: str, interval: float) -> dp_accounting.PrivacyAccountant:
-        """A fresh dp-accounting accountant (``interval``: PLD discretisation)."""
+    def make(self, neighboring: str) -> dp_accounting.PrivacyAccountant:
+        """A fresh dp-accounting accountant at this object's settings."""
         ...
 
     def curve(
-        self,
-        releases: Mapping[Release, GaussianRelease],
-        *,
-        neighboring: str,
-        interval: float,
-        delta: float,
+        self, releases: Mapping[Release, GaussianRelease], *, neighboring: str, delta: float
     ) -> Curve:
-        """Epsilon of runs of ``releases``, one function of the release counts."""
+        """Epsilon of runs of ``releases``, one function of the release counts, at
+        the same settings as ``make``."""
+        ...
+
+    def for_tracking(self) -> Accountant:
+        """The accountant a ``BudgetTracker`` runs in this one's place: the same
+        analysis, at settings cheap enough to ask at every step (an upper bound
+        still), or ``self``."""
         ...
 
 
@@ -90,26 +97,63 @@ def get_accountant(name: Any) -> Accountant:
     return ACCOUNTANT_REGISTRY.get(name)
 
 
+def as_accountant(value: Any) -> Accountant:
+    """``value`` if it is an ``Accountant``, else the one registered by that name."""
+    if isinstance(value, str):
+        return get_accountant(value)
+    if not isinstance(value, Accountant):
+        raise TypeError(
+            f"accountant must be a registered name {ACCOUNTANT_REGISTRY.names()} or a "
+            f"dpmp.accounting.Accountant, got {value!r}."
+        )
+    return value
+
+
+def accountant_record(acct: Accountant) -> str | dict[str, Any]:
+    """``acct`` as JSON: its name when it is the accountant registered by that name,
+    else its fields (a frozen dataclass), restored by ``accountant_from_record``."""
+    if acct.name in ACCOUNTANT_REGISTRY and get_accountant(acct.name) == acct:
+        return acct.name
+    if not dataclasses.is_dataclass(acct):
+        raise TypeError(f"accountant: {acct!r} is not registered and not a dataclass: no record")
+    record = {f.name: getattr(acct, f.name) for f in dataclasses.fields(acct)}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in record.items()}
+
+
+def accountant_from_record(record: Any) -> Accountant:
+    """The accountant of ``accountant_record``: a name, or the fields that configure
+    the accountant registered by ``record["name"]`` differently."""
+    if isinstance(record, dict):
+        fields = dict(record)
+        return dataclasses.replace(get_accountant(fields.pop("name", None)), **fields)
+    return as_accountant(record)
+
+
 def check_neighboring(value: Any, acct: Accountant) -> str:
     if value not in NEIGHBORING_RELATIONS:
         raise ValueError(f"neighboring must be one of {NEIGHBORING_RELATIONS}, got {value!r}.")
     if value not in acct.neighboring_relations:
+        able = [
+            name
+            for name in ACCOUNTANT_REGISTRY.names()
+            if value in get_accountant(name).neighboring_relations
+        ]
+        needs = " or ".join(f'accountant="{name}"' for name in able) or "another accountant"
         raise ValueError(
-            f'neighboring="{value}" needs accountant="pld": dp-accounting\'s '
-            f"{acct.name.upper()} accountant has no {value.replace('_', '-')} analysis of "
-            "Poisson sampling."
+            f'neighboring="{value}" needs {needs}: the {acct.name} accountant has no '
+            f"{value.replace('_', '-')} analysis of Poisson sampling."
         )
     return value
 
 
 def composing_curve(
-    acct: Accountant, releases: Mapping[Release, GaussianRelease], neighboring: str, interval: float
+    acct: Accountant, releases: Mapping[Release, GaussianRelease], neighboring: str
 ) -> Curve:
     """A ``Curve`` that composes every query afresh with ``acct.make(...)``: right
     for any accountant, fast for none (a run's tracker asks at every step)."""
 
     def curve(counts: Mapping[Release, int]) -> EpsilonAt | None:
-        composed = acct.make(neighboring, interval)
+        composed = acct.make(neighboring)
         for kind, n in counts.items():
             if n > 0:
                 composed.compose(dp_accounting.SelfComposedDpEvent(releases[kind].event(), n))

@@ -1,4 +1,6 @@
-"""Calibration: the smallest noise multiplier whose plan stays within a target."""
+"""Calibration: the smallest noise multiplier, or the most steps, whose plan stays
+within a target (``dpmp.accounting.calibrate_noise_multiplier`` and
+``calibrate_steps`` ask these of a plan)."""
 
 from __future__ import annotations
 
@@ -8,17 +10,19 @@ import dp_accounting
 from dp_accounting import mechanism_calibration
 
 from dpmp.accounting import _validate as check
-from dpmp.accounting._accountants import get_accountant, rdp_bound, rdp_curve
-from dpmp.accounting._plan import AccountingPlan, plan_epsilon
+from dpmp.accounting._accountants import rdp_bound, rdp_curve
+from dpmp.accounting._events import split_steps
+from dpmp.accounting._plan import AccountingPlan, plan_epsilons
+from dpmp.accounting._tracker import largest_fitting, plan_curve
 
-__all__ = ["calibrate_plan"]
+__all__ = ["noise_for_target", "steps_for_target"]
 
 # The residual's epsilon is first estimated at this noise multiplier (see
-# ``calibrate_plan``).
+# ``noise_for_target``).
 _RESIDUAL_SIGMA_FLOOR = 0.5
 
 
-def calibrate_plan(plan: AccountingPlan, target_epsilon: float, *, rtol: float = 1e-4) -> float:
+def noise_for_target(plan: AccountingPlan, target_epsilon: float, *, rtol: float = 1e-4) -> float:
     """The smallest noise multiplier whose ``plan`` stays within ``target_epsilon``.
 
     Uses dp-accounting's ``calibrate_dp_mechanism`` (Brent's method, then a
@@ -30,7 +34,7 @@ def calibrate_plan(plan: AccountingPlan, target_epsilon: float, *, rtol: float =
     the residual leaves.
 
     Returns:
-      ``sigma`` with ``plan_epsilon(plan.replace(noise_multiplier=sigma)) <=
+      ``sigma`` with ``epsilon(plan.replace(noise_multiplier=sigma)) <=
       target_epsilon`` and, within ``rtol`` in sigma, the smallest such value.
 
     Raises:
@@ -62,7 +66,7 @@ def calibrate_plan(plan: AccountingPlan, target_epsilon: float, *, rtol: float =
         # The reported epsilon bounds the residual at sigma itself (its tail count
         # k and tail delta may round the other way): step up until it fits.
         for _ in range(20):
-            if plan_epsilon(plan.replace(noise_multiplier=sigma)) <= target:
+            if plan_epsilons(plan.replace(noise_multiplier=sigma))[1] <= target:
                 return sigma
             sigma *= 1 + 1e-4
     raise ValueError(
@@ -85,16 +89,16 @@ def _refuse_fixed_releases(plan: AccountingPlan, target: float) -> None:
 
 
 def _calibrate_exact(plan: AccountingPlan, target: float, delta: float, rtol: float) -> float:
-    """``calibrate_plan`` of ``plan`` with exact Gaussian noise, at ``delta``."""
+    """``noise_for_target`` of ``plan`` with exact Gaussian noise, at ``delta``."""
     if not target > 0:
         raise ValueError(f"target_epsilon: the noise residual leaves nothing of {target}.")
-    acct = get_accountant(plan.accountant)
+    acct = plan.accountant
 
     def make_event(sigma: float) -> dp_accounting.DpEvent:
         return plan.replace(noise_multiplier=sigma).event()
 
     def make_accountant() -> dp_accounting.PrivacyAccountant:
-        return acct.make(plan.neighboring, plan.value_discretization_interval)
+        return acct.make(plan.neighboring)
 
     def eps(sigma: float) -> float:
         event = make_event(sigma)
@@ -132,3 +136,21 @@ def _calibrate_exact(plan: AccountingPlan, target: float, delta: float, rtol: fl
             tol=rtol * low,
         )
     )
+
+
+def steps_for_target(plan: AccountingPlan, target_epsilon: float, max_steps: int) -> int:
+    """The largest ``n <= max_steps`` whose run of ``plan`` (its own ``steps``
+    ignored) stays within ``target_epsilon``; 0 if even one step exceeds it.
+
+    An exact integer search (doubling, then bisection; epsilon grows with the
+    number of steps) on the accountant's curve at the plan's own settings.
+    """
+    target = check.target_epsilon(target_epsilon)
+    max_steps = check.integer("max_steps", max_steps, 0)
+    curve = plan_curve(plan)
+
+    def fits(n: int) -> bool:
+        with_count = split_steps(n, plan.count_noise_stddev, plan.count_every)[1]
+        return curve(n - with_count, with_count) <= target
+
+    return largest_fitting(fits, max_steps)

@@ -1,53 +1,102 @@
-"""The keyword functions of ``dpmp.accounting``: each builds an ``AccountingPlan``."""
+"""The questions of ``dpmp.accounting``, one spelling each: ``epsilon`` (with
+``breakdown=True``, its parts), ``calibrate_noise_multiplier`` and
+``calibrate_steps``. Each takes an ``AccountingPlan`` or the plan's fields as
+keyword arguments; the other names are thin wrappers kept for their callers."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, TypedDict, Unpack, overload
 
 from dpmp.accounting import _validate as check
-from dpmp.accounting._calibrate import calibrate_plan
+from dpmp.accounting._accountants import Accountant
+from dpmp.accounting._calibrate import noise_for_target, steps_for_target
 from dpmp.accounting._contract import DEFAULT_NOISE_SAMPLER, NoiseResidual, noise_contract
-from dpmp.accounting._plan import (
-    AccountingPlan,
-    EpsilonBreakdown,
-    plan_epsilon,
-    plan_epsilon_breakdown,
-)
-from dpmp.accounting._tracker import BudgetTracker, PrivacyBudget
-from dpmp.accounting._validate import MAX_STEPS, REPORT_DISCRETIZATION, REQUIRED, _Required
+from dpmp.accounting._plan import AccountingPlan, EpsilonBreakdown, plan_breakdown, plan_epsilons
+from dpmp.accounting._validate import MAX_STEPS, REQUIRED
 
 __all__ = [
+    "PlanFields",
     "calibrate_noise_multiplier",
+    "calibrate_plan",
     "calibrate_steps",
     "epsilon",
     "epsilon_breakdown",
     "noise_residual",
+    "plan_epsilon",
+    "plan_epsilon_breakdown",
 ]
 
 
-def _plan(noised_coordinates: Any, noise_sampler: str, **fields: Any) -> AccountingPlan:
-    """The plan of the keyword arguments; the sampler's contract is looked up only
-    when coordinates are counted."""
-    coordinates = check.coordinates(noised_coordinates)
-    noise = None if coordinates is None else noise_contract(noise_sampler)
-    return AccountingPlan(noised_coordinates=coordinates, noise=noise, **fields)
+class PlanFields(TypedDict, total=False):
+    """The keyword arguments that describe an ``AccountingPlan`` (see there; the
+    plan's ``noise`` is given by ``noise_sampler``)."""
+
+    noise_multiplier: float
+    sampling_prob: float
+    steps: int
+    delta: float
+    accountant: Accountant | str
+    neighboring: str
+    count_noise_stddev: float | None
+    count_every: int
+    preprocessing_noise_multiplier: float | None
+    noised_coordinates: int | None
+    noise_sampler: str
+
+
+def _as_plan(
+    question: str, plan: AccountingPlan | None, fields: dict[str, Any], **fixed: Any
+) -> AccountingPlan:
+    """``plan``, or the plan of the keyword ``fields`` (with ``fixed`` set); the
+    sampler's contract is looked up only when coordinates are counted."""
+    if plan is not None:
+        if not isinstance(plan, AccountingPlan):
+            raise TypeError(f"{question}: plan must be an AccountingPlan, got {plan!r}.")
+        if fields:
+            raise TypeError(
+                f"{question}: give a plan or its fields as keywords, not both (got a plan "
+                f"and {', '.join(sorted(fields))}); plan.replace(...) changes a plan."
+            )
+        return plan
+    known = PlanFields.__annotations__.keys()
+    for name in fields:
+        if name not in known or name in fixed:
+            allowed = sorted(set(known) - set(fixed))
+            raise TypeError(f"{question}: unexpected argument {name!r}; allowed: {allowed}.")
+    fields = dict(fields)
+    coordinates = check.coordinates(fields.pop("noised_coordinates", REQUIRED))
+    sampler = fields.pop("noise_sampler", DEFAULT_NOISE_SAMPLER)
+    noise = None if coordinates is None else noise_contract(sampler)
+    return AccountingPlan(noised_coordinates=coordinates, noise=noise, **fields, **fixed)
+
+
+@overload
+def epsilon(
+    plan: AccountingPlan | None = None,
+    /,
+    *,
+    breakdown: Literal[False] = False,
+    **fields: Unpack[PlanFields],
+) -> float: ...
+
+
+@overload
+def epsilon(
+    plan: AccountingPlan | None = None,
+    /,
+    *,
+    breakdown: Literal[True],
+    **fields: Unpack[PlanFields],
+) -> EpsilonBreakdown: ...
 
 
 def epsilon(
+    plan: AccountingPlan | None = None,
+    /,
     *,
-    noise_multiplier: float,
-    sampling_prob: float,
-    steps: int,
-    delta: float,
-    accountant: str = "pld",
-    neighboring: str = "add_or_remove",
-    count_noise_stddev: float | None = None,
-    count_every: int = 1,
-    value_discretization_interval: float = REPORT_DISCRETIZATION,
-    preprocessing_noise_multiplier: float | None = None,
-    noised_coordinates: int | None | _Required = REQUIRED,
-    noise_sampler: str = DEFAULT_NOISE_SAMPLER,
-) -> float:
+    breakdown: bool = False,
+    **fields: Unpack[PlanFields],
+) -> float | EpsilonBreakdown:
     """Epsilon at ``delta`` of a DP-SGD run (and its count and preprocessing releases).
 
     Example:
@@ -60,19 +109,26 @@ def epsilon(
       >>> # dpmp's snapped noise on a WRN-16-4 (2.75M parameters): a little more
       >>> round(dpmp.accounting.epsilon(**plan, noised_coordinates=2_750_000), 4)
       0.9879
+      >>> # the same plan as one record
+      >>> record = dpmp.accounting.AccountingPlan(**plan, noised_coordinates=None)
+      >>> round(dpmp.accounting.epsilon(record), 4)
+      0.9877
 
     Args:
+      plan: an ``AccountingPlan``; or none, and its fields as keywords:
       noise_multiplier: noise stddev divided by the clip norm, in [1e-6, 1e6] or inf.
       sampling_prob: Poisson sampling probability, in (0, 1].
       steps: number of steps, an integer >= 0 (0 steps cost epsilon 0).
       delta: target delta, in (0, 1).
-      accountant: ``"pld"`` (tight), ``"rdp"`` (an upper bound), or another
-        registered ``Accountant``'s name.
-      neighboring: ``"add_or_remove"`` or ``"replace_one"`` (PLD only).
+      accountant: ``"pld"`` (tight, default), ``"rdp"`` (an upper bound), another
+        registered ``Accountant``'s name, or an accountant with its settings
+        (``PldAccountant(value_discretization_interval=...)``,
+        ``RdpAccountant(orders=...)``).
+      neighboring: ``"add_or_remove"`` (default), or ``"replace_one"`` where the
+        accountant analyses it (the PLD).
       count_noise_stddev: noise stddev of each released overflow count, or
-        ``None`` when the loss scale releases nothing.
-      count_every: a count is released every this many steps.
-      value_discretization_interval: PLD discretisation (ignored by RDP).
+        ``None`` (default) when the loss scale releases nothing.
+      count_every: a count is released every this many steps (default 1).
       preprocessing_noise_multiplier: a one-off Gaussian release before
         training (see ``dpsgd_event``), or ``None``.
       noised_coordinates: required: the coordinates of each gradient release
@@ -81,91 +137,35 @@ def epsilon(
         exact Gaussian sampler (which no floating-point program draws).
       noise_sampler: the registered sampler (``dpmp.noise``) whose accounting
         contract the noised coordinates are taken under (default ``"snapped"``).
-
-    ``plan_epsilon`` of the ``AccountingPlan`` these arguments describe.
+      breakdown: return an ``EpsilonBreakdown`` instead: the total and what the
+        DP-SGD steps, the counts, the preprocessing release and the noise
+        residual each add. Epsilon does not add up over mechanisms, so each
+        part is a difference at the same delta: ``counts = epsilon(steps and
+        counts) - epsilon(steps)``, ``preprocessing = epsilon(everything) -
+        epsilon(steps and counts)``, ``noise_residual`` = the total minus the
+        total of exact Gaussian noise.
 
     Returns:
       The epsilon that dp-accounting's accountant gives for ``dpsgd_event``
-      (plus the noise residual unless ``noised_coordinates`` is None).
+      (plus the noise residual unless ``noised_coordinates`` is None), or its
+      ``EpsilonBreakdown``.
 
     Formal Guarantees:
       See the module docstring: the run is ``(epsilon, delta)``-DP under
       ``neighboring`` if every step clips each example to the clip norm, adds
       the stated noise, and uses an untruncated Poisson sample.
     """
-    return plan_epsilon(
-        _plan(
-            noised_coordinates,
-            noise_sampler,
-            noise_multiplier=noise_multiplier,
-            sampling_prob=sampling_prob,
-            steps=steps,
-            delta=delta,
-            accountant=accountant,
-            neighboring=neighboring,
-            count_noise_stddev=count_noise_stddev,
-            count_every=count_every,
-            value_discretization_interval=value_discretization_interval,
-            preprocessing_noise_multiplier=preprocessing_noise_multiplier,
-        )
-    )
-
-
-def epsilon_breakdown(
-    *,
-    noise_multiplier: float,
-    sampling_prob: float,
-    steps: int,
-    delta: float,
-    count_noise_stddev: float | None,
-    count_every: int = 1,
-    accountant: str = "pld",
-    neighboring: str = "add_or_remove",
-    value_discretization_interval: float = REPORT_DISCRETIZATION,
-    preprocessing_noise_multiplier: float | None = None,
-    noised_coordinates: int | None | _Required = REQUIRED,
-    noise_sampler: str = DEFAULT_NOISE_SAMPLER,
-) -> EpsilonBreakdown:
-    """Epsilon with and without the count and preprocessing releases.
-
-    Epsilon does not add up over mechanisms, so each part is a difference at
-    the same delta: ``counts = epsilon(steps and counts) - epsilon(steps)``,
-    ``preprocessing = epsilon(everything) - epsilon(steps and counts)``, and
-    ``noise_residual`` = the total with ``noised_coordinates`` minus without.
-    """
-    return plan_epsilon_breakdown(
-        _plan(
-            noised_coordinates,
-            noise_sampler,
-            noise_multiplier=noise_multiplier,
-            sampling_prob=sampling_prob,
-            steps=steps,
-            delta=delta,
-            accountant=accountant,
-            neighboring=neighboring,
-            count_noise_stddev=count_noise_stddev,
-            count_every=count_every,
-            value_discretization_interval=value_discretization_interval,
-            preprocessing_noise_multiplier=preprocessing_noise_multiplier,
-        )
-    )
+    plan = _as_plan("epsilon", plan, dict(fields))
+    return plan_breakdown(plan) if breakdown else plan_epsilons(plan)[1]
 
 
 def calibrate_noise_multiplier(
+    plan: AccountingPlan | None = None,
+    /,
     *,
     target_epsilon: float,
-    sampling_prob: float,
-    steps: int,
-    delta: float,
-    accountant: str = "pld",
-    neighboring: str = "add_or_remove",
-    count_noise_stddev: float | None = None,
-    count_every: int = 1,
-    value_discretization_interval: float = REPORT_DISCRETIZATION,
     rtol: float = 1e-4,
-    preprocessing_noise_multiplier: float | None = None,
-    noised_coordinates: int | None | _Required = REQUIRED,
-    noise_sampler: str = DEFAULT_NOISE_SAMPLER,
+    **fields: Unpack[PlanFields],
 ) -> float:
     """The smallest noise multiplier whose run stays within ``target_epsilon``.
 
@@ -174,15 +174,12 @@ def calibrate_noise_multiplier(
     found by doubling. With count or preprocessing releases, their noise is
     held fixed and only the gradient noise is calibrated.
 
-    The other arguments (``sampling_prob``, ``steps``, ``delta``,
-    ``accountant``, ``neighboring``, ``count_noise_stddev``, ``count_every``,
-    ``value_discretization_interval``, ``preprocessing_noise_multiplier``,
-    ``noised_coordinates``, ``noise_sampler``) are as in ``epsilon``; steps >=
-    1. With ``noised_coordinates`` the target covers the noise residual too:
-    the exact plan is calibrated to the target minus the residual, at the delta
-    the residual leaves.
-
     Args:
+      plan: an ``AccountingPlan`` (its own ``noise_multiplier`` is ignored); or
+        none, and its fields as keywords, as in ``epsilon`` but without
+        ``noise_multiplier``; steps >= 1. With ``noised_coordinates`` the
+        target covers the noise residual too: the exact plan is calibrated to
+        the target minus the residual, at the delta the residual leaves.
       target_epsilon: in (0, MAX_EPSILON].
       rtol: relative tolerance on the noise multiplier.
 
@@ -195,38 +192,17 @@ def calibrate_noise_multiplier(
         ``target_epsilon``.
     """
     target = check.target_epsilon(target_epsilon)
-    plan = _plan(
-        noised_coordinates,
-        noise_sampler,
-        noise_multiplier=None,
-        sampling_prob=sampling_prob,
-        steps=check.steps(steps, 1),
-        delta=delta,
-        accountant=accountant,
-        neighboring=neighboring,
-        count_noise_stddev=count_noise_stddev,
-        count_every=count_every,
-        value_discretization_interval=value_discretization_interval,
-        preprocessing_noise_multiplier=preprocessing_noise_multiplier,
-    )
-    return calibrate_plan(plan, target, rtol=rtol)
+    plan = _as_plan("calibrate_noise_multiplier", plan, dict(fields), noise_multiplier=None)
+    return noise_for_target(plan, target, rtol=rtol)
 
 
 def calibrate_steps(
+    plan: AccountingPlan | None = None,
+    /,
     *,
     target_epsilon: float,
-    noise_multiplier: float,
-    sampling_prob: float,
-    delta: float,
-    accountant: str = "pld",
-    neighboring: str = "add_or_remove",
-    count_noise_stddev: float | None = None,
-    count_every: int = 1,
-    value_discretization_interval: float = REPORT_DISCRETIZATION,
     max_steps: int = MAX_STEPS,
-    preprocessing_noise_multiplier: float | None = None,
-    noised_coordinates: int | None | _Required = REQUIRED,
-    noise_sampler: str = DEFAULT_NOISE_SAMPLER,
+    **fields: Unpack[PlanFields],
 ) -> int:
     """The most steps whose run stays within ``target_epsilon``.
 
@@ -234,26 +210,38 @@ def calibrate_steps(
     number of steps), rather than dp-accounting's ``calibrate_dp_mechanism``
     with ``discrete=True``, which may return one step less than the maximum.
 
+    Args:
+      plan: an ``AccountingPlan`` (its own ``steps`` is ignored); or none, and
+        its fields as keywords, as in ``epsilon`` but without ``steps``.
+      target_epsilon: in (0, MAX_EPSILON].
+      max_steps: the most steps to consider.
+
     Returns:
       The largest ``n <= max_steps`` with ``epsilon(n steps) <= target_epsilon``
       (0 if even one step exceeds it).
     """
-    budget = PrivacyBudget(
-        noise_multiplier=noise_multiplier,
-        sampling_prob=sampling_prob,
-        delta=delta,
-        target_epsilon=target_epsilon,
-        accountant=accountant,
-        neighboring=neighboring,
-        count_noise_stddev=count_noise_stddev,
-        count_every=count_every,
-        value_discretization_interval=value_discretization_interval,
-        preprocessing_noise_multiplier=preprocessing_noise_multiplier,
-        noised_coordinates=noised_coordinates,
-        noise_sampler=noise_sampler,
-    )
-    max_steps = check.integer("max_steps", max_steps, 0)
-    return BudgetTracker(budget).remaining_steps(max_steps)
+    plan = _as_plan("calibrate_steps", plan, dict(fields), steps=0)
+    return steps_for_target(plan, target_epsilon, max_steps)
+
+
+def epsilon_breakdown(**fields: Unpack[PlanFields]) -> EpsilonBreakdown:
+    """Same as ``epsilon(**fields, breakdown=True)``."""
+    return epsilon(**fields, breakdown=True)
+
+
+def plan_epsilon(plan: AccountingPlan) -> float:
+    """Same as ``epsilon(plan)``."""
+    return epsilon(plan)
+
+
+def plan_epsilon_breakdown(plan: AccountingPlan) -> EpsilonBreakdown:
+    """Same as ``epsilon(plan, breakdown=True)``."""
+    return epsilon(plan, breakdown=True)
+
+
+def calibrate_plan(plan: AccountingPlan, target_epsilon: float, *, rtol: float = 1e-4) -> float:
+    """Same as ``calibrate_noise_multiplier(plan, target_epsilon=..., rtol=...)``."""
+    return calibrate_noise_multiplier(plan, target_epsilon=target_epsilon, rtol=rtol)
 
 
 def noise_residual(

@@ -4,9 +4,9 @@
 multiplier, sampling probability, the overflow counts and a preprocessing
 release), how many steps, the neighbouring relation, the accountant and the
 noise's accounting contract with the coordinates it noises (modelled on
-jax-privacy's ``DpParams``). ``plan_epsilon``, ``plan_epsilon_breakdown``,
-``calibrate_plan`` and the budget tracker all take it; ``dpmp.accounting.epsilon``
-and the other keyword functions build one.
+jax-privacy's ``DpParams``). ``dpmp.accounting.epsilon`` and the calibration
+functions take it, or build it from their keyword arguments; the budget
+tracker builds it from a ``PrivacyBudget``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ from typing import Any, NamedTuple
 import dp_accounting
 
 from dpmp.accounting import _validate as check
-from dpmp.accounting._accountants import check_neighboring, check_within_limit, get_accountant
+from dpmp.accounting._accountants import (
+    Accountant,
+    as_accountant,
+    check_neighboring,
+    check_within_limit,
+)
 from dpmp.accounting._contract import NoiseContract, NoiseResidual
 from dpmp.accounting._events import (
     GaussianRelease,
@@ -29,7 +34,7 @@ from dpmp.accounting._events import (
 )
 from dpmp.accounting._residual import epsilon_of_drawn_noise, plan_residual
 
-__all__ = ["AccountingPlan", "EpsilonBreakdown", "plan_epsilon", "plan_epsilon_breakdown"]
+__all__ = ["AccountingPlan", "EpsilonBreakdown", "plan_breakdown", "plan_epsilons"]
 
 
 class EpsilonBreakdown(NamedTuple):
@@ -62,7 +67,9 @@ class AccountingPlan:
       sampling_prob: Poisson sampling probability, in (0, 1].
       steps: number of DP-SGD steps, >= 0.
       delta: in (0, 1).
-      accountant: the name of a registered ``Accountant`` (``"pld"``, ``"rdp"``).
+      accountant: an ``Accountant`` with its settings (``PldAccountant(...)``,
+        ``RdpAccountant(...)``), or the name of a registered one (``"pld"``,
+        ``"rdp"``), which the plan holds as that object.
       neighboring: ``"add_or_remove"`` or ``"replace_one"`` (where the
         accountant analyses it).
       count_noise_stddev: noise stddev of each released overflow count, or None.
@@ -73,29 +80,27 @@ class AccountingPlan:
         parameters), or None: accounted as exact Gaussian noise.
       noise: the drawn noise's ``NoiseContract`` (its sampler's), or None: exact.
         Its residual is accounted when ``noised_coordinates`` is given too.
-      value_discretization_interval: PLD discretisation (ignored by RDP).
     """
 
     noise_multiplier: float | None
     sampling_prob: float
     steps: int
     delta: float
-    accountant: str = "pld"
+    accountant: Accountant | str = "pld"
     neighboring: str = "add_or_remove"
     count_noise_stddev: float | None = None
     count_every: int = 1
     preprocessing_noise_multiplier: float | None = None
     noised_coordinates: int | None = None
     noise: NoiseContract | None = None
-    value_discretization_interval: float = check.REPORT_DISCRETIZATION
 
     def __post_init__(self):
-        acct = get_accountant(self.accountant)
+        acct = as_accountant(self.accountant)
         sigma = self.noise_multiplier
         fields = dict(
+            accountant=acct,
             neighboring=check_neighboring(self.neighboring, acct),
             delta=check.delta(self.delta),
-            value_discretization_interval=check.interval(self.value_discretization_interval),
             noised_coordinates=check.coordinates(self.noised_coordinates),
             noise_multiplier=None if sigma is None else check.noise_multiplier(sigma),
             sampling_prob=check.sampling_prob(self.sampling_prob),
@@ -172,10 +177,10 @@ def plan_epsilons(plan: AccountingPlan) -> tuple[float, float]:
     event = plan.event()
     if isinstance(event, dp_accounting.NoOpDpEvent):
         return 0.0, 0.0
-    acct = get_accountant(plan.accountant)
+    acct = plan.accountant
     if acct.bounded_first:
         check_within_limit(event, plan.delta)
-    composed = acct.make(plan.neighboring, plan.value_discretization_interval).compose(event)
+    composed = acct.make(plan.neighboring).compose(event)
     exact = float(composed.get_epsilon(plan.delta))
     drawn = epsilon_of_drawn_noise(
         composed.get_epsilon, plan.residual(), plan.delta, plan.noise, plan.residual
@@ -183,13 +188,7 @@ def plan_epsilons(plan: AccountingPlan) -> tuple[float, float]:
     return exact, float(drawn)
 
 
-def plan_epsilon(plan: AccountingPlan) -> float:
-    """Epsilon at ``plan.delta`` of everything the plan releases, the drawn noise's
-    residual included (see ``dpmp.accounting.epsilon``)."""
-    return plan_epsilons(plan)[1]
-
-
-def plan_epsilon_breakdown(plan: AccountingPlan) -> EpsilonBreakdown:
+def plan_breakdown(plan: AccountingPlan) -> EpsilonBreakdown:
     """Epsilon with and without the count and preprocessing releases.
 
     Epsilon does not add up over mechanisms, so each part is a difference at
@@ -198,8 +197,8 @@ def plan_epsilon_breakdown(plan: AccountingPlan) -> EpsilonBreakdown:
     ``noise_residual`` = the total with the drawn noise minus the exact one.
     """
     exact_counts = plan.replace(preprocessing_noise_multiplier=None, noised_coordinates=None)
-    dpsgd = plan_epsilon(exact_counts.replace(count_noise_stddev=None))
-    with_counts = dpsgd if plan.count_noise_stddev is None else plan_epsilon(exact_counts)
+    dpsgd = plan_epsilons(exact_counts.replace(count_noise_stddev=None))[1]
+    with_counts = dpsgd if plan.count_noise_stddev is None else plan_epsilons(exact_counts)[1]
     if plan.preprocessing_noise_multiplier is None and plan.noised_coordinates is None:
         exact = total = with_counts
     else:  # one composition gives both

@@ -14,14 +14,26 @@ import math
 from typing import Any
 
 from dpmp.accounting import _validate as check
-from dpmp.accounting._accountants import check_neighboring, get_accountant
+from dpmp.accounting._accountants import (
+    Accountant,
+    accountant_from_record,
+    accountant_record,
+    as_accountant,
+    check_neighboring,
+)
 from dpmp.accounting._contract import DEFAULT_NOISE_SAMPLER, NoiseResidual, noise_contract
 from dpmp.accounting._events import Release
 from dpmp.accounting._plan import AccountingPlan, EpsilonBreakdown
 from dpmp.accounting._residual import epsilon_of_drawn_noise, plan_residual
-from dpmp.accounting._validate import REQUIRED, TRACKING_DISCRETIZATION, _Required
+from dpmp.accounting._validate import REQUIRED, _Required
 
-__all__ = ["BudgetExceededError", "BudgetTracker", "PrivacyBudget"]
+__all__ = [
+    "BudgetExceededError",
+    "BudgetTracker",
+    "PrivacyBudget",
+    "largest_fitting",
+    "plan_curve",
+]
 
 
 class BudgetExceededError(RuntimeError):
@@ -37,16 +49,18 @@ class PrivacyBudget:
       sampling_prob: Poisson sampling probability, in (0, 1].
       delta: in (0, 1).
       target_epsilon: the run may not exceed this epsilon, in (0, MAX_EPSILON].
-      accountant: ``"pld"`` or ``"rdp"``.
-      neighboring: ``"add_or_remove"`` or ``"replace_one"`` (PLD only).
+      accountant: an ``Accountant`` with its settings, or a registered one's name
+        (``"pld"``, ``"rdp"``), held as that object. The tracker runs its
+        ``for_tracking()``: the default PLD at the coarser
+        ``TRACKING_DISCRETIZATION`` (1e-3), still an upper bound; give
+        ``PldAccountant(value_discretization_interval=1e-4)`` for the finer grid
+        a one-shot ``epsilon(...)`` uses.
+      neighboring: ``"add_or_remove"``, or ``"replace_one"`` where the accountant
+        analyses it (``accountant.neighboring_relations``).
       count_noise_stddev: noise stddev of each released overflow count, or None.
       count_every: a count is released at steps k, 2k, ... (1-based), k >= 1.
       preprocessing_noise_multiplier: noise multiplier of a one-off Gaussian
         release of the whole training set before training, or None.
-      value_discretization_interval: PLD discretisation used while tracking;
-        defaults to the coarser ``TRACKING_DISCRETIZATION`` (1e-3), which is
-        still an upper bound. Report the final number with ``epsilon(...)``
-        at 1e-4 if you want the tighter value.
       noised_coordinates: required: coordinates of each gradient release, for
         dpmp's snapped Gaussian noise (its ``noise_residual`` is then part of
         every epsilon); ``None`` for an exact Gaussian sampler.
@@ -62,18 +76,18 @@ class PrivacyBudget:
     sampling_prob: float
     delta: float
     target_epsilon: float
-    accountant: str = "pld"
+    accountant: Accountant | str = "pld"
     neighboring: str = "add_or_remove"
     count_noise_stddev: float | None = None
     count_every: int = 1
-    value_discretization_interval: float = TRACKING_DISCRETIZATION
     preprocessing_noise_multiplier: float | None = None
     noised_coordinates: int | None | _Required = REQUIRED
     noise_sampler: str = DEFAULT_NOISE_SAMPLER
 
     def __post_init__(self):
-        acct = get_accountant(self.accountant)
+        acct = as_accountant(self.accountant)
         fields = dict(
+            accountant=acct,
             noise_multiplier=check.noise_multiplier(self.noise_multiplier),
             sampling_prob=check.sampling_prob(self.sampling_prob),
             delta=check.delta(self.delta),
@@ -81,7 +95,6 @@ class PrivacyBudget:
             neighboring=check_neighboring(self.neighboring, acct),
             count_noise_stddev=check.optional_noise(self.count_noise_stddev, "count_noise_stddev"),
             count_every=check.integer("count_every", self.count_every, 1),
-            value_discretization_interval=check.interval(self.value_discretization_interval),
             preprocessing_noise_multiplier=check.optional_noise(
                 self.preprocessing_noise_multiplier, "preprocessing_noise_multiplier"
             ),
@@ -95,25 +108,29 @@ class PrivacyBudget:
             object.__setattr__(self, name, value)
 
     def plan(self, steps: int = 0) -> AccountingPlan:
-        """The ``AccountingPlan`` of ``steps`` steps of this budget's run."""
+        """The ``AccountingPlan`` of ``steps`` steps of this budget's run, as the
+        tracker accounts it (with ``accountant.for_tracking()``)."""
         coordinates = self.noised_coordinates
         return AccountingPlan(
             noise_multiplier=self.noise_multiplier,
             sampling_prob=self.sampling_prob,
             steps=steps,
             delta=self.delta,
-            accountant=self.accountant,
+            accountant=as_accountant(self.accountant).for_tracking(),
             neighboring=self.neighboring,
             count_noise_stddev=self.count_noise_stddev,
             count_every=self.count_every,
             preprocessing_noise_multiplier=self.preprocessing_noise_multiplier,
             noised_coordinates=coordinates,
             noise=None if coordinates is None else noise_contract(self.noise_sampler),
-            value_discretization_interval=self.value_discretization_interval,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON: the fields, the accountant as its name when it is the registered
+        one, else as its settings (``from_dict`` restores either)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["accountant"] = accountant_record(as_accountant(self.accountant))
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrivacyBudget:
@@ -123,6 +140,9 @@ class PrivacyBudget:
             raise ValueError(
                 f"unknown PrivacyBudget fields {sorted(unknown)}; known: {sorted(known)}."
             )
+        data = dict(data)
+        if "accountant" in data:
+            data["accountant"] = accountant_from_record(data["accountant"])
         return cls(**data)
 
 
@@ -263,7 +283,7 @@ class BudgetTracker:
         def fits(extra: int) -> bool:
             return self._eps(*split(extra)) <= b.target_epsilon
 
-        return _largest_fitting(fits, check.integer("max_steps", max_steps, 0))
+        return largest_fitting(fits, check.integer("max_steps", max_steps, 0))
 
     # -- serialisation ----------------------------------------------------
 
@@ -329,11 +349,8 @@ class _EpsilonCurve:
         self._memo: collections.OrderedDict[tuple[int, int], float] = collections.OrderedDict()
         self._releases = plan.releases()
         self._pre = int(self._releases[Release.PREPROCESSING].noise_multiplier < math.inf)
-        self._curve = get_accountant(plan.accountant).curve(
-            self._releases,
-            neighboring=plan.neighboring,
-            interval=plan.value_discretization_interval,
-            delta=plan.delta,
+        self._curve = as_accountant(plan.accountant).curve(
+            self._releases, neighboring=plan.neighboring, delta=plan.delta
         )
 
     def _noise(self, kind: Release) -> float:
@@ -381,20 +398,26 @@ class _EpsilonCurve:
         return float(eps)
 
 
-_CURVES: dict[PrivacyBudget, _EpsilonCurve] = {}
+_CURVES: dict[AccountingPlan, _EpsilonCurve] = {}
+
+
+def plan_curve(plan: AccountingPlan) -> _EpsilonCurve:
+    """epsilon(plain steps, steps with a count) of ``plan`` (its ``steps`` aside),
+    memoised. Plans are frozen and hashable: trackers and calibrations of the
+    same plan share one memo. Bounded, since a process only ever sees a few."""
+    key = plan.replace(steps=0)
+    if key not in _CURVES:
+        if len(_CURVES) >= 64:
+            _CURVES.pop(next(iter(_CURVES)))
+        _CURVES[key] = _EpsilonCurve(key)
+    return _CURVES[key]
 
 
 def _curve_for(budget: PrivacyBudget) -> _EpsilonCurve:
-    # Plans are frozen and hashable: trackers and calibrations of the same plan
-    # share one memo. Bounded, since a process only ever sees a few plans.
-    if budget not in _CURVES:
-        if len(_CURVES) >= 64:
-            _CURVES.pop(next(iter(_CURVES)))
-        _CURVES[budget] = _EpsilonCurve(budget.plan())
-    return _CURVES[budget]
+    return plan_curve(budget.plan())
 
 
-def _largest_fitting(fits, limit: int) -> int:
+def largest_fitting(fits, limit: int) -> int:
     """Largest n in [0, limit] with fits(n), for fits monotone (True then False)."""
     if limit == 0 or not fits(1):
         return 0

@@ -124,10 +124,17 @@ def steps(value: Any, minimum: int) -> int:
     return n
 
 
-def interval(value: Any) -> float:
-    value = real("value_discretization_interval", value)
+def interval(value: Any, name: str = "value_discretization_interval") -> float:
+    value = real(name, value)
     if not 0 < value < 1:
-        raise ValueError(f"value_discretization_interval must be in (0, 1), got {value}.")
+        raise ValueError(f"{name} must be in (0, 1), got {value}.")
+    return value
+
+
+def name(field: str, value: Any) -> str:
+    """A variant's name: a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{field} must be a non-empty string, got {value!r}.")
     return value
 
 

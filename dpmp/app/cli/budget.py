@@ -110,8 +110,8 @@ def _plan(args: argparse.Namespace, common: dict) -> dict:
     if args.noise_multiplier is not None:
         if args.steps is None:
             raise UsageError("--steps is required with --noise-multiplier")
-        br = accounting.epsilon_breakdown(
-            noise_multiplier=args.noise_multiplier, steps=args.steps, **common
+        br = accounting.epsilon(
+            noise_multiplier=args.noise_multiplier, steps=args.steps, breakdown=True, **common
         )
         return {
             "epsilon": br.total,

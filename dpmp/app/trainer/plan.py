@@ -137,17 +137,17 @@ def _calibrate(
         sigma = float(p.noise_multiplier)
         return sigma, False, budget(sigma)
     try:
-        # Calibrate with the tracker's discretisation, so that the tracker --
-        # which enforces the budget step by step -- admits all ``steps``.
+        # Calibrate with the accountant the tracker runs (``for_tracking``: the
+        # PLD's coarser discretisation), so that the tracker -- which enforces
+        # the budget step by step -- admits all ``steps``.
         sigma = accounting.calibrate_noise_multiplier(
             target_epsilon=p.target_epsilon,
             sampling_prob=q,
             steps=steps,
             delta=delta,
-            accountant=p.accountant,
+            accountant=accounting.get_accountant(p.accountant).for_tracking(),
             count_noise_stddev=count_sigma,
             count_every=1,
-            value_discretization_interval=accounting.TRACKING_DISCRETIZATION,
             preprocessing_noise_multiplier=pre_sigma,
             noised_coordinates=coordinates,
             noise_sampler=p.noise_sampler,
