@@ -66,6 +66,8 @@ _PUBLIC = {
     "StepState": ("dpmp.step", "StepState"),
     "private_step": ("dpmp.step", "private_step"),
     "train": ("dpmp.app.trainer", "train"),
+    "PeriodicAction": ("dpmp.app.trainer.actions", "PeriodicAction"),
+    "StepEnd": ("dpmp.app.trainer.actions", "StepEnd"),
 }
 
 if TYPE_CHECKING:  # what static tools and IDEs see
@@ -79,6 +81,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from dpmp.app.export import delete_secrets as delete_secrets
     from dpmp.app.export import export_params as export_params
     from dpmp.app.trainer import train as train
+    from dpmp.app.trainer.actions import PeriodicAction as PeriodicAction
+    from dpmp.app.trainer.actions import StepEnd as StepEnd
     from dpmp.audit import KINDS as AUDIT_KINDS
     from dpmp.audit import Finding as Finding
     from dpmp.audit import NumericReport as NumericReport
@@ -173,10 +177,12 @@ __all__ = [
     "PrivateGradFn",
     "PrivateGradStats",
     "PrivateStepFn",
+    "PeriodicAction",
     "SampledBatch",
     "ScaledGrad",
     "ShuffledSampler",
     "StaticLossScale",
+    "StepEnd",
     "StepState",
     "all_finite",
     "cast_function",

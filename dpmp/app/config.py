@@ -379,6 +379,10 @@ class PrivacyConfig:
                 raise ConfigError(f"privacy.{key}: must be true or false, got {value!r}")
 
 
+# training.writers: the public writers (dpmp.app.trainer.writers.PUBLIC_WRITERS).
+WRITERS = ("jsonl", "tensorboard")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
     """The optimisation.
@@ -404,6 +408,10 @@ class TrainingConfig:
       every this many steps and at the end (0: only at the end).
     checkpoint_every: a checkpoint every this many steps and at the end (0: only
       at the end); a killed run resumes from the newest.
+    writers: where the public records go (released numbers and the held-out
+      evaluation only): ``"jsonl"`` (``metrics.jsonl``, which the plots and ``dpmp
+      report`` read: always one of them) and ``"tensorboard"`` (TensorBoard event
+      files in ``tensorboard/``).
     seed: seeds the initialisation and the train/test split. The noise and the
       sampling draw secret keys from the OS entropy (unless
       ``privacy.reproducible_noise``).
@@ -428,6 +436,7 @@ class TrainingConfig:
     eval_every: int = 20
     log_every: int = 10
     checkpoint_every: int = 50
+    writers: tuple[str, ...] = ("jsonl",)
     seed: int = 0
     devices: int | str = 1
     shard_params: bool = False
@@ -450,6 +459,7 @@ class TrainingConfig:
                 )
         for name in ("eval_every", "log_every", "checkpoint_every"):
             _positive(f"training.{name}", getattr(self, name), integer=True, allow_zero=True)
+        self._check_writers()
         _seed("training.seed", self.seed)
         if self.devices != "all":
             if isinstance(self.devices, str):
@@ -461,6 +471,19 @@ class TrainingConfig:
             raise ConfigError(
                 f"training.shard_params: must be true or false, got {self.shard_params!r}"
             )
+
+    def _check_writers(self) -> None:
+        writers = (self.writers,) if isinstance(self.writers, str) else self.writers
+        if not isinstance(writers, list | tuple):
+            raise ConfigError(f"training.writers: must be a list of names, got {writers!r}")
+        for name in writers:
+            _choice("training.writers", name, WRITERS)
+        if "jsonl" not in writers or len(set(writers)) != len(writers):
+            raise ConfigError(
+                f'training.writers: "jsonl" once (the plots read metrics.jsonl) and each other '
+                f'at most once, e.g. ["jsonl", "tensorboard"]; got {list(writers)!r}'
+            )
+        object.__setattr__(self, "writers", tuple(writers))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,7 @@ _ALLOWED = {
     ),
     "training.physical_batch_size": "integer > 0, or unset",
     "training.devices": 'integer in [1, 65536], or "all"',
+    "training.writers": 'list of "jsonl" (required) and "tensorboard"',
     "data.test_fraction": "number in (0, 1)",
     "model.hidden": "list of integers in [1, 2^20] (may be empty)",
     "model.heads": "integer in [1, 1024] dividing model.dim",

@@ -24,7 +24,8 @@ released numbers only, and an audit that could not check the step fails closed.
 Checkpoints hold the secret noise keys, the sampler's seed and a fingerprint of
 the data: as secret as the data.
 
-    public:   report.json  metrics.jsonl  train.log  *.png  progress bar  callback
+    public:   report.json  metrics.jsonl  train.log  *.png  tensorboard/  progress bar
+              callback  the caller's actions (dpmp.app.trainer.actions)
     private:  private/metrics.jsonl  private/diagnostics.json  private/README.txt
     secret:   checkpoints/
 
@@ -591,6 +592,8 @@ def file_inventory(run_dir: str | Path) -> dict[str, list[str]]:
     public = [name for name in PUBLIC_FILES if (run_dir / name).is_file()]
     if (run_dir / "pretrained").is_dir():  # trained on public text only
         public.append("pretrained/")
+    if (run_dir / "tensorboard").is_dir():  # training.writers: the public records' scalars
+        public.append("tensorboard/")
     private = [f"{PRIVATE_DIR}/"] if (run_dir / PRIVATE_DIR).is_dir() else []
     secret = ["checkpoints/"] if (run_dir / "checkpoints").is_dir() else []
     return {"public": public, "private": private, "secret": secret}

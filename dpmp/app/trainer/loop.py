@@ -10,9 +10,10 @@ target is refused: the run stops after the last step within budget and says
 so (``stopped_early`` in the report, a line in ``train.log``).
 
 Between two steps the loop runs small periodic actions
-(``dpmp.app.trainer.actions``): the budget stop, evaluation, the public and
-private logs (``dpmp.app.trainer.writers``), the progress bar, checkpoints and
-the ``callback``.
+(``dpmp.app.trainer.actions``): evaluation, the public and private logs
+(``dpmp.app.trainer.writers``, ``training.writers``), the progress bar,
+checkpoints, the ``callback`` and the caller's ``actions``. The budget stop is
+the loop's own: no action can let a step past the target run.
 
 Resuming (``resume=True``) restores the newest checkpoint in ``out_dir``
 (params, optimizer state with the secret noise key, loss scale and its key,
@@ -35,7 +36,7 @@ import sys
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,13 @@ from dpmp.app.config_checkpoint import CHECKPOINT_KINDS
 from dpmp.app.inputs import load_data
 from dpmp.app.published import start_from_checkpoint
 from dpmp.app.run_dir import ProgressBar, RunDir, SilentRunDir, locked
-from dpmp.app.trainer.actions import StepEnd, run_actions
+from dpmp.app.trainer.actions import (
+    Actions,
+    PeriodicAction,
+    PrivateStepEnd,
+    extra_actions,
+    run_actions,
+)
 from dpmp.app.trainer.batches import input_dtype
 from dpmp.app.trainer.evaluate import evaluator
 from dpmp.app.trainer.interrupts import Interrupts, RunInterrupted
@@ -77,6 +84,7 @@ from dpmp.app.trainer.step import (
     build_private_step,
     check_step_memory,
 )
+from dpmp.app.trainer.writers import TENSORBOARD_DIR
 from dpmp.clipping._private_loss_scale import PrivateDynamicLossScale
 from dpmp.data._dataset import Dataset, as_dataset, fingerprint
 from dpmp.data._preprocess import FeatureStats
@@ -166,8 +174,9 @@ def _log_plan(run: RunDir, config: Config, step: PrivateStep) -> None:
             "privacy: noise keys and sampler seed drawn from OS entropy (kept only in "
             "checkpoints); neighbours: zero-out (the number of records is public)"
         )
+    published = [*release.RUN_FILES] + [f"{TENSORBOARD_DIR}/"] * ("tensorboard" in t.writers)
     run.log(
-        f"published files: {', '.join(release.RUN_FILES)}; "
+        f"published files: {', '.join(published)}; "
         f"private/: {release.PRIVATE_NOTE}; checkpoints/: secret"
     )
 
@@ -183,6 +192,7 @@ def train(
     data: Any = None,
     callback: Callable[[int, dict[str, Any]], None] | None = None,
     init_params: Any = None,
+    actions: Sequence[PeriodicAction] = (),
 ) -> dict[str, Any]:
     """Trains privately as ``config`` says and returns the report (also ``report.json``).
 
@@ -224,11 +234,20 @@ def train(
         checkpoint directory of them, each named by its path in the params
         pytree joined by ``.`` (``dpmp.models.save_params_file`` writes both). A
         ``[pretrain]`` section makes them instead.
+      actions: ``dpmp.PeriodicAction``s run after each step when due, beside the
+        run's own (``dpmp.app.trainer.actions``; every process of a run of
+        several runs them). One sees the ``dpmp.StepEnd`` (the step, the last or
+        not, the time, its released numbers, the parameters) and the outputs it
+        ``reads``: ``"evaluation"`` (``test_accuracy``, ``test_loss``) and
+        ``"metrics"`` (the ``metrics.jsonl`` record); exact training statistics
+        only with ``reads_private = True`` (a ``Log`` with ``private`` writers).
 
     Returns:
       The report dict (see ``report.json``).
 
     Raises:
+      TypeError, ValueError: ``actions`` that are not actions, or whose outputs
+        clash with the run's own or one another's (``actions.extra_actions``).
       RunDirError: another run is writing to ``out_dir``, or it holds a
         ``report.json`` that dpmp did not write (nothing is changed).
       CheckpointError: ``resume=True`` and the checkpoint in ``out_dir`` was
@@ -236,6 +255,7 @@ def train(
         different data or from other starting parameters.
     """
     config = Config() if config is None else config
+    actions = extra_actions(actions, callback)  # checked before anything is written
     init_from = None
     if isinstance(init_params, str | os.PathLike):  # read before anything is written
         init_from = f"init_params read from {Path(init_params).name}"  # published: no folders
@@ -256,7 +276,7 @@ def train(
                 model=model,
                 loss=loss,
                 data=data,
-                callback=callback,
+                actions=actions,
                 init_params=init_params,
                 init_from=init_from,
             )
@@ -272,7 +292,7 @@ def _train(
     model: Any,
     loss: Callable | None,
     data: Any,
-    callback: Callable | None,
+    actions: list[PeriodicAction],
     init_params: Any,
     init_from: str | None,
 ) -> dict[str, Any]:
@@ -319,7 +339,7 @@ def _train(
     audit = audit_summary(config, run.step)
     verdict = {True: "ok", False: "VIOLATIONS", None: "error"}[audit["ok"]]
     run_dir.log(f"precision audit of the step: {verdict}")
-    run.loop(callback, progress=progress, interrupts=interrupts)
+    run.loop(actions, progress=progress, interrupts=interrupts)
     return run.finish(audit, started)
 
 
@@ -536,25 +556,31 @@ class _Run:
 
     # ---- the loop -------------------------------------------------------------
 
-    def loop(self, callback, *, progress: bool, interrupts: Interrupts) -> None:
-        with interrupts.held():
-            self._loop(callback, progress=progress, interrupts=interrupts)
+    def loop(self, extra: list[PeriodicAction], *, progress: bool, interrupts: Interrupts) -> None:
+        """Steps until the planned steps are done or the budget stops the run, with
+        the run's own actions and the ``extra`` ones after each step."""
+        bar = ProgressBar(self.config.training.steps, enabled=progress)
+        own = run_actions(self.config, self.run_dir, bar, self.evaluate, self.save, self.completed)
+        actions = Actions([*own, *extra])
+        try:
+            with interrupts.held():
+                self._loop(actions, interrupts)
+        finally:
+            actions.close()
+            bar.close()
 
-    def _loop(self, callback, *, progress: bool, interrupts: Interrupts) -> None:
-        t = self.config.training
-        bar = ProgressBar(t.steps, enabled=progress)
-        actions = run_actions(self.config, self.run_dir, bar, callback)
+    def _loop(self, actions: Actions, interrupts: Interrupts) -> None:
+        steps = self.config.training.steps
         session_start = time.perf_counter()
         self.elapsed_before = float(self.totals["elapsed_s"])
         same_everywhere(self.completed, "the completed steps (is out_dir shared by every process?)")
         self.stopped = self.stop_reason()
-        while self.completed < t.steps and self.stopped is None:
+        while self.completed < steps and self.stopped is None:
             if interrupts.requested:  # between steps: the state is whole, save it
-                bar.close()
                 self.save(finished=False)
                 how = "interrupted" if interrupts.signum == signal.SIGINT else "stopped by SIGTERM"
                 message = (
-                    f"{how} after step {self.completed} of {t.steps}; a checkpoint of "
+                    f"{how} after step {self.completed} of {steps}; a checkpoint of "
                     f"that step is in {self.ckpt_dir}: run again in the same directory to resume"
                 )
                 self.run_dir.log(message, echo=False)  # the command prints it once
@@ -562,11 +588,19 @@ class _Run:
             tic = time.perf_counter()
             stats, eps, new_scale = self._advance()
             self.totals["elapsed_s"] = self.elapsed_before + (time.perf_counter() - session_start)
-            end = StepEnd(self.completed, stats, eps, new_scale, started=tic)
+            self.stopped = self.stop_reason()  # the budget stop: the loop's, not an action's
+            end = PrivateStepEnd(
+                step=self.completed,
+                last=self.completed >= steps or self.stopped is not None,
+                time=time.monotonic(),
+                released=self._released(stats, eps, new_scale),
+                params=self.state["params"],
+                stats=stats,
+                totals=self.totals,
+                started=tic,
+            )
             with self.resumable():
-                for action in actions:  # budget stop, evaluation, logs, progress, checkpoint
-                    action(self, end)
-        bar.close()
+                actions(end)
 
     def _advance(self):
         """One private step, accounted; returns its (exact) stats, the epsilon spent and
@@ -599,20 +633,20 @@ class _Run:
     def _private_dynamic(self) -> bool:
         return isinstance(self.state["loss_scale"], PrivateDynamicLossScale)
 
-    def public_record(self, end: StepEnd) -> dict[str, Any]:
-        """The public record of the step just done (``release.public_record``)."""
-        stats = end.stats
+    def _released(self, stats, epsilon: float, next_scale: float) -> dict[str, Any]:
+        """The released numbers of the step just done (``release.public_record``
+        without an evaluation; an action adds the evaluation's held-out metrics)."""
         noised = float(stats.noised_overflow_count) if self._private_dynamic else None
         return release.public_record(
-            step=end.step,
-            epsilon=end.epsilon,
+            step=self.completed,
+            epsilon=epsilon,
             delta=self.config.privacy.delta,
             loss_scale=float(stats.loss_scale),
-            next_loss_scale=end.next_scale,
+            next_loss_scale=next_scale,
             loss_scale_changes=self.totals["loss_scale_changes"],
             noised_overflow=noised,
             noised_overflow_total=self.totals["noised_overflow"] if noised is not None else None,
-            evaluation=end.evaluation,
+            evaluation=None,
         )
 
     def evaluate(self) -> dict[str, Any]:

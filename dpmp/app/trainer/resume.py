@@ -3,7 +3,8 @@
 A resumed run replays the saved secret keys. On other data, or under another
 privacy plan, that would reuse noise and break the accounting: refused with
 the differences listed. Only the periods of evaluation, logging and
-checkpointing may change.
+checkpointing, and where the public records go (``training.writers``), may
+change.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _RESUMABLE_CHANGES = {
     ("training", "eval_every"),
     ("training", "log_every"),
     ("training", "checkpoint_every"),
+    ("training", "writers"),
 }
 
 
