@@ -17,6 +17,9 @@ from dpmp.models.families import _mlp  # noqa: F401, E402  isort: skip
 from dpmp.models.families import _nnx_mlp  # noqa: F401, E402  isort: skip
 from dpmp.models.families import _linear  # noqa: F401, E402  isort: skip
 from dpmp.models.families import _vit  # noqa: F401, E402  isort: skip
+from dpmp.models.families import _cnn  # noqa: F401, E402  isort: skip
+from dpmp.models.families import _scatter_linear  # noqa: F401, E402  isort: skip
+from dpmp.models.families import _scatter_cnn  # noqa: F401, E402  isort: skip
 from dpmp.models.families import _lm  # noqa: F401, E402  isort: skip
 from dpmp.models.families import _gpt2  # noqa: F401, E402  isort: skip
 
