@@ -115,7 +115,16 @@ def epsilon(
       0.9877
 
     Args:
-      plan: an ``AccountingPlan``; or none, and its fields as keywords:
+      plan: an ``AccountingPlan``; or none, and its fields as keywords (below).
+      breakdown: return an ``EpsilonBreakdown`` instead: the total and what the
+        DP-SGD steps, the counts, the preprocessing release and the noise
+        residual each add. Epsilon does not add up over mechanisms, so each
+        part is a difference at the same delta: ``counts = epsilon(steps and
+        counts) - epsilon(steps)``, ``preprocessing = epsilon(everything) -
+        epsilon(steps and counts)``, ``noise_residual`` = the total minus the
+        total of exact Gaussian noise.
+
+    Keyword Args:
       noise_multiplier: noise stddev divided by the clip norm, in [1e-6, 1e6] or inf.
       sampling_prob: Poisson sampling probability, in (0, 1].
       steps: number of steps, an integer >= 0 (0 steps cost epsilon 0).
@@ -137,13 +146,6 @@ def epsilon(
         exact Gaussian sampler (which no floating-point program draws).
       noise_sampler: the registered sampler (``dpmp.noise``) whose accounting
         contract the noised coordinates are taken under (default ``"snapped"``).
-      breakdown: return an ``EpsilonBreakdown`` instead: the total and what the
-        DP-SGD steps, the counts, the preprocessing release and the noise
-        residual each add. Epsilon does not add up over mechanisms, so each
-        part is a difference at the same delta: ``counts = epsilon(steps and
-        counts) - epsilon(steps)``, ``preprocessing = epsilon(everything) -
-        epsilon(steps and counts)``, ``noise_residual`` = the total minus the
-        total of exact Gaussian noise.
 
     Returns:
       The epsilon that dp-accounting's accountant gives for ``dpsgd_event``
