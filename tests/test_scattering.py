@@ -145,3 +145,17 @@ def test_the_registry_names_the_maps_and_load_dataset_applies_one(cache, tmp_pat
     mapped = load_dataset("digits", features="scattering")
     assert mapped.input_shape == (2, 2, 81) and mapped.num_train == digits.num_train
     np.testing.assert_array_equal(mapped.y_train, digits.y_train)
+
+
+def test_data_features_is_a_checked_config_key_that_load_data_applies(cache, tmp_path):
+    from dpmp.app.config import ConfigError, DataConfig, load_config
+    from dpmp.app.inputs import load_data
+    from tests.test_idx import idx_folder
+
+    with pytest.raises(ConfigError, match="data.features: 'pca' is not allowed; allowed: none"):
+        load_config(None, ["data.features=pca"])
+    idx_folder(tmp_path / "mnist", np.random.default_rng(9), gz=True, n_train=24, n_test=8)
+    config = DataConfig(dataset="idx", path=str(tmp_path / "mnist"), features="scattering")
+    data = load_data(config)
+    assert data.input_shape == (7, 7, 81) and (data.num_train, data.num_test) == (24, 8)
+    assert "scattering features" in data.description

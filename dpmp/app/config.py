@@ -83,6 +83,12 @@ def _public_text():
     return PUBLIC_TEXT
 
 
+def _feature_maps():
+    from dpmp.data._features import FEATURE_MAPS
+
+    return FEATURE_MAPS
+
+
 def _path_read(section: str, registry, dataset: str, path: str | None) -> None:
     """``{section}.path`` is given exactly when the source ``dataset`` reads one
     (its ``needs_path``): a path it would not read is refused, never ignored."""
@@ -178,14 +184,17 @@ class DataConfig:
       package), ``"npz"`` (``path`` with arrays ``x``, ``y`` and optionally
       ``x_test``, ``y_test``) or ``"npy"`` (``path`` a folder of
       ``x_train.npy``, ``y_train.npy``, ``x_test.npy``, ``y_test.npy``; the
-      features are memory-mapped, so they may be larger than memory);
-      text for next-token prediction (``model.kind = "lm"``):
+      features are memory-mapped, so they may be larger than memory),
+      ``"fashion_mnist"`` (Fashion-MNIST from Debian's package
+      ``dataset-fashion-mnist``) or ``"idx"`` (``path`` a folder of idx files:
+      MNIST, EMNIST, KMNIST; their own train/test split); text for next-token
+      prediction (``model.kind = "lm"``):
       ``"python_docs"`` (the help topics of Python's own documentation,
       ``pydoc_data.topics``, shipped with Python: each distinct line of at
       least 16 characters is a record) or ``"text"`` (``path`` a ``.txt``
       file, one record per line, or a ``.jsonl`` file of ``{"text": ...}``
       objects, one record each). A record is the privacy unit.
-    path: the ``.npz`` file, the folder of ``.npy`` files, or the text file;
+    path: the ``.npz`` file, the folder of ``.npy`` or idx files, or the text file;
       given for a ``dataset`` that reads none (``"digits"``), it is refused.
     tokenizer: text: a ``tokenizer.json`` (Hugging Face ``tokenizers``) whose
       tokens replace the bytes; each record is still one example. With
@@ -193,6 +202,12 @@ class DataConfig:
     seq_len: text: bytes per record (UTF-8), or with a ``tokenizer`` predicted
       tokens per record (longer records are cut, shorter ones padded; padding
       contributes nothing to the loss).
+    features: a fixed function of each example alone, applied to both splits
+      before training (it reads no other record, so it costs no epsilon):
+      ``"none"`` or ``"scattering"`` (the scattering transform of images, J = 2,
+      L = 8: 81 channels on 7 x 7 for 28 x 28 images, computed once and cached
+      in ``~/.cache/dpmp/features``; for ``model.kind = "scatter_linear"`` or
+      ``"scatter_cnn"``).
     test_fraction: share held out for testing when the data has no test split:
       the positions a permutation seeded by ``training.seed`` puts first, never
       a function of the records (a split stratified by label is one of the
@@ -216,6 +231,7 @@ class DataConfig:
     dataset: str = "digits"
     path: str | None = None
     tokenizer: str | None = None
+    features: str = "none"
     test_fraction: float = 0.2
     seq_len: int = 64
     standardize: str = "none"
@@ -231,6 +247,7 @@ class DataConfig:
             raise ConfigError(f"data.seq_len: at most 4096, got {self.seq_len}")
         _path_read("data", _sources(), self.dataset, self.path)
         check_tokenizer(self.dataset, self.tokenizer)
+        _choice("data.features", self.features, _feature_maps().names())
         if isinstance(self.standardize, bool):
             raise ConfigError(
                 f"data.standardize: {str(self.standardize).lower()} is no longer allowed; "

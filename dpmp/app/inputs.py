@@ -48,6 +48,7 @@ def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
         seq_len=config.seq_len,
         seed=seed,
         tokenizer=config.tokenizer,
+        features=config.features,
     )
 
 
