@@ -302,3 +302,28 @@ def test_a_configured_accountant_registered_under_its_own_name_is_chosen_by_it()
         from dpmp.accounting._registry import ACCOUNTANT_REGISTRY
 
         ACCOUNTANT_REGISTRY.unregister("pld_coarse")
+
+
+@pytest.mark.parametrize("interval", [1e-3, 1e-4])
+def test_a_budget_saved_with_its_interval_beside_the_name_resumes_alike(interval):
+    """Checkpoints written when the PLD interval was a field of the budget (these
+    records are what such a checkpoint holds) load as a budget whose tracker spends
+    what a tracker on that interval spends."""
+    old = {
+        "noise_multiplier": 1.1, "sampling_prob": 0.02, "delta": 1e-05, "target_epsilon": 2.0,
+        "accountant": "pld", "neighboring": "add_or_remove", "count_noise_stddev": None,
+        "count_every": 1, "value_discretization_interval": interval,
+        "preprocessing_noise_multiplier": None, "noised_coordinates": None,
+        "noise_sampler": "snapped",
+    }  # fmt: skip
+    budget = acc.PrivacyBudget.from_dict(old)
+    dropped = ("accountant", "value_discretization_interval")
+    fields = {k: v for k, v in old.items() if k not in dropped}
+    want = acc.PrivacyBudget(
+        **fields, accountant=acc.PldAccountant(value_discretization_interval=interval)
+    )
+    assert budget.accountant.for_tracking() == want.accountant.for_tracking()
+    got, ref = acc.BudgetTracker(budget), acc.BudgetTracker(want)
+    for _ in range(40):
+        assert got.step() == ref.step()
+    assert got.spent() > 0

@@ -134,16 +134,36 @@ class PrivacyBudget:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrivacyBudget:
+        data = dict(data)
+        # A budget saved before accountants carried their settings kept the PLD's
+        # interval beside the accountant's name: it is that accountant's setting.
+        interval = data.pop(_OLD_INTERVAL, None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ValueError(
                 f"unknown PrivacyBudget fields {sorted(unknown)}; known: {sorted(known)}."
             )
-        data = dict(data)
         if "accountant" in data:
             data["accountant"] = accountant_from_record(data["accountant"])
+        if interval is not None:
+            data["accountant"] = _with_interval(data.get("accountant", "pld"), interval)
         return cls(**data)
+
+
+_OLD_INTERVAL = "value_discretization_interval"
+
+
+def _with_interval(accountant: Any, interval: float) -> Any:
+    """``accountant`` tracking on the discretisation ``interval`` of an old saved
+    budget: unchanged when it has no such setting (RDP) or tracks on it already."""
+    acct = as_accountant(accountant)
+    names = {f.name for f in dataclasses.fields(acct)} if dataclasses.is_dataclass(acct) else ()
+    if _OLD_INTERVAL not in names:
+        return acct
+    if getattr(acct.for_tracking(), _OLD_INTERVAL) == interval:
+        return acct
+    return dataclasses.replace(acct, **{_OLD_INTERVAL: interval})
 
 
 class BudgetTracker:
