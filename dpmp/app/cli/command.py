@@ -2,8 +2,8 @@
 
 A command is a ``Command``: its name and help, a function that adds its
 options to its sub-parser, its handler, and the modules it needs. Adding a
-command is a new module that defines one and one line in
-``dpmp.app.cli.entry.COMMANDS``.
+command is a new module that defines one as ``COMMAND`` and its name in
+``dpmp.app.cli.entry._BUILT_IN`` (or ``entry.register_command(command)``).
 
 Nothing here imports JAX, NumPy or dp-accounting: ``dpmp --help`` and each
 command's ``--help`` stay fast. A handler imports what it uses when it runs.
