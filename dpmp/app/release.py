@@ -86,7 +86,8 @@ sizes, train accuracy and loss, per-step times. None of them is noised or accoun
 in the run's epsilon. Use them to debug the run; do not publish them.
 
 Safe to publish (privatized, held-out test, or the public plan):
-{", ".join(RUN_FILES)}, and {EXPORTED_PARAMS} once `dpmp export` writes it.
+{", ".join(RUN_FILES)}, tensorboard/ when training.writers writes it, and
+{EXPORTED_PARAMS} once `dpmp export` writes it.
 Secret: ../checkpoints/ (the noise keys, the sampler's seed and a fingerprint
 of the data: as secret as the data itself).
 
