@@ -260,6 +260,7 @@ def test_a_command_is_one_module_and_one_registration(capsys):
     one line with status 2, as the built-in commands' are."""
     assert [c.name for c in COMMANDS] == [
         "train",
+        "tune",
         "audit",
         "compare",
         "budget",

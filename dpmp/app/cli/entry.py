@@ -26,7 +26,7 @@ __all__ = ["COMMANDS", "console", "main", "parser", "register_command"]
 # The built-in commands, in the order ``dpmp --help`` lists them: each is the
 # ``COMMAND`` of its module ``dpmp.app.cli.<name>``, loaded when the parser is
 # built (none imports JAX).
-_BUILT_IN = ("train", "audit", "compare", "budget", "report", "export", "generate")
+_BUILT_IN = ("train", "tune", "audit", "compare", "budget", "report", "export", "generate")
 COMMANDS: Registry[Command] = Registry(
     "command", {name: f"dpmp.app.cli.{name}:COMMAND" for name in _BUILT_IN}, protocol=Command
 )
