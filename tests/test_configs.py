@@ -15,7 +15,10 @@ from dpmp.app.inputs import load_data
 from dpmp.app.trainer import audit_step, build_private_step, train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-NAMES = sorted(p.name for p in CONFIGS.glob("*.toml"))
+# The configs of a published table read their own data (Fashion-MNIST) at their
+# paper's epsilon: tests/test_fashion_mnist_configs.py holds them.
+REPRODUCTIONS = sorted(p.name for p in CONFIGS.glob("fashion_mnist_*.toml"))
+NAMES = sorted(p.name for p in CONFIGS.glob("*.toml") if p.name not in REPRODUCTIONS)
 
 
 def test_the_promised_configs_exist():
