@@ -82,6 +82,11 @@ Formal Guarantees:
     ``compute_delta`` (the reference does the same). ``mu < 1`` is refused:
     there ``log(mu) / (lambda - 1) < 0`` and the stated bound falls below the
     true divergence (a two-outcome mechanism at ``mu = 0.9`` shows it).
+  * A dpmp candidate's curve is dp-accounting's ``RdpAccountant`` at
+    ``SEARCH_ORDERS``, lowered to its running minimum from the top order down
+    (Renyi divergence does not decrease with the order, so a higher order's
+    bound holds at every lower one; dp-accounting's fractional orders can lie
+    far above their integer neighbours).
   * RDP to (epsilon, delta): dp-accounting's ``compute_epsilon`` (Canonne,
     Kamath & Steinke 2020, Proposition 12, with its KL shortcut), as the
     reference's ``get_privacy_spent``.
