@@ -193,7 +193,11 @@ HAND_WRITTEN = [
 ]
 
 
-@pytest.mark.parametrize(("page", "phrase", "figure"), HAND_WRITTEN, ids=lambda v: str(v)[:30])
+# ids from the page and the phrase alone (a function's repr differs between
+# processes, and pytest-xdist's workers must collect the same ids)
+@pytest.mark.parametrize(
+    ("page", "phrase", "figure"), HAND_WRITTEN, ids=[f"{p}-{f[:30]}" for p, f, _ in HAND_WRITTEN]
+)
 def test_figures_in_prose_are_the_committed_results(page, phrase, figure):
     text = " ".join((DOCS / page).read_text().split())
     assert phrase in text, f"docs/{page} no longer says {phrase!r}: update this list"
