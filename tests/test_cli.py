@@ -1233,7 +1233,7 @@ def test_the_default_run_directory_is_stated(capsys):
         cli.main(["train", "--help"])
     assert "(default: runs/default)" in " ".join(capsys.readouterr().out.split())
     page = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
-    assert "[--out RUN_DIR]   # RUN_DIR: runs/default" in page
+    assert "RUN_DIR defaults to runs/default" in page
 
 
 def _read_only(monkeypatch, folder: Path) -> None:
