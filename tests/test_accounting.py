@@ -726,6 +726,7 @@ def test_residual_delta_is_not_multiplied_by_e_to_the_epsilon():
     )
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_residual_constants_against_mpmath():
     """Each constant of the derivation against a 50-digit mpmath reference: the
     sampler's accurate reach covers SNAP_TAIL and a cell; the tail masses; the L1
@@ -989,6 +990,7 @@ def test_a_plan_beyond_max_epsilon_is_refused_at_once_not_accounted_for_minutes(
         assert tracker.remaining_steps(steps) < steps  # beyond the limit counts as spent
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_a_plan_within_max_epsilon_is_dp_accountings_pld():
     """The guard leaves plans below the limit alone: epsilon near 64 (RDP bound
     82) is what dp-accounting's PLD accountant gives."""

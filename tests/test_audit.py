@@ -71,6 +71,7 @@ def assert_clean_with(report, *kinds):
 
 
 # ---- (a) bf16 sum of per-example gradients ---------------------------------------
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_a_jax_privacy_bf16_sum_is_caught_and_f32_is_clean():
     p, batch = mlp(BF16)
     g = jp_clipping.clipped_grad(mlp_loss, l2_clip_norm=1.0, batch_argnums=1)
@@ -225,6 +226,7 @@ _MULTI_DEVICE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_e_psum_across_devices_in_subprocess(tmp_path):
     reports = run_on_host_devices(tmp_path, "multi_device_audit.py", _MULTI_DEVICE, timeout=120)
     for mode in ("shard_map", "pmap"):
@@ -483,6 +485,7 @@ def test_fp_sum_sensitivity_formulas():
     assert fp_sum_sensitivity(256, 1.0, BF16)["sequential"] == 512.0
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_numeric_audit_f32_vs_bf16():
     k = jax.random.split(jax.random.key(3), 4)
     p = {"w1": jax.random.normal(k[0], (6, 16)), "w2": jax.random.normal(k[1], (16, 3))}

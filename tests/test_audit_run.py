@@ -164,6 +164,7 @@ def test_exact_game_without_privacy_and_with_pure_noise():
 # ---- the audit run: its data, its plan, zero-out ------------------------------------
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_audit_run_keeps_the_configs_noise_and_rate_on_n_plus_m_records():
     config = Config()
     base = load_data(config.data, config.training.seed)

@@ -31,6 +31,7 @@ def run(policy, batch, params=None, clip=1.0, **kw):
     return jax.jit(g)(params, batch, loss_scale=loss_scale, is_padding_example=pad)
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 @pytest.mark.parametrize("policy", ["bf16", "fp16", "fp32"])
 def test_clipped_sum_matches_float64_reference(policy):
     batch = classification_batch(64)
@@ -198,6 +199,7 @@ def test_overflow_injection_fp16():
     assert np.linalg.norm(flat(out.grads) - ref64) <= HALF_RTOL["fp16"] * np.linalg.norm(ref64)
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_jax_privacy_nan_safe_leaves_a_partial_vector():
     """Why dpmp zeroes whole examples: jax-privacy 2.0's nan_safe keeps the finite part."""
     from jax_privacy import clipping as jp
@@ -215,6 +217,7 @@ def test_jax_privacy_nan_safe_leaves_a_partial_vector():
     assert all(float(jnp.abs(v).max()) == 0.0 for v in jax.tree.leaves(ours.grads))
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_padding_contributes_zero_and_is_not_counted():
     batch = classification_batch(32)
     pad = np.arange(32) >= 20
@@ -224,6 +227,7 @@ def test_padding_contributes_zero_and_is_not_counted():
     assert int(out.stats.num_examples) == 20
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_bf16_policy_sum_and_noisy_gradient_are_fp32():
     batch = classification_batch(32)
     out = run("bf16", batch)
@@ -358,6 +362,7 @@ def xent(logits, y):
     return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 @pytest.mark.parametrize("policy", ["bf16", "fp16"])
 def test_flax_linen(policy):
     batch = classification_batch(32)

@@ -161,6 +161,7 @@ def test_private_training_example_spends_the_budget(name, capsys, monkeypatch):
     assert "noise multiplier" in out and "over 10 steps" in out
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_own_loop_runs_the_built_step_in_physical_chunks(capsys, monkeypatch):
     out = run("own_loop.py", "--steps", "3", capsys=capsys, monkeypatch=monkeypatch)
     assert "padded batch 768 in 6 physical chunks of 128 on 1 device(s)" in out, out

@@ -250,6 +250,7 @@ def test_ghost_step_needs_the_non_private_steps_memory_on_dense_layers(accumulat
     assert private <= most * nonprivate, (private, nonprivate)
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_a_wide_layers_float64_sum_in_ten_blocks_is_float64_clipping():
     """``w2`` with 1,200 outputs over 12 examples: its float64 clipped sum is taken
     in ten blocks of at most 128 columns; the result is float64 per-example
@@ -266,6 +267,7 @@ def test_a_wide_layers_float64_sum_in_ten_blocks_is_float64_clipping():
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_ghost_equals_vmap_with_an_overflow_inside_a_per_example_layer():
     """An inf pixel overflows the convolutions, whose per-example kernel gradients are
     formed inside the backward pass: both methods drop exactly that example."""

@@ -138,6 +138,7 @@ def _cancel_batch(eps, scales, head, seed=3):
     return {"x": x, "a": f32(a), "h": f32(a), "c": f32(c)}
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 @pytest.mark.parametrize("head", sorted(HEADS))
 @pytest.mark.parametrize(("policy", "kind"), [("f32", "auto"), ("bf16", "auto"), ("bf16", "half")])
 def test_tied_norm_bound_holds_when_the_cross_term_cancels(policy, kind, head):
@@ -182,7 +183,10 @@ def test_tied_norm_bound_holds_when_the_cross_term_cancels(policy, kind, head):
 @pytest.mark.parametrize(
     ("vocab", "head"),
     # the per-example head also has its small cases above; the whole model is ~11 s
-    [pytest.param(12, "per-example", marks=pytest.mark.slow), (64, "gram")],
+    [
+        pytest.param(12, "per-example", marks=pytest.mark.slow),
+        pytest.param(64, "gram", marks=pytest.mark.slow),  # 50 s on 2 cores
+    ],
 )
 def test_tiny_gpt2_with_trainable_tied_table_matches_float64_per_example_clipping(vocab, head):
     """A tiny GPT-2 with its token table trainable (tied to its head): ghost clipping
@@ -217,6 +221,7 @@ def test_tiny_gpt2_with_trainable_tied_table_matches_float64_per_example_clippin
     assert int(out.stats.num_clipped) == int((norms > clip).sum()) > 0
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 @pytest.mark.parametrize("kind", ["float32", "half"])
 @pytest.mark.parametrize("head", sorted(HEADS))
 def test_tied_lm_bf16_ghost_matches_per_example_gradients(head, kind):
@@ -307,6 +312,7 @@ def test_cross_term_rounding_bound_holds_and_is_needed():
     assert np.abs(x - exact).max() > 0
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 @pytest.mark.parametrize("head", sorted(HEADS))
 def test_tied_sum_in_microbatches_and_float32_within_sensitivity(head):
     """Microbatches of 4 give the whole batch's sum; with float32 accumulation

@@ -152,6 +152,7 @@ def test_the_weight_matrices_are_kernels_lora_adapts(tmp_path):
     }
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_the_loss_is_the_mean_next_token_cross_entropy_of_a_record(tmp_path):
     tensors = _tensors(np.random.default_rng(4))
     loaded = load_gpt2(_write(tmp_path, tensors))

@@ -29,6 +29,7 @@ def _base():
     }
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_merge_is_w_plus_scaled_low_rank_product_against_float64():
     base = _base()
     adapters = dpmp.init_lora(base, 3, jax.random.key(0))
@@ -102,6 +103,7 @@ def _lm_config(tmp_path, *sets):
     )
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_the_adapters_start_as_the_base_model_and_are_all_that_is_noised(tmp_path):
     config = _lm_config(tmp_path, "model.lora_rank=2")
     data = load_data(config.data, 0)
@@ -164,6 +166,7 @@ def test_lora_after_public_pretraining_leaves_the_base_bit_identical(tmp_path):
         train(config, out_dir=out, progress=False)
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_init_params_start_a_full_fine_tuning(tmp_path):
     config = _lm_config(tmp_path, "pretrain.dataset=none", "training.steps=1")
     data = load_data(config.data, 0)
@@ -322,6 +325,7 @@ _TINY_FORWARD = 6 + 6 + 2 + 5 + 5 + 2 + 3
 _TINY_DEPTH = 2 * _TINY_FORWARD + 38 + 8
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_the_base_as_an_argument_gives_the_gradients_of_the_base_closed_over():
     """The frozen base passed as an argument, closed over (a constant XLA may fold
     into the program) or merged into the weights: three compiled programs of one

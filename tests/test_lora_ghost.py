@@ -60,6 +60,7 @@ def _alone(grad_fn, params, batch, base):
     return np.asarray(out)
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_auto_takes_ghost_clipping_for_the_adapters():
     lora, adapters, base, batch = _lora()
     g = dpmp.private_grad(lora.loss_fn, l2_clip_norm=1.0, policy="f32", method="auto")

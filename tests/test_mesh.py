@@ -259,6 +259,7 @@ print("JSON" + json.dumps({
 """
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_small_replicated_leaves_are_drawn_together_on_a_mesh(tmp_path):
     """On 4 devices, the small replicated leaves of each dtype (float32 and bfloat16)
     are drawn as one vector over the mesh and a small leaf split over the mesh

@@ -150,6 +150,7 @@ def test_lm_loss_is_the_masked_next_token_cross_entropy_float64():
     np.testing.assert_allclose(np.asarray(loss_sum) / counts, per_record, rtol=1e-5)
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_lm_padding_contributes_nothing_and_attention_is_causal():
     from dpmp.data._text import PAD, encode_records
 

@@ -165,6 +165,7 @@ def test_half_uniform_reaches_2_to_the_minus_77_with_relative_resolution():
             assert abs(z[1] - z[0]) < 1e-10
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_the_written_out_key_table_and_split_are_jaxs():
     """The leaves' key words (``_leaf_key_words``: ``bits(fold_in(key, i), (4,),
     uint32)`` written out; a 128-bit key's ``fold_in`` data) and the step's
@@ -191,6 +192,7 @@ def test_the_written_out_key_table_and_split_are_jaxs():
     np.testing.assert_array_equal(jax.jit(_key_words)(key), jax.random.key_data(key))
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_a_coordinates_noise_depends_on_its_index_alone():
     """The draw of a whole array equals the draw of any piece of it at the same
     indices, whatever the piece size: chunks (and mesh shards) change nothing."""
@@ -247,6 +249,7 @@ def test_the_draw_takes_its_pieces_from_the_backend_it_is_traced_for(monkeypatch
     np.testing.assert_array_equal(np.asarray(elsewhere), np.asarray(on_cpu))
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_small_leaves_drawn_together_get_their_own_leafs_noise():
     """A tree's small leaves are drawn as one vector (one program for all of them);
     each coordinate still gets exactly the noise of its own leaf's draw from

@@ -90,6 +90,7 @@ def _digits_config():
     return load_config(None, ["training.steps=1", "model.hidden=[8]"])
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_init_params_may_be_a_file_and_what_is_cast_is_said(tmp_path):
     """A float16 file for a float32 model was cast without a word."""
     config = _digits_config()

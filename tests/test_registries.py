@@ -314,6 +314,7 @@ def test_a_registered_accountant_is_used_by_name(toy_accountant):
         )
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_a_registered_samplers_contract_is_accounted_by_name(toy_sampler):
     assert "toy" in noise.sampler_names()
     coordinates = 1000

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dpmp.clipping import _replay as replay
 
@@ -15,6 +16,7 @@ def _unit_axis_model(x):
     return jnp.sum(jax.nn.softmax(x * v, axis=-1) * jnp.tanh(x))
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_replay_keeps_size_one_axes_out_of_reductions():
     """The replay (ghost's forward and the per-example gradients of the vmap path)
     emits reductions on squeezed operands (XLA:CPU runs them ~15x faster) and

@@ -68,6 +68,7 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_chunks_sum_to_the_one_shot_clipped_sum(steps):
     chunked, one_shot = steps
     params, batch, pad = chunked.example_args[:3]
@@ -90,6 +91,7 @@ def test_chunks_sum_to_the_one_shot_clipped_sum(steps):
     assert float(total.norm_mean) == pytest.approx(float(whole.stats.norm_mean), rel=1e-5)
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_chunked_step_draws_the_noise_once(configs, steps):
     chunked, one_shot = steps
     a = chunked.step_fn(*chunked.example_args)
@@ -105,6 +107,7 @@ def test_chunked_step_draws_the_noise_once(configs, steps):
     assert report.ok and report.counts()["noise_sample"] == whole.counts()["noise_sample"]
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_the_noise_is_drawn_for_the_sensitivity_of_the_sum_as_computed(configs, steps):
     """stddev = noise multiplier x the sensitivity of the noised sum, rounding included:
     the padded batch, and the chunks' float32 partial sums added up (8 here)."""
@@ -161,6 +164,7 @@ def test_chunked_step_compiles_to_a_quarter_of_the_memory(steps):
     assert chunk_temp <= one_shot_temp / 4, (chunk_temp, one_shot_temp)
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_private_loss_scale_is_adjusted_once_from_the_whole_batch(digits):
     config = load_config(
         None,
@@ -212,6 +216,7 @@ def test_combined_statistics_weigh_chunks_by_their_examples():
     assert float(total.norm_median) == 4.0  # the empty chunk's 0 is not a median
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_memory_check_reads_the_compiled_step_and_refuses_what_does_not_fit(steps):
     """``step_memory`` is the compiled step's own count (arguments, outputs and
     temporaries; with chunks, the larger call plus what stays beside it), at least
@@ -292,6 +297,7 @@ def _rows(data, sampled):
     return {"x": x, "y": y}, sampled.is_padding_example
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 @pytest.mark.parametrize("physical", [None, 48])
 def test_a_step_built_from_objects_is_the_trainers_step(digits, physical):
     chunks = [] if physical is None else [f"training.physical_batch_size={physical}"]
@@ -433,6 +439,7 @@ def test_every_stage_of_the_private_step_is_named_in_its_program(method):
     assert {stage_of(op) for op in re.findall(r'op_name="([^"]*)"', plain)} == {None}
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 @pytest.mark.parametrize("physical", [None, 2])
 def test_a_donating_step_is_the_same_step_written_in_place(physical):
     """``donate=True``: the step's result is the same bit for bit, the state passed in

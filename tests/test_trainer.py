@@ -161,6 +161,7 @@ def test_report_epsilon_matches_an_independent_accountant(small_run):
     assert report["epsilon"] > 0.75 * rdp
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_the_start_of_run_file_list_names_only_files_a_run_writes(small_run):
     """It named params.npz, which only ``dpmp export`` writes."""
     from dpmp.app import release
@@ -728,6 +729,7 @@ def _numbers(value) -> list[float]:
     return [n for v in items for n in _numbers(v)]
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 def test_public_files_hold_no_exact_training_statistic(digits, tmp_path, capsys):
     """report.json, metrics.jsonl, train.log, the plots' data, the progress bar, the
     callback and `dpmp report` hold only public keys, and none of the exact values
@@ -996,6 +998,7 @@ def test_python_api_trains_each_model_form_on_sources(form, digits, tmp_path):
     assert report["epsilon"] == pytest.approx(small().privacy.target_epsilon, rel=1e-3)
 
 
+@pytest.mark.slow  # over 8 s on 2 cores: the fast suite stays under 3 minutes
 @pytest.mark.parametrize(
     "signame, said", [("SIGINT", "interrupted"), ("SIGTERM", "stopped by SIGTERM")]
 )
