@@ -66,6 +66,7 @@ _PUBLIC = {
     "StepState": ("dpmp.step", "StepState"),
     "private_step": ("dpmp.step", "private_step"),
     "train": ("dpmp.app.trainer", "train"),
+    "tune": ("dpmp.app.tune", "tune"),
     "PeriodicAction": ("dpmp.app.trainer.actions", "PeriodicAction"),
     "StepEnd": ("dpmp.app.trainer.actions", "StepEnd"),
 }
@@ -83,6 +84,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from dpmp.app.trainer import train as train
     from dpmp.app.trainer.actions import PeriodicAction as PeriodicAction
     from dpmp.app.trainer.actions import StepEnd as StepEnd
+    from dpmp.app.tune import tune as tune
     from dpmp.audit import KINDS as AUDIT_KINDS
     from dpmp.audit import Finding as Finding
     from dpmp.audit import NumericReport as NumericReport
@@ -201,6 +203,7 @@ __all__ = [
     "snap_grid",
     "snapped_gaussian",
     "train",
+    "tune",
     "select_tree",
     "update_if_finite",
     "value_and_grad",

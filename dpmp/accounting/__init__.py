@@ -103,6 +103,15 @@ _PUBLIC = {
     "epsilon": ("dpmp.accounting._functions", "epsilon"),
     "epsilon_breakdown": ("dpmp.accounting._functions", "epsilon_breakdown"),
     "noise_residual": ("dpmp.accounting._functions", "noise_residual"),
+    "SEARCH_ORDERS": ("dpmp.accounting._tuning", "SEARCH_ORDERS"),
+    "CandidateCount": ("dpmp.accounting._tuning", "CandidateCount"),
+    "CandidatePlan": ("dpmp.accounting._tuning", "CandidatePlan"),
+    "PoissonCount": ("dpmp.accounting._tuning", "PoissonCount"),
+    "SearchGuarantee": ("dpmp.accounting._tuning", "SearchGuarantee"),
+    "TruncatedNegativeBinomialCount": ("dpmp.accounting._tuning", "TruncatedNegativeBinomialCount"),
+    "calibrate_search_noise": ("dpmp.accounting._tuning", "calibrate_search_noise"),
+    "search_epsilon": ("dpmp.accounting._tuning", "search_epsilon"),
+    "search_guarantee": ("dpmp.accounting._tuning", "search_guarantee"),
 }
 
 if TYPE_CHECKING:
@@ -138,6 +147,17 @@ if TYPE_CHECKING:
     from dpmp.accounting._tracker import BudgetExceededError as BudgetExceededError
     from dpmp.accounting._tracker import BudgetTracker as BudgetTracker
     from dpmp.accounting._tracker import PrivacyBudget as PrivacyBudget
+    from dpmp.accounting._tuning import SEARCH_ORDERS as SEARCH_ORDERS
+    from dpmp.accounting._tuning import CandidateCount as CandidateCount
+    from dpmp.accounting._tuning import CandidatePlan as CandidatePlan
+    from dpmp.accounting._tuning import PoissonCount as PoissonCount
+    from dpmp.accounting._tuning import SearchGuarantee as SearchGuarantee
+    from dpmp.accounting._tuning import (
+        TruncatedNegativeBinomialCount as TruncatedNegativeBinomialCount,
+    )
+    from dpmp.accounting._tuning import calibrate_search_noise as calibrate_search_noise
+    from dpmp.accounting._tuning import search_epsilon as search_epsilon
+    from dpmp.accounting._tuning import search_guarantee as search_guarantee
     from dpmp.accounting._validate import MAX_EPSILON as MAX_EPSILON
     from dpmp.accounting._validate import MAX_NOISE_MULTIPLIER as MAX_NOISE_MULTIPLIER
     from dpmp.accounting._validate import MAX_STEPS as MAX_STEPS
@@ -180,6 +200,8 @@ __all__ = [
     "AccountingPlan",
     "BudgetExceededError",
     "BudgetTracker",
+    "CandidateCount",
+    "CandidatePlan",
     "DEFAULT_NOISE_SAMPLER",
     "EpsilonBreakdown",
     "GridNoiseContract",
@@ -193,16 +215,21 @@ __all__ = [
     "NoiseResidual",
     "PlanFields",
     "PldAccountant",
+    "PoissonCount",
     "PrivacyBudget",
     "REPORT_DISCRETIZATION",
     "REQUIRED",
     "RESIDUAL_DELTA_SHARE",
     "RdpAccountant",
     "Release",
+    "SEARCH_ORDERS",
     "SNAP_TAIL",
+    "SearchGuarantee",
     "TRACKING_DISCRETIZATION",
+    "TruncatedNegativeBinomialCount",
     "calibrate_noise_multiplier",
     "calibrate_plan",
+    "calibrate_search_noise",
     "calibrate_steps",
     "composing_curve",
     "count_releases",
@@ -217,4 +244,6 @@ __all__ = [
     "plan_epsilon_breakdown",
     "register_accountant",
     "register_noise_contract",
+    "search_epsilon",
+    "search_guarantee",
 ]
