@@ -259,16 +259,9 @@ def test_a_command_is_one_module_and_one_registration(capsys):
     """Each command is a Command in a module of its own; registering one more is
     all a new command needs: it is in the help, runs, and its usage errors are
     one line with status 2, as the built-in commands' are."""
-    assert [c.name for c in COMMANDS] == [
-        "train",
-        "tune",
-        "audit",
-        "compare",
-        "budget",
-        "report",
-        "export",
-        "generate",
-    ]
+    # the documented commands among them (more may be registered)
+    documented = {"train", "tune", "audit", "compare", "budget", "report", "export", "generate"}
+    assert documented <= {c.name for c in COMMANDS}
     assert [c.run.__module__ for c in COMMANDS] == [f"dpmp.app.cli.{c.name}" for c in COMMANDS]
     commands = (*COMMANDS, TOY)
     with pytest.raises(SystemExit) as exit_:
