@@ -270,7 +270,10 @@ class ModelConfig:
       transformer on square images), ``"lm"`` (a small flax linen causal
       transformer over bytes, for the text datasets; uses ``dim``, ``depth``
       and ``heads``), ``"gpt2"`` (the GPT-2 checkpoint folder ``checkpoint``,
-      whose parameters the run starts from), or your own model as
+      whose parameters the run starts from), ``"cnn"``, ``"scatter_linear"``,
+      ``"scatter_cnn"`` (Tramer & Boneh 2021's Fashion-MNIST models: their tanh
+      CNN, and GroupNorm then a linear layer or their CNN on scattering
+      features, ``data.features = "scattering"``), or your own model as
       ``"package.module:factory"``: ``factory(input_shape, num_classes)``
       returns a flax linen or nnx module, an Equinox module or an ``(init,
       apply)`` pair (the module must be importable: its folder on
