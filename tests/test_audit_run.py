@@ -204,10 +204,11 @@ def test_excluded_canaries_contribute_nothing():
     assert not np.array_equal(setups[0].x, setups[1].x)
     out = np.zeros(base.num_train + 200, bool)
     out[base.num_train :] = True
-    first, second = (jax.tree.leaves(_train(s.step, out, progress=False)) for s in setups)
+    steps = config.training.steps
+    first, second = (jax.tree.leaves(_train(s.step, steps, out, progress=False)) for s in setups)
     for a, b in zip(first, second):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    included = jax.tree.leaves(_train(setups[0].step, np.zeros_like(out), progress=False))
+    included = jax.tree.leaves(_train(setups[0].step, steps, np.zeros_like(out), progress=False))
     assert any(not np.array_equal(a, b) for a, b in zip(first, included))
 
 
