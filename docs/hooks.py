@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -496,6 +497,174 @@ def gpt2_checkpoint(name: str) -> str:
     return _table(header, rows)
 
 
+# -- reproductions.md: benchmarks/reproductions/tramer_boneh.py and `dpmp tune` -----------------
+
+NOT_MEASURED = "not yet measured"
+# Tramer & Boneh (ICLR 2021), Fashion-MNIST at (epsilon 3, delta 1e-5): the models of
+# their table, in its order, and its test accuracy (their Table 1 and README); a
+# measured row of the results file carries its own ``published_accuracy``.
+PAPER_ROWS = {
+    "cnn": "end-to-end CNN (tanh)",
+    "scatter_linear": "ScatterNet + linear",
+    "scatter_cnn": "ScatterNet + CNN",
+}
+PAPER_ACCURACY = {"cnn": 0.860, "scatter_linear": 0.897, "scatter_cnn": 0.890}
+# Their noise multipliers: the --noise_multiplier of the fmnist commands in the README
+# of their code (repository ftramer/Handcrafted-DP): cnns.py 2.15 (with and without
+# --use_scattering), baselines.py 4.05.
+PAPER_NOISE_MULTIPLIER = {"cnn": 2.15, "scatter_linear": 4.05, "scatter_cnn": 2.15}
+
+
+def _optional(name: str) -> dict | None:
+    """A results file, or None while it is not committed yet."""
+    return _load(name) if (RESULTS / name).is_file() else None
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.1f}%"
+
+
+def _measured_rows(name: str) -> tuple[dict, dict[str, dict]]:
+    """The results file (``{}`` while absent) and its measured rows by name."""
+    data = _optional(name) or {}
+    return data, {r["row"]: r for r in data.get("rows", [])}
+
+
+def reproduction(name: str) -> str:
+    """Each model of the paper's table: its accuracy and noise multiplier beside dpmp's
+    runs (mean accuracy and range, epsilon, noise multiplier, time a run, host)."""
+    data, measured = _measured_rows(name)
+    rows = []
+    for key, label in PAPER_ROWS.items():
+        r = measured.get(key)
+        paper = _percent(r["published_accuracy"] if r else PAPER_ACCURACY[key])
+        sigma = f"{PAPER_NOISE_MULTIPLIER[key]:.2f}"
+        if r is None:
+            rows.append([label, paper, *[NOT_MEASURED] * 3, sigma, NOT_MEASURED, "-"])
+            continue
+        acc, n = r["test_accuracy"], r["runs"]
+        spread = f"{acc['min'] * 100:.1f}-{acc['max'] * 100:.1f}"
+        rows.append(
+            [
+                label,
+                paper,
+                f"{_percent(acc['mean'])} ({spread}), {n} run{'s' if n != 1 else ''}",
+                f"{r['epsilon']:#.4g}",
+                f"{r['noise_multiplier']:.2f}",
+                sigma,
+                f"{r['wall_s']['mean'] / 60:.1f} min",
+                r.get("host", data.get("host", "-")),
+            ]
+        )
+    header = [
+        "model",
+        "paper, epsilon 3",
+        "dpmp: test accuracy, mean (min-max), runs",
+        "dpmp: epsilon",
+        "dpmp: noise multiplier",
+        "paper: noise multiplier",
+        "time a run, mean",
+        "host",
+    ]
+    return _table(header, rows)
+
+
+def reproduction_runs(name: str) -> str:
+    """What rerunning each row takes: its config, steps and expected batch (the
+    measured settings, else the config's), the measured time a step and a run, and
+    the data's loading (once a row)."""
+    data, measured = _measured_rows(name)
+    rows = []
+    for key, label in PAPER_ROWS.items():
+        config = f"configs/fashion_mnist_{key}.toml"
+        r = measured.get(key)
+        t = r["settings"] if r else tomllib.loads((ROOT / config).read_text())["training"]
+        cells = [label, f"`{config}`", f"{t['steps']:,} x {t['expected_batch_size']:,}"]
+        if r is None:
+            rows.append([*cells, NOT_MEASURED, NOT_MEASURED, NOT_MEASURED])
+            continue
+        wall = {k: v / 60 for k, v in r["wall_s"].items() if v is not None}
+        rows.append(
+            [
+                *cells,
+                f"{r['wall_s']['mean'] / t['steps']:.2f} s",
+                f"{wall['mean']:.1f} min ({wall['min']:.1f}-{wall['max']:.1f})",
+                f"{r['data_s']:.1f} s",
+            ]
+        )
+    header = [
+        "model",
+        "config",
+        "steps x expected batch",
+        f"a step ({data.get('host', 'measured')})",
+        "a run, mean (min-max)",
+        "data and features, once",
+    ]
+    return _table(header, rows)
+
+
+# What produces tune_fashion_mnist.json's search, until the file says what did.
+TUNE_COMMAND = (
+    "dpmp tune --config configs/fashion_mnist_scatter_linear.toml "
+    "--range training.learning_rate=log:8:32 --candidates negative-binomial:-0.5:2 "
+    "--out runs/fm_tune"
+)
+COUNT_NAMES = {"poisson": "Poisson", "truncated_negative_binomial": "truncated negative binomial"}
+
+
+def _candidates(count: dict) -> str:
+    """The distribution of K, its mean (``CandidateCount.record()``) and what drew K."""
+    kind = count["distribution"]
+    params = ", ".join(f"{k} {count[k]:.4g}" for k in ("eta", "gamma") if k in count)
+    shape = COUNT_NAMES.get(kind, kind) + (f" ({params})" if params else "")
+    return f"{shape}, mean {count['mean']:.3g}; drawn from {count.get('drawn_from', '-')}"
+
+
+def _chosen(tune: dict, best: dict) -> tuple[str, str]:
+    """The chosen candidate's hyperparameters and released test accuracy."""
+    chosen = tune["chosen"]
+    if not chosen:
+        return "none: the search drew no candidate", "-"
+    values = ", ".join(
+        f"`{k}` = {f'{v:.3g}' if isinstance(v, float) else v}"
+        for k, v in chosen["hyperparameters"].items()
+    )
+    accuracy = chosen.get("test_accuracy")
+    accuracy = best.get("test_accuracy") if accuracy is None else accuracy
+    return values, "-" if accuracy is None else _percent(accuracy)
+
+
+def tune_search(name: str) -> str:
+    """A ``dpmp tune`` search's release (its ``tune.json``, under ``"tune"``) with the
+    command, time and machine that produced it; while the file is not committed, the
+    command that will, and that it is not measured."""
+    data = _optional(name)
+    header = ["dpmp tune", "released"]
+    if data is None:
+        return _table(header, [["command", f"`{TUNE_COMMAND}`"], ["result", NOT_MEASURED]])
+    tune = data["tune"]
+    plan, score = tune["candidate_plan"], tune["score"]
+    values, accuracy = _chosen(tune, data.get("best_report") or {})
+    better = "higher" if score["higher_is_better"] else "lower"
+    warnings = "; ".join(tune["privacy_warnings"])
+    rows = [
+        ["command", f"`{data['command']}`"],
+        ["target epsilon", f"{tune['target_epsilon']:g}"],
+        ["the whole search: epsilon, delta", f"{tune['epsilon']:#.4g}, {tune['delta']:g}"],
+        ["candidates K (K itself is secret)", _candidates(tune["candidates"])],
+        ["noise multiplier of each candidate", f"{plan['noise_multiplier']:.2f}"],
+        ["one candidate's epsilon alone", f"{plan['epsilon_alone']:#.4g}"],
+        ["ranges", ", ".join(f"`{k}={v}`" for k, v in tune["ranges"].items())],
+        # tune.json's score.source: the held-out split, public data, no epsilon spent
+        ["score", f"`{score['name']}` ({better} is better), held-out test split: public"],
+        ["chosen", values],
+        ["released test accuracy", accuracy],
+        ["private", "yes" if tune["private"] else f"no: {warnings}"],
+        ["wall time", f"{data['wall_s'] / 60:.1f} min ({data['host']}, commit {data['commit']})"],
+    ]
+    return _table(header, rows)
+
+
 TABLES: dict[str, Callable[..., str]] = {
     "clipping": clipping,
     "bf16_speedup": bf16_speedup,
@@ -516,6 +685,9 @@ TABLES: dict[str, Callable[..., str]] = {
     "gpt2_step": gpt2_step,
     "gpt2_checkpoint": gpt2_checkpoint,
     "ghost_operands": ghost_operands,
+    "reproduction": reproduction,
+    "reproduction_runs": reproduction_runs,
+    "tune_search": tune_search,
 }
 
 

@@ -9,6 +9,7 @@ prose still states by hand are checked against the files they come from.
 import importlib.util
 import json
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -47,9 +48,11 @@ def test_the_docs_have_generated_tables_and_no_placeholder_is_malformed():
 
 @pytest.mark.parametrize(("kind", "files", "options"), _placeholders())
 def test_each_placeholder_expands_to_a_table_of_its_committed_file(kind, files, options):
-    for name in files:
-        assert (RESULTS / name).is_file(), f"benchmarks/results/{name} is not there"
-    lines = hooks.render(kind, files, options).splitlines()
+    missing = [name for name in files if not (RESULTS / name).is_file()]
+    table = hooks.render(kind, files, options)
+    # a file not committed yet: its table says so (none renders a table from nothing)
+    assert not missing or hooks.NOT_MEASURED in table, f"benchmarks/results/{missing} not there"
+    lines = table.splitlines()
     header, rule, *rows = lines
     width = header.count(" | ")
     assert set(rule.replace("|", "").split()) == {"---"} and rule.count(" | ") == width
@@ -78,6 +81,201 @@ def test_a_generated_row_is_the_files_numbers():
     row = next(line for line in table.splitlines() if line.startswith("| mlp | f32 |"))
     assert f"| {ms} ms, {mb} MB |" in row
     assert row.endswith(f"| {ghost['time_ratio']:.2f}x time, {ghost['mem_ratio']:.2f}x mem |")
+
+
+# -- reproductions.md: the paper's table beside dpmp's runs, and the search ----------------------
+
+TRAMER_BONEH = "tramer_boneh.json"
+
+
+def _cells(table: str) -> dict[str, list[str]]:
+    """The body rows of a generated table, by their first cell."""
+    rows = [line.strip("| ").split(" | ") for line in table.splitlines()[2:]]
+    return {row[0]: row[1:] for row in rows}
+
+
+def _published() -> dict[str, float]:
+    """The paper's accuracies as the benchmark script states them (stdlib imports only)."""
+    path = ROOT / "benchmarks" / "reproductions" / "tramer_boneh.py"
+    spec = importlib.util.spec_from_file_location("tramer_boneh", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PUBLISHED
+
+
+def _close(cell: str, value: float, digits: int) -> bool:
+    """``cell`` (a number, then words) is ``value`` to ``digits`` decimals."""
+    return abs(float(cell.split()[0].rstrip("%,")) - value) <= 0.5 * 10**-digits + 1e-12
+
+
+def test_the_reproduction_table_is_the_files_numbers():
+    """Every model of the paper, in a row; a measured one shows the file's mean accuracy
+    to one decimal, its range, runs, epsilon, noise multiplier and time; the others say
+    that they are not measured."""
+    data = json.loads((RESULTS / TRAMER_BONEH).read_text())
+    measured = {r["row"]: r for r in data["rows"]}
+    published = _published()
+    cells = _cells(hooks.render("reproduction", (TRAMER_BONEH,), {}))
+    assert len(cells) == len(published) == 3 and measured
+    for name, accuracy in published.items():
+        row = cells[hooks.PAPER_ROWS[name]]
+        assert row[0] == f"{round(accuracy * 100, 1)}%"
+        r = measured.get(name)
+        if r is None:
+            assert row[1:4] == [hooks.NOT_MEASURED] * 3 and row[5] == hooks.NOT_MEASURED
+            continue
+        acc = r["test_accuracy"]
+        assert r["published_accuracy"] == accuracy
+        assert row[1].startswith(f"{round(acc['mean'] * 100, 1)}% (")
+        assert (
+            f"({round(acc['min'] * 100, 1)}-{round(acc['max'] * 100, 1)}), {r['runs']} run"
+            in row[1]
+        )
+        # four significant digits of an epsilon near 3: within half a unit of the third decimal
+        assert _close(row[2], r["epsilon"], 3)
+        assert _close(row[3], r["noise_multiplier"], 2)
+        # the page's claim: PLD of the snapped noise calibrates less noise than the paper's RDP
+        assert float(row[3]) < float(row[4])
+        assert _close(row[5], r["wall_s"]["mean"] / 60, 1) and row[6] == data["host"]
+
+
+@pytest.mark.parametrize("content", [None, {"host": "a host", "rows": [], "runs": []}])
+def test_a_reproduction_without_measurements_says_so(content, tmp_path, monkeypatch):
+    """No file yet, or a file without rows: three rows, the paper's figures, and
+    "not yet measured" in every cell of dpmp's, never a blank or a number."""
+    if content is not None:
+        (tmp_path / TRAMER_BONEH).write_text(json.dumps(content))
+    monkeypatch.setattr(hooks, "RESULTS", tmp_path)
+    cells = _cells(hooks.render("reproduction", (TRAMER_BONEH,), {}))
+    for name, accuracy in _published().items():
+        row = cells[hooks.PAPER_ROWS[name]]
+        assert row[0] == f"{round(accuracy * 100, 1)}%"
+        assert [row[i] for i in (1, 2, 3, 5)] == [hooks.NOT_MEASURED] * 4
+    runs = _cells(hooks.render("reproduction_runs", (TRAMER_BONEH,), {}))
+    assert all(row[2:] == [hooks.NOT_MEASURED] * 3 for row in runs.values())
+
+
+def test_the_rerun_table_is_the_configs_and_the_files_times():
+    data = json.loads((RESULTS / TRAMER_BONEH).read_text())
+    measured = {r["row"]: r for r in data["rows"]}
+    cells = _cells(hooks.render("reproduction_runs", (TRAMER_BONEH,), {}))
+    for name, label in hooks.PAPER_ROWS.items():
+        config = f"configs/fashion_mnist_{name}.toml"
+        row = cells[label]
+        training = tomllib.loads((ROOT / config).read_text())["training"]
+        r = measured.get(name)
+        steps = r["settings"]["steps"] if r else training["steps"]
+        assert row[0] == f"`{config}`" and row[1].startswith(f"{steps:,} x ")
+        if r is None:
+            assert row[2:] == [hooks.NOT_MEASURED] * 3
+            continue
+        per_step = [x["s_per_step"] for x in data["runs"] if x["row"] == name]
+        # the runs' own seconds a step were rounded to 1 ms before they were written
+        assert abs(float(row[2].split()[0]) - sum(per_step) / len(per_step)) <= 0.005 + 0.0005
+        assert _close(row[3], r["wall_s"]["mean"] / 60, 1)
+        assert (
+            f"({round(r['wall_s']['min'] / 60, 1)}-{round(r['wall_s']['max'] / 60, 1)})" in row[3]
+        )
+
+
+def test_a_search_not_committed_yet_shows_the_command_that_makes_it(tmp_path, monkeypatch):
+    """No tune_fashion_mnist.json: "not yet measured", and a command `dpmp tune` accepts
+    (its arguments, config, range and distribution checked as the command checks them
+    before training)."""
+    import argparse
+    import shlex
+
+    from dpmp.app.cli import tune as tune_command
+
+    monkeypatch.setattr(hooks, "RESULTS", tmp_path)
+    cells = _cells(hooks.render("tune_search", ("tune_fashion_mnist.json",), {}))
+    assert cells["result"] == [hooks.NOT_MEASURED]
+    words = shlex.split(cells["command"][0].strip("`"))
+    assert words[:2] == ["dpmp", "tune"]
+    parser = argparse.ArgumentParser()
+    tune_command._arguments(parser)
+    args = parser.parse_args(words[2:])
+    monkeypatch.chdir(ROOT)
+    args.precheck(args)
+    assert tune_command._candidates(args.candidates).mean == pytest.approx(2.0)
+
+
+def _keys(tree: dict, skip=("hyperparameters", "ranges", "config")) -> set[str]:
+    out = set()
+    for key, value in tree.items():
+        out.add(key)
+        if isinstance(value, dict) and key not in skip:
+            out |= _keys(value)
+    return out
+
+
+def _written_keys() -> set[str]:
+    """The keys tune.json can hold: the dict keys `_release` and the candidate counts'
+    `record` write (read from the source: nothing imported)."""
+    import ast
+
+    found = set()
+    for path, names in (("app/tune.py", {"_release"}), ("accounting/_tuning.py", {"record"})):
+        tree = ast.parse((ROOT / "dpmp" / path).read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef) and fn.name in names:
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Dict):
+                        found |= {k.value for k in node.keys if isinstance(k, ast.Constant)}
+    return found
+
+
+def _tune_release(chosen: bool) -> dict:
+    """A release with tune.json's keys (checked against the writer's source)."""
+    return {
+        "private": True,
+        "privacy_warnings": [],
+        "epsilon": 2.99812,
+        "delta": 1e-5,
+        "target_epsilon": 3.0,
+        "chosen": {
+            "run_dir": "best",
+            "hyperparameters": {"training.learning_rate": 12.3456},
+            "score": 0.89137,
+            "test_accuracy": 0.89137,
+            "test_loss": 0.61,
+        }
+        if chosen
+        else None,
+        "score": {"name": "test_accuracy", "higher_is_better": True, "source": "held out"},
+        "ranges": {"training.learning_rate": "log:8.0:32.0"},
+        "candidates": {
+            "distribution": "truncated_negative_binomial",
+            "eta": -0.5,
+            "gamma": 0.0571,
+            "mean": 2.0,
+            "drawn_from": "OS entropy (secret)",
+        },
+        "candidate_plan": {"noise_multiplier": 4.4567, "epsilon_alone": 1.8765},
+    }
+
+
+@pytest.mark.parametrize("chosen", [True, False])
+def test_a_committed_search_shows_its_release(chosen, tmp_path, monkeypatch):
+    release = _tune_release(chosen)
+    assert _keys(release) <= _written_keys()
+    result = {"command": "dpmp tune --out x", "wall_s": 5432.1, "host": "h", "commit": "c"}
+    result |= {"tune": release, "best_report": {"test_accuracy": 0.5, "epsilon": 1.9}}
+    (tmp_path / "tune.json").write_text(json.dumps(result))
+    monkeypatch.setattr(hooks, "RESULTS", tmp_path)
+    cells = {k: v[0] for k, v in _cells(hooks.render("tune_search", ("tune.json",), {})).items()}
+    assert cells["command"] == f"`{result['command']}`"
+    assert _close(cells["the whole search: epsilon, delta"], release["epsilon"], 3)
+    assert cells["the whole search: epsilon, delta"].endswith(f", {release['delta']:g}")
+    assert _close(cells["noise multiplier of each candidate"], 4.4567, 2)
+    assert "eta -0.5" in cells["candidates K (K itself is secret)"]
+    assert "mean 2" in cells["candidates K (K itself is secret)"]
+    assert _close(cells["wall time"], result["wall_s"] / 60, 1)
+    if chosen:
+        assert cells["released test accuracy"] == f"{round(0.89137 * 100, 1)}%"
+        assert "`training.learning_rate` = 12.3" in cells["chosen"]
+    else:
+        assert cells["released test accuracy"] == "-" and cells["chosen"].startswith("none")
 
 
 # -- the figures prose states by hand -----------------------------------------------------------
