@@ -19,7 +19,7 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/dpmp train --out runs/default
 
-# The default test suite (about 12 minutes on 2 CPU cores, one pytest worker per core);
+# The default test suite (about 4 minutes on 2 CPU cores, one pytest worker per core);
 # slow end-to-end tests are separate.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" -n auto

@@ -27,3 +27,20 @@ def strict_promotion():
 
 HALF_DTYPES = ("bfloat16", "float16")
 ALL_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.fast_cases("id", ...)`` on a parametrized test keeps those
+    cases in the default suite and marks the others ``slow``: the property stays
+    checked on every run, its costlier cases in the slow suite (CI runs both).
+    Runs before ``-m`` deselects, so ``-m "not slow"`` sees the added marks."""
+    for item in items:
+        keep = item.get_closest_marker("fast_cases")
+        if keep is None:
+            continue
+        callspec = getattr(item, "callspec", None)
+        if callspec is None:
+            raise pytest.UsageError(f"{item.nodeid}: fast_cases marks a parametrized test")
+        if callspec.id not in keep.args:
+            item.add_marker(pytest.mark.slow)

@@ -187,6 +187,7 @@ def test_calibrated_noise_hits_target(accountant, target, q, steps):
     assert eps == pytest.approx(target, rel=1e-2)
 
 
+@pytest.mark.slow  # ~8 s on 2 cores
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 def test_calibrated_noise_with_counts_hits_target(accountant):
     q, steps, sigma_c, every = 0.05, 100, 8.0, 4
@@ -303,6 +304,7 @@ def _reference_with_preprocessing(name, q, sigma, steps, sigma_p, delta, interva
     return _accountant(name, interval).compose(event).get_epsilon(delta)
 
 
+@pytest.mark.fast_cases("0-rdp", "0-pld", "1-rdp", "40-rdp")  # all cases: ~7 s on 2 cores
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 @pytest.mark.parametrize("steps", [0, 1, 40])
 def test_preprocessing_release_matches_hand_built_composed_event(accountant, steps):
@@ -630,6 +632,7 @@ def test_cell_log_ratio_bounds_the_exact_mass_change_mpmath():
         assert 0.5 * bound * 10**6 < worst <= bound * 10**6 * 1.001, (reach, worst, bound)
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_epsilon_with_noised_coordinates_includes_the_residual():
     plan = dict(sampling_prob=0.01, steps=500, delta=1e-5, noise_multiplier=1.1)
     exact = acc.epsilon(noised_coordinates=None, **plan)
@@ -688,6 +691,7 @@ def test_residual_stays_small_at_the_sizes_models_are_trained(coordinates, steps
     assert parts.total == pytest.approx(parts.dpsgd + parts.noise_residual)
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_residual_of_the_default_run_is_below_1e_5():
     """The default config (digits MLP, epsilon 2): its calibrated plan's residual."""
     from dpmp.app.inputs import load_data, model_from_config
@@ -957,6 +961,7 @@ def test_more_than_max_steps_is_refused_before_any_allocation(fn):
         getattr(acc, fn)(**kwargs)
 
 
+@pytest.mark.slow  # ~3 s on 2 cores
 def test_a_plan_beyond_max_epsilon_is_refused_at_once_not_accounted_for_minutes():
     """sigma 1, q 0.5, 10^6 steps: its PLD was killed for memory on a 24 GiB
     machine, sigma 0.1 over 10 steps took 15 s. Both are refused in well under a

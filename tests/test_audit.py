@@ -100,6 +100,7 @@ def test_a_manual_vmap_sum(acc):
     assert all(f.ok == (acc == F32) for f in sums)
 
 
+@pytest.mark.slow  # ~3 s on 2 cores
 def test_a_non_private_batch_gradient_is_a_dot_general_over_examples():
     p, batch = mlp(BF16)
     report = audit_precision(jax.grad(mlp_loss), p, batch, policy="fp32,param=bf16")
@@ -271,6 +272,7 @@ def test_f_norm_in_fp16(norm_dtype):
     assert all(f.ok for f in report.of_kind("batch_reduction"))
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_f_jax_privacy_fp16_grads_norm_is_caught():
     p, batch = mlp(F16)
     g = jp_clipping.clipped_grad(mlp_loss, l2_clip_norm=1.0, batch_argnums=1)
@@ -377,6 +379,7 @@ def test_dpmp_step_under_a_stricter_policy_fails():
     assert {f.kind for f in report.violations} >= {"batch_reduction", "norm", "noise_add"}
 
 
+@pytest.mark.slow  # ~5 s on 2 cores
 @needs_private
 def test_audit_of_a_mid_size_model_takes_seconds():
     step, args = dpmp_step("bf16", sizes=(784, 1024, 10), batch_size=256)
@@ -516,6 +519,7 @@ def test_numeric_audit_f32_vs_bf16():
     assert "max |clip(g_i)| / C" in str(bad)
 
 
+@pytest.mark.slow  # ~3 s on 2 cores
 @needs_private
 def test_numeric_audit_of_dpmp_private_grad():
     def loss(p, b):

@@ -111,6 +111,7 @@ def _snapped_privatizer(stddev, grid):
     return optax.GradientTransformation(init, update)
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_snapping_a_23_bit_sampler_leaves_its_tails_exposed():
     """Snapped to a grid of 2^-6, the lattice is gone where the sampler's spacing is
     finer than the grid, but past about 4.7 sigma the 23-bit uniform's points are

@@ -622,6 +622,7 @@ def test_out_that_is_a_file(capsys, tmp_path):
     assert_one_line_error(capsys, "train", "--out", "not a directory")
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_a_fixed_noise_multiplier_too_small_is_refused_before_training(capsys, tmp_path):
     argv = ["train", "--out", str(tmp_path), "--set", "privacy.noise_multiplier=0.7"]
     assert cli.main(argv) == 2
@@ -864,6 +865,7 @@ def test_train_own_model_from_its_file_on_a_npy_folder(tmp_path):
     assert (out / "checkpoints").is_dir()
 
 
+@pytest.mark.slow  # ~6 s on 2 cores
 @pytest.mark.parametrize(
     "sets, needle",
     [
@@ -1016,6 +1018,7 @@ def test_sigterm_during_a_run_saves_a_checkpoint_says_so_and_exits_143(
     assert signal.getsignal(signal.SIGTERM) is handler  # put back
 
 
+@pytest.mark.slow  # ~6 s on 2 cores
 def test_a_full_disk_names_the_checkpoint_leaves_no_temporary_file_and_says_how_to_resume(
     capsys, tmp_path, monkeypatch
 ):

@@ -130,6 +130,7 @@ def test_bf16_running_sum_fails_the_neighbour_test():
     assert worst > 1.0 + 1e-5
 
 
+@pytest.mark.fast_cases("fp16")  # all cases: ~8 s on 2 cores
 @pytest.mark.parametrize("policy", ["bf16", "fp16"])
 def test_loss_scale_invariance(policy):
     """Scales 1, 2^8 and 2^15 give the same clipped sum within fp32 rounding when
@@ -169,6 +170,7 @@ def overflowing(n, idx):
     return params, batch
 
 
+@pytest.mark.slow  # ~8 s on 2 cores
 def test_overflow_injection_fp16():
     """An example whose scaled fp16 gradient overflows contributes exactly zero, is
     counted, the sum stays finite, and the others' contributions are unchanged.
@@ -386,6 +388,7 @@ def test_flax_linen(policy):
     assert np.linalg.norm(flat(out.grads) - ref) <= HALF_RTOL[policy] * np.linalg.norm(ref)
 
 
+@pytest.mark.slow  # ~7 s on 2 cores
 def test_flax_nnx():
     batch = classification_batch(32)
     model = nnx.Sequential(
@@ -403,6 +406,7 @@ def test_flax_nnx():
     assert np.linalg.norm(a - b) <= HALF_RTOL["bf16"] * np.linalg.norm(b)
 
 
+@pytest.mark.slow  # ~5 s on 2 cores
 def test_plain_function_with_separate_batch_args():
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(24, 3)).astype(np.float32), rng.normal(size=24).astype(np.float32)
@@ -551,6 +555,7 @@ def test_clipped_sum_is_within_its_stated_rounding_of_a_float64_sum(policy, meth
         assert (np.abs(got - ref) <= 2.0**-24 * np.abs(ref) + slack).all()
 
 
+@pytest.mark.slow  # ~6 s on 2 cores
 @pytest.mark.parametrize("microbatch_size", [None, 37])
 def test_float64_sums_read_the_examples_in_chunks_with_a_remainder(monkeypatch, microbatch_size):
     """Per-example gradients are reduced in float64 a chunk of examples at a time (2

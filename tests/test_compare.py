@@ -90,6 +90,7 @@ def test_each_share_measures_one_stage(rows, digits, policy):
     assert f"{policy}: {private['policy']}, clipping by ghost: clipping " in format_table(rows)
 
 
+@pytest.mark.slow  # ~24 s on 2 cores
 def test_the_command_prints_the_table_and_refuses_a_bad_policy(capsys):
     argv = [
         "compare",

@@ -43,6 +43,8 @@ SLOW_PYTHON = {
     "docs/quickstart.md",  # the same step (15-40 s)
     "docs/own-model.md",  # trains the default config through dpmp.train (~30 s)
     "docs/language-models.md",  # trains a tiny language model through dpmp.train (~15 s)
+    "docs/precision.md",  # compiles and audits several steps (~7 s)
+    "docs/architecture.md",  # registers variants and builds a step (~4 s)
 }
 # What `dpmp train` in a bash block runs instead of its config's full length.
 SHORT_RUN = "dpmp train --set training.steps=2 --set training.eval_every=0 --set pretrain.steps=2"

@@ -139,6 +139,7 @@ def test_the_count_by_hand_is_the_built_models(name):
         assert sum(math.prod(x.shape) for x in jax.tree.leaves(adapters)) == lora_parameters(**lm)
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_mixed_precision_step_agrees_with_hand_written(capsys, monkeypatch):
     out = run("mixed_precision_step.py", capsys=capsys, monkeypatch=monkeypatch)
     assert "by hand and dpmp agree exactly: True" in out
@@ -294,6 +295,7 @@ def test_lora_example_compares_with_the_measured_run_of_its_settings():
     assert from_scratch(8.0, 20) == "from scratch at epsilon 8 and 20 steps: not measured"
 
 
+@pytest.mark.slow  # ~10 s on 2 cores
 @pytest.mark.parametrize(
     "name",
     [

@@ -99,6 +99,7 @@ def _both(loss, params, batch, *, clip, policy="f32", **kw):
     return out["vmap"], out["ghost"]
 
 
+@pytest.mark.slow  # ~10 s on 2 cores
 @pytest.mark.parametrize(
     "kind",
     # convolutions and attention (~8-10 s each) are in the slow suite
@@ -124,6 +125,7 @@ def test_ghost_equals_vmap_on_linen_layers(kind):
     assert len(info["layers"]) == len(jax.tree.leaves(params))
 
 
+@pytest.mark.slow  # ~12 s on 2 cores
 def test_ghost_rules_cover_the_layer_kinds():
     rules = set()
     for kind in LINEN:
@@ -143,6 +145,7 @@ def test_ghost_rules_cover_the_layer_kinds():
     }
 
 
+@pytest.mark.slow  # ~8 s on 2 cores
 def test_ghost_equals_vmap_on_an_nnx_model():
     class Net(nnx.Module):
         def __init__(self, rngs):
@@ -170,6 +173,7 @@ def test_ghost_equals_vmap_on_an_nnx_model():
     assert np.linalg.norm(_flat(g.grads) - ref) <= 1e-5 * np.linalg.norm(ref)
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_ghost_equals_vmap_with_an_overflowed_example():
     """A non-finite activation (an inf input feature) drops the example under both methods."""
     batch = classification_batch(B, scale=3.0)
@@ -216,6 +220,7 @@ def test_the_float64_sums_blocks_of_one_width_are_weighted_by_one_kernel():
     assert len(weightings) == 8 and len(set(weightings)) == 2
 
 
+@pytest.mark.slow  # ~8 s on 2 cores
 @pytest.mark.parametrize("accumulation,most", [("policy", 1.1), ("float64", 1.6)])
 def test_ghost_step_needs_the_non_private_steps_memory_on_dense_layers(accumulation, most):
     """Compiled temp memory of the float32 ghost step of a ReLU MLP: within 10% of
@@ -335,6 +340,7 @@ def test_ghost_half_precision_per_example_bound_and_neighbours(model, policy):
     assert np.linalg.norm(got - ref) <= 2e-2 * np.linalg.norm(ref)
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_ghost_loss_scale_is_removed_before_the_norm():
     batch = classification_batch(64)
     params = mlp_init()
@@ -367,6 +373,7 @@ def test_auto_falls_back_on_tied_weights_and_ghost_refuses():
         ghost(params, batch)
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_auto_chooses_ghost_and_reports_it():
     auto = dpmp.private_grad(mlp_loss, l2_clip_norm=1.0, policy="bf16", method="auto")
     batch = classification_batch(8)
@@ -579,6 +586,10 @@ def _with_and_without_example_0(loss, params, batches, *, clip, policy):
     return full, without, alone, norm0, nonfinite
 
 
+# all cases: ~30 s on 2 cores
+@pytest.mark.fast_cases(
+    *(f"{k}-{p}" for k in ("dense", "conv_per_example") for p in ("bf16", "fp16", "fp32"))
+)
 @pytest.mark.parametrize("policy", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("kind", sorted(ADVERSARIAL))
 def test_ghost_bound_holds_on_cancelling_tokens(kind, policy):
@@ -613,6 +624,7 @@ def test_ghost_bound_holds_on_cancelling_tokens(kind, policy):
         assert nonfinite.max() == 0
 
 
+@pytest.mark.fast_cases("dense", "conv_per_example")  # all cases: ~10 s on 2 cores
 @pytest.mark.parametrize("kind", sorted(ADVERSARIAL))
 def test_sum_rounding_reads_rows_and_cancellation_from_the_plan(kind):
     """A ghost layer over T = 3 rows adds 3 rows per example to its contraction, whose
@@ -811,6 +823,7 @@ def _check_per_example_route(layer, loss, w_shape, x_shape, kind, seed, rule="pe
     assert int(out.stats.num_clipped) == int((norms > clip).sum())
 
 
+@pytest.mark.fast_cases("transposed_1d")  # all cases: ~21 s on 2 cores
 @pytest.mark.parametrize("case", sorted(_CONVS))
 def test_per_example_conv_kernel_gradient_matches_float64(case):
     """Padding (also negative), strides, kernel and input dilation, other layouts: the
@@ -824,6 +837,8 @@ def test_per_example_conv_kernel_gradient_matches_float64(case):
     _check_per_example_route(conv, loss_ex, w_shape, x_shape, "conv", seed=3)
 
 
+# all cases: ~16 s on 2 cores
+@pytest.mark.fast_cases("cropped", "one_feature", "transposed_1d", "many_features")
 @pytest.mark.parametrize("case", sorted(_CONVS))
 def test_patch_gram_conv_norm_matches_float64(case, monkeypatch):
     """The same geometries with the norm from image patches (the rule's choice forced):
@@ -916,6 +931,7 @@ def _sliced_problem(case, n=16, seed=5):
     return example_loss, params, batch
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 @pytest.mark.parametrize("case", sorted(_SLICED))
 def test_ghost_through_a_static_slice_matches_float64_per_example_clipping(case):
     """Ghost clipping of a parameter the layer sees through a static slice: the norms,

@@ -143,6 +143,8 @@ def test_certified_norm_is_never_below_the_float64_norm(kind, policy, scale):
     np.testing.assert_allclose(got[:6, 1:], exact[:6, 1:], rtol=1e-3)  # ordinary examples
 
 
+# all cases: ~20 s on 2 cores
+@pytest.mark.fast_cases("dense-bf16", "dense-fp16", "conv-fp16", "conv_per_example-fp16")
 @pytest.mark.parametrize("policy", ["bf16", "fp16"])
 @pytest.mark.parametrize("kind", sorted(test_ghost.ADVERSARIAL))
 def test_cancelling_tokens_bound_holds_on_half_operands(kind, policy):

@@ -55,6 +55,7 @@ def _close_to_f64(out, loss, params, batch):
     np.testing.assert_allclose(float(out.stats.norm_max), norms.max(), rtol=1e-5)
 
 
+@pytest.mark.slow  # ~8 s on 2 cores
 def test_a_new_family_is_one_rule_and_one_registration(registry):
     """A divisor has no rule: ghost clipping refuses the model. Registered as a family
     whose per-example gradient is formed, the same model runs under ghost clipping
@@ -106,6 +107,7 @@ class _FormedOuterRule(DenseRule):
         return jax.vmap(one)(a, g)
 
 
+@pytest.mark.slow  # ~5 s on 2 cores
 def test_a_registered_rule_replaces_a_built_in_one(registry):
     """A toy dense rule, registered over the built-in one, takes the norm of every
     dense layer of the MLP (``explain`` names it, the driver calls it) and gives the
@@ -135,6 +137,7 @@ def _exp_loss(params, batch):
     return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], axis=1))
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_a_rule_for_a_one_input_primitive_is_refused_in_one_line(registry):
     """A rule registered for ``exp`` cannot take a layer's input from the other
     operand: ghost clipping refuses the model in one line (an IndexError before), and

@@ -72,6 +72,7 @@ def _clip_between(per_example):
     return float(u[len(u) // 2 - 1] + u[len(u) // 2]) / 2
 
 
+@pytest.mark.slow  # all cases: ~36 s on 2 cores
 @pytest.mark.parametrize("head", sorted(HEADS))
 @pytest.mark.parametrize("loss", [_lm_loss, _lm_einsum_loss], ids=["transpose", "einsum"])
 def test_tied_lm_matches_float64_per_example_clipping(loss, head):
@@ -94,6 +95,7 @@ def test_tied_lm_matches_float64_per_example_clipping(loss, head):
     assert int(out.stats.num_clipped) == int((norms > clip).sum()) > 0
 
 
+@pytest.mark.fast_cases("per-example")  # all cases: ~12 s on 2 cores
 @pytest.mark.parametrize("head", sorted(HEADS))
 def test_tied_lm_per_example_norms_are_certified(head):
     """Each example alone: its certified norm is at least its float64 norm and within
@@ -269,6 +271,7 @@ def test_other_double_uses_are_still_refused(loss):
         ghost(params, batch)
 
 
+@pytest.mark.slow  # ~5 s on 2 cores
 def test_cross_term_rounding_bound_holds_and_is_needed():
     """The computed cross term <g_emb, g_head> is within its bound of the float64 one on
     inputs whose dot products h_t . dY_t' cancel (entries up to 10^4 summing to ~1),

@@ -98,6 +98,7 @@ def _reference(t: dict[str, np.ndarray], tokens: np.ndarray, heads=2, eps=1e-5) 
 TOKENS = np.array([[2, 3, 4, 5, 6, 7, 11, 0], [9, 8, 2, 1, 1, 1, 1, 1]], np.int32)
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 @pytest.mark.parametrize("prefix,buffers", [("", False), ("transformer.", True)])
 def test_logits_equal_a_float64_numpy_gpt2_under_f32(tmp_path, prefix, buffers):
     tensors = _tensors(np.random.default_rng(0))
@@ -109,6 +110,7 @@ def test_logits_equal_a_float64_numpy_gpt2_under_f32(tmp_path, prefix, buffers):
     assert loaded.params["h"]["0"]["attn"]["c_attn"]["kernel"].dtype == np.float32
 
 
+@pytest.mark.slow  # ~5 s on 2 cores
 def test_a_bf16_checkpoint_stays_bf16_and_computes_in_the_policy(tmp_path):
     tensors = _tensors(np.random.default_rng(1))
     half = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import dpmp
 
 
@@ -27,6 +29,7 @@ def test_every_public_name_imports():
         assert getattr(dpmp, name) is not None, name
 
 
+@pytest.mark.slow  # ~5 s on 2 cores
 def test_help_and_import_load_no_jax():
     """``dpmp --help`` (each command's too) and ``import dpmp`` import neither JAX
     nor dp-accounting: the public names load on first use (``dpmp budget --help``

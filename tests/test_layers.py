@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "dpmp"
 LAYERS = ("precision", "accounting", "noise", "clipping", "audit", "data", "models", "step", "app")
 TOP = len(LAYERS)  # dpmp/__init__.py, dpmp/cli.py and anything else at the top
@@ -97,6 +99,7 @@ def test_every_layer_is_a_folder():
     assert folders == set(LAYERS), folders
 
 
+@pytest.mark.slow  # ~6 s on 2 cores
 def test_the_base_imports_nothing_of_dpmp():
     """``dpmp._registry`` sits below every layer: it may import no layer at all."""
     wrong = [(a, b) for a, b in _edges() if a in BASE and b != "dpmp"]

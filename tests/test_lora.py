@@ -55,6 +55,7 @@ def test_merge_is_w_plus_scaled_low_rank_product_against_float64():
     assert np.array_equal(merged["embed"]["embedding"], base["embed"]["embedding"])
 
 
+@pytest.mark.slow  # ~9 s on 2 cores
 def test_merge_refuses_adapters_of_another_model():
     base = _base()
     adapters = dpmp.init_lora(base, 2, jax.random.key(0))
@@ -363,6 +364,7 @@ def test_the_base_as_an_argument_gives_the_gradients_of_the_base_closed_over():
     assert lora.loss_fn(adapters, batch) == lora.loss_fn(adapters, batch, base)  # default base
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_public_pretraining_in_chunks_gives_the_whole_batchs_mean_and_gradient():
     """Pre-training batches run in chunks of at most ``training.physical_batch_size``
     records (the largest divisor of the batch): the mean of the chunks' means is

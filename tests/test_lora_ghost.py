@@ -99,6 +99,7 @@ def _exact_norms(x, v, a, b, s):
     return np.sqrt((ga**2).sum((1, 2)) + (gb**2).sum((1, 2)))
 
 
+@pytest.mark.fast_cases("f32")  # all cases: ~6 s on 2 cores
 @pytest.mark.parametrize("policy", ["f32", "bf16"])
 def test_the_certified_bound_holds_on_cancelling_tokens(policy):
     """Example 0: three equal tokens whose output gradients (h, -h, e) nearly cancel,
@@ -165,6 +166,7 @@ def _two_dense_layers(dtype):
     return lora, adapters, lora.frozen, batch
 
 
+@pytest.mark.slow  # ~9 s on 2 cores
 @pytest.mark.parametrize("method", ["auto", pytest.param("vmap", marks=pytest.mark.slow)])
 def test_lora_inside_shard_map_clips_as_without_a_mesh(method):
     """On a mesh (here of one device) the adapters and the batch vary over its axis

@@ -566,6 +566,7 @@ def test_two_processes_train_as_one_and_resume_together(tmp_path):
     assert diff <= 1e-5 * scale, diff
 
 
+@pytest.mark.slow  # ~6 s on 2 cores
 def test_joining_without_a_coordinator_is_one_line(tmp_path):
     """``--distributed`` outside any cluster, and a process index past the count, are
     one-line usage errors naming the flags."""
@@ -600,6 +601,7 @@ print("JSON" + json.dumps({"own": row(own), "got": row(got)}))
 """
 
 
+@pytest.mark.slow  # ~9 s on 2 cores
 def test_every_process_uses_process_0s_secret_keys(tmp_path):
     """Each process draws its own keys from the OS; the run uses process 0's,
     handed to every process (the noise and the batches must be the same on all)."""
@@ -619,6 +621,7 @@ def test_every_process_uses_process_0s_secret_keys(tmp_path):
     assert int(first["got"][2]) >= 2**64  # 128-bit seeds survive the trip whole
 
 
+@pytest.mark.slow  # ~9 s on 2 cores
 def test_processes_with_different_configs_refuse_to_train(tmp_path):
     """Two processes given different configs (here, steps) both stop with one line
     before any step, rather than train on different plans."""

@@ -20,6 +20,7 @@ def _batch(n=4, shape=(8, 8, 1)):
     return {"x": x, "y": jnp.arange(n, dtype=jnp.int32) % 10}
 
 
+@pytest.mark.slow  # ~8 s on 2 cores
 @pytest.mark.parametrize(
     "kind, extra, framework",
     [
@@ -49,6 +50,7 @@ def test_kind_with_private_grad(kind, extra, framework):
     assert logits.shape == (4, 10) and logits.dtype == jnp.float32
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_loss_runs_in_the_compute_dtype():
     model = build_model("mlp", DIGITS, "bf16", Architecture(hidden=(8,)))
     params = model.init(jax.random.key(0))
@@ -67,6 +69,7 @@ def test_nnx_params_are_an_nnx_state():
     assert count_params(params) == 64 * 8 + 8 + 8 * 10 + 10
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_linear_matches_a_numpy_reference():
     model = build_model("linear", DIGITS, "fp32", Architecture(hidden=()))
     params = model.init(jax.random.key(0))
@@ -127,6 +130,7 @@ def _records(seq_len=12):
     return encode_records(["hello world, hello", "abc", "private record"], seq_len)
 
 
+@pytest.mark.slow  # ~9 s on 2 cores
 def test_lm_loss_is_the_masked_next_token_cross_entropy_float64():
     from dpmp.data._text import PAD
 

@@ -80,6 +80,7 @@ def test_bf16_normal_noise_takes_few_values_and_has_no_tail():
     assert np.abs(np.asarray(noisy)).max() > 4.0
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_ndtri_is_within_the_accounted_relative_error():
     """The float64 inverse normal CDF the sampler uses (``ndtri_lower``), against a
     40-digit mpmath reference from p = 2^-97 (its reach, |z| = 11.3) to 1/2, with
@@ -129,6 +130,7 @@ def test_the_samplers_log_is_within_an_ulp():
     assert np.all(np.abs(mine - ref) <= np.spacing(np.maximum(np.abs(ref), 1e-300)))
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_half_uniform_reaches_2_to_the_minus_77_with_relative_resolution():
     """The sampler's uniform: crafted words give its extremes, its CDF matches
     u within binomial error on a log scale, and it is finer than a grid cell
@@ -225,6 +227,7 @@ def test_a_coordinates_noise_depends_on_its_index_alone():
     np.testing.assert_array_equal(reshaped.reshape(-1), whole)
 
 
+@pytest.mark.slow  # ~3 s on 2 cores
 def test_the_draw_takes_its_pieces_from_the_backend_it_is_traced_for(monkeypatch):
     """Traced for XLA:CPU, a leaf is drawn in pieces of ``chunk_size`` (a loop), each
     inside a conditional; traced for any other backend, a leaf of up to
@@ -302,6 +305,7 @@ def test_noise_stage_temporary_memory_is_bounded_per_coordinate(size):
     assert temp <= 8 * size, f"{temp / size:.1f} bytes per coordinate"
 
 
+@pytest.mark.slow  # ~6 s on 2 cores
 def test_snapped_noise_does_not_depend_on_the_float32_lattice_of_the_input():
     """The release is grid * (n + round(f + r z)) with value / grid = n + f exact:
     shifting the input by a whole number of grid steps shifts every release by
@@ -331,6 +335,7 @@ def test_bf16_gradient_does_not_pull_noise_down():
     assert jp_noisy.dtype == jnp.bfloat16 and len(np.unique(np.asarray(jp_noisy))) < 2000
 
 
+@pytest.mark.slow  # ~5 s on 2 cores
 def test_noise_state_advances_and_is_reproducible():
     priv = dpmp.gaussian_privatizer(stddev=1.0, prng_key=3, policy="fp32")
     g = {"a": jnp.zeros(5), "b": jnp.zeros((2, 2))}
@@ -396,6 +401,7 @@ def test_zero_noise_infinite_clip_equals_mean_gradient_sgd():
         assert a.dtype == jnp.float32
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_private_optimizer_noise_scale_and_division():
     """Noise std of the update is lr * noise_multiplier * C / B (statistical check)."""
     nm, C, B, lr = 1.5, 0.5, 100, 1.0

@@ -52,6 +52,7 @@ def test_static_fields_survive_jit_and_key_advances():
         dpmp.PrivateDynamicLossScale(8.0, prng_key=0, count_noise_stddev=0.0)
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_without_a_key_the_count_noise_is_secret():
     a, b = dpmp.PrivateDynamicLossScale(8.0), dpmp.PrivateDynamicLossScale(8.0)
     assert not np.array_equal(jax.random.key_data(a.prng_key), jax.random.key_data(b.prng_key))
@@ -67,6 +68,7 @@ def test_without_a_key_the_count_noise_is_secret():
     assert counts[0] != counts[1]
 
 
+@pytest.mark.slow  # ~5 s on 2 cores
 def test_private_grad_releases_a_noised_count_and_adjusts():
     params, batch = overflowing(32, 3)
     ls = dpmp.PrivateDynamicLossScale(2.0**8, prng_key=0, count_noise_stddev=0.1, threshold=0.5)

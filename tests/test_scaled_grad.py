@@ -191,6 +191,7 @@ def test_half_precision_training_reaches_fp32_loss():
         assert skipped < 20
 
 
+@pytest.mark.slow  # ~3 s on 2 cores
 def test_flax_nnx_and_plain_function():
     x, y = regression_data(n=32)
     model = nnx.Linear(8, 1, rngs=nnx.Rngs(0))

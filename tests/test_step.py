@@ -148,6 +148,7 @@ def test_the_noise_is_drawn_for_the_sensitivity_of_the_sum_as_computed(configs, 
     assert _rel(got, noise_for(c)) > 0
 
 
+@pytest.mark.slow  # ~11 s on 2 cores
 def test_chunked_step_compiles_to_a_quarter_of_the_memory(steps):
     chunked, one_shot = steps
     params, batch, pad, opt_state, scale = chunked.example_args
@@ -242,6 +243,7 @@ def test_memory_check_reads_the_compiled_step_and_refuses_what_does_not_fit(step
         check_step_memory(chunked, limit=part - 1)
 
 
+@pytest.mark.slow  # ~5 s on 2 cores
 @pytest.mark.parametrize("target", [2.0, 30.0])
 def test_a_truncated_poisson_sample_takes_a_thousandth_of_delta_at_most(digits, target):
     """The padded size is chosen for the epsilon target: its truncation bound,
@@ -324,6 +326,7 @@ def test_a_step_built_from_objects_is_the_trainers_step(digits, physical):
     )
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_the_builder_refuses_what_it_cannot_build(digits):
     trainer = build_private_step(load_config(None, _SMALL), digits)
     padded = trainer.sampler.padded_batch_size
@@ -412,6 +415,7 @@ def _four_row_step(grad_fn, params, batch, **options):
     )
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 @pytest.mark.parametrize("method", ["ghost", "vmap"])
 def test_every_stage_of_the_private_step_is_named_in_its_program(method):
     """A profile of the compiled step can tell its stages apart: each runs under its

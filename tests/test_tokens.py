@@ -79,6 +79,7 @@ def tiny_lm():
     return model, jax.jit(model.init)(jax.random.key(0))
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_ignored_positions_contribute_nothing(tiny_lm, strict_promotion):
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(3, 7, 6)).astype(np.float32)
@@ -122,6 +123,7 @@ def test_padding_rows_of_a_poisson_batch_contribute_zero(tiny_lm):
     jax.tree.map(np.testing.assert_array_equal, a.grads, b.grads)
 
 
+@pytest.mark.slow  # ~4 s on 2 cores
 def test_evaluation_is_the_mean_cross_entropy_per_labelled_token(tiny_lm, strict_promotion):
     rng = np.random.default_rng(3)
     x = rng.integers(0, 6, (5, 5)).astype(np.int32)

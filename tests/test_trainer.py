@@ -78,6 +78,7 @@ def _final_params(run_dir, config, data):
 # ---- report and metrics ----------------------------------------------------------
 
 
+@pytest.mark.slow  # ~13 s on 2 cores
 def test_one_epsilon_everywhere(small_run):
     """The guarantee (report.json's epsilon, the tracker's) is the last metrics
     record's, and train.log and the summary print that one number."""
@@ -203,6 +204,7 @@ def test_metrics_records(small_run):
     assert readme.startswith("non-private diagnostics: do not publish")
 
 
+@pytest.mark.slow  # ~3 s on 2 cores
 def test_build_private_step_audits_ok(digits):
     cfg = small()
     built = build_private_step(cfg, digits)
@@ -288,6 +290,7 @@ def test_a_large_delta_allowed_or_plain_noise_says_not_private(overrides, needle
     assert "NOT differentially private" in (tmp_path / "train.log").read_text()
 
 
+@pytest.mark.slow  # ~7 s on 2 cores
 def test_run_stops_at_the_last_step_within_budget(digits, tmp_path, monkeypatch):
     """The tracker's stop, the guarantee behind the refusal above (switched off here)."""
     from dpmp.app.trainer import loop
@@ -943,6 +946,7 @@ def test_memory_mapped_data_trains_without_being_loaded_whole(tmp_path):
     )
 
 
+@pytest.mark.slow  # ~16 s on 2 cores
 @pytest.mark.parametrize(
     "form",
     [
