@@ -634,10 +634,17 @@ def _chosen(tune: dict, best: dict) -> tuple[str, str]:
     return values, "-" if accuracy is None else _percent(accuracy)
 
 
+def _candidate_time(data: dict) -> str:
+    """The chosen candidate's own training time: one run, which says nothing of K."""
+    seconds = (data.get("best_report") or {}).get("train_s")
+    return "-" if seconds is None else f"{seconds / 60:.1f} min"
+
+
 def tune_search(name: str) -> str:
     """A ``dpmp tune`` search's release (its ``tune.json``, under ``"tune"``) with the
-    command, time and machine that produced it; while the file is not committed, the
-    command that will, and that it is not measured."""
+    command and machine that produced it and the chosen candidate's own training
+    time (never the search's: it grows with the secret number of candidates); while
+    the file is not committed, the command that will, and that it is not measured."""
     data = _optional(name)
     header = ["dpmp tune", "released"]
     if data is None:
@@ -653,14 +660,19 @@ def tune_search(name: str) -> str:
         ["the whole search: epsilon, delta", f"{tune['epsilon']:#.4g}, {tune['delta']:g}"],
         ["candidates K (K itself is secret)", _candidates(tune["candidates"])],
         ["noise multiplier of each candidate", f"{plan['noise_multiplier']:.2f}"],
-        ["one candidate's epsilon alone", f"{plan['epsilon_alone']:#.4g}"],
+        [
+            "one candidate's epsilon alone (by RDP, as the search accounts)",
+            f"{plan['epsilon_alone']:#.4g}",
+        ],
         ["ranges", ", ".join(f"`{k}={v}`" for k, v in tune["ranges"].items())],
         # tune.json's score.source: the held-out split, public data, no epsilon spent
         ["score", f"`{score['name']}` ({better} is better), held-out test split: public"],
         ["chosen", values],
         ["released test accuracy", accuracy],
         ["private", "yes" if tune["private"] else f"no: {warnings}"],
-        ["wall time", f"{data['wall_s'] / 60:.1f} min ({data['host']}, commit {data['commit']})"],
+        # no wall time for the search: it grows with K, which is secret
+        ["one candidate's run", _candidate_time(data)],
+        ["machine", f"{data['host']}, commit {data['commit']}"],
     ]
     return _table(header, rows)
 
