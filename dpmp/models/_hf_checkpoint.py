@@ -1,0 +1,272 @@
+"""Llama, Qwen2 and Gemma checkpoint folders in the layout Hugging Face publishes.
+
+A folder holds:
+
+* ``config.json``: ``model_type`` (``"llama"``, ``"qwen2"`` or ``"gemma"``)
+  and the sizes ``DecoderConfig`` reads (``dpmp.models.families._decoder``);
+  other keys are not read;
+* the weights: ``model.safetensors``, or shards ``model-0000k-of-0000n.safetensors``
+  listed by ``model.safetensors.index.json`` (its ``weight_map``: tensor ->
+  file). The tensor names are the published ones, with or without the
+  ``model.`` prefix (``model.embed_tokens.weight``,
+  ``model.layers.{i}.self_attn.q_proj.weight`` ``[out, in]``, ...,
+  ``model.norm.weight``, ``lm_head.weight``). A tied model's
+  ``lm_head.weight``, if stored, and the rotary ``inv_freq`` buffers are not read;
+* ``tokenizer.json``: the ``tokenizers`` library's format (optional).
+
+``load_decoder(folder)`` gives the model, its parameters in the dtype they are
+stored in (a bfloat16 checkpoint stays bfloat16; linear weights transposed to
+``[in, out]``), the tokenizer and the config; ``save_decoder`` writes such a
+folder, sharded when asked. A missing, unexpected or mis-shaped tensor is a
+``DataError`` naming the tensor and its file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from dpmp.data._dataset import DataError
+from dpmp.models._model import Model
+from dpmp.models._params_file import nest, param_names
+from dpmp.models.families._decoder import (
+    DecoderConfig,
+    Params,
+    decoder_config_from_json,
+    decoder_model,
+)
+from dpmp.precision._policy import Policy
+
+__all__ = ["Decoder", "load_decoder", "read_decoder_config", "read_decoder_weights", "save_decoder"]
+
+CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
+INDEX = "model.safetensors.index.json"
+_PREFIX, _HEAD = "model.", "lm_head.weight"
+
+
+class Decoder(NamedTuple):
+    """A loaded checkpoint: ``model`` (a ``dpmp.models.Model``), ``params`` (in
+    the stored dtype), ``tokenizer`` (a ``tokenizers.Tokenizer`` or None) and
+    ``config`` (its ``DecoderConfig``)."""
+
+    model: Model
+    params: Params
+    tokenizer: Any
+    config: DecoderConfig
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"checkpoint: {path} not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"checkpoint: {path} is not readable JSON ({e})") from None
+
+
+def read_decoder_config(folder: str | Path) -> DecoderConfig:
+    """The ``DecoderConfig`` of ``folder/config.json``.
+
+    Raises:
+      DataError: no such file, not JSON, an unsupported ``model_type`` or
+        ``rope_type`` (named, with the supported ones), or a size missing or invalid.
+    """
+    path = Path(folder) / CONFIG
+    raw = _read_json(path)
+    if not isinstance(raw, dict):
+        raise DataError(f"checkpoint: {path} must hold a JSON object")
+    try:
+        return decoder_config_from_json(raw)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise DataError(f"{path}: {e}") from None
+
+
+def _hf_name(name: str) -> str:
+    """The published tensor name of the parameter ``name``
+    (``layers.0.input_layernorm.scale`` -> ``model.layers.0.input_layernorm.weight``)."""
+    stem, _, leaf = name.rpartition(".")
+    full = f"{stem}.{'bias' if leaf == 'bias' else 'weight'}"
+    return full if full == _HEAD else _PREFIX + full
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """``{file name: path}`` of the weight files: the index's shards, or the one file."""
+    index = folder / INDEX
+    if index.is_file():
+        raw = _read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict):
+            raise DataError(f"checkpoint: {index} has no 'weight_map' object")
+        return {f: folder / f for f in sorted(set(weight_map.values()))}
+    if not (folder / WEIGHTS).is_file():
+        raise DataError(f"checkpoint: {folder / WEIGHTS} not found (nor {INDEX})")
+    return {WEIGHTS: folder / WEIGHTS}
+
+
+def _ignored(name: str, config: DecoderConfig) -> bool:
+    return name.endswith("rotary_emb.inv_freq") or (name == _HEAD and config.tie_word_embeddings)
+
+
+def _stored_names(files: dict[str, Path], config: DecoderConfig) -> dict[str, tuple[Path, str]]:
+    """``{published name: (file, key)}`` of every tensor the files hold, less
+    those not read; keys with or without the ``model.`` prefix."""
+    from safetensors import SafetensorError, safe_open
+
+    stored = {}
+    for path in files.values():
+        if not path.is_file():
+            raise DataError(f"checkpoint: {path} not found (listed in {INDEX})")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                keys = list(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise DataError(f"checkpoint: {path} is not a safetensors file ({e})") from None
+        for key in keys:
+            name = key if key.startswith(_PREFIX) or key == _HEAD else _PREFIX + key
+            if not _ignored(name, config):
+                stored[name] = (path, key)
+    return stored
+
+
+def read_decoder_weights(folder: str | Path, config: DecoderConfig) -> Params:
+    """The parameters in ``folder``'s weight files, in their stored dtypes, linear
+    weights transposed to ``[in, out]``.
+
+    Raises:
+      DataError: no weight file, or a tensor missing, unexpected, of another shape
+        or not floating point (named, with its file).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    files = _weight_files(folder)
+    stored = _stored_names(files, config)
+    wanted = {_hf_name(n): (n, s) for n, s in config.shapes().items()}
+    missing = [n for n in wanted if n not in stored]
+    if missing:
+        where = ", ".join(files)
+        raise DataError(
+            f"{folder}: missing tensor {missing[0]!r} ({len(missing)} missing; in {where})"
+        )
+    unexpected = [n for n in stored if n not in wanted]
+    if unexpected:
+        path, key = stored[unexpected[0]]
+        raise DataError(f"{path}: unexpected tensor {key!r} ({len(unexpected)} in all)")
+    flat = {}
+    for name, (param, shape) in wanted.items():
+        path, key = stored[name]
+        hf_shape = shape[::-1] if param.endswith(".kernel") else shape
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                got = tuple(f.get_slice(key).get_shape())
+                if got != hf_shape:
+                    raise DataError(f"{path}: tensor {key!r} has shape {got}, expected {hf_shape}")
+                value = f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise DataError(f"checkpoint: {path} is not a safetensors file ({e})") from None
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            raise DataError(f"{path}: tensor {key!r} is {value.dtype}, not floating")
+        flat[param] = np.ascontiguousarray(value.T) if param.endswith(".kernel") else value
+    return nest(flat)
+
+
+def load_decoder(
+    folder: str | Path, policy: Policy | str = "f32", *, pad_id: int | None = None
+) -> Decoder:
+    """The Llama, Qwen2 or Gemma checkpoint in ``folder`` (see the module docstring).
+
+    Args:
+      folder: holds ``config.json``, the weights and optionally ``tokenizer.json``.
+      policy: the forward pass's dtypes; the parameters stay in their stored dtype.
+      pad_id: a token id that is never a target of the loss; default: the
+        tokenizer's ``<pad>`` or ``[PAD]`` if it has one, else none.
+
+    Raises:
+      DataError: a bad file (named), as ``read_decoder_config`` and
+        ``read_decoder_weights`` say, or a tokenizer of more tokens than the
+        embedding has rows.
+    """
+    config = read_decoder_config(folder)
+    params = read_decoder_weights(folder, config)
+    tokenizer = _load_tokenizer(Path(folder), config.vocab_size)
+    if pad_id is None and tokenizer is not None:
+        found = [tokenizer.token_to_id(t) for t in ("<pad>", "[PAD]")]
+        pad_id = next((i for i in found if i is not None), None)
+    return Decoder(decoder_model(config, policy, pad_id=pad_id), params, tokenizer, config)
+
+
+def _load_tokenizer(folder: Path, vocab_size: int):
+    from dpmp.data._tokenizer import load_tokenizer
+    from dpmp.data._tokenizer import vocab_size as id_bound
+
+    path = folder / TOKENIZER
+    if not path.is_file():
+        return None
+    tokenizer = load_tokenizer(path, field="checkpoint")
+    if id_bound(tokenizer) > vocab_size:
+        raise DataError(
+            f"{path}: {id_bound(tokenizer)} tokens, more than the model's vocab_size "
+            f"{vocab_size} (rows of embed_tokens.weight)"
+        )
+    return tokenizer
+
+
+def save_decoder(
+    folder: str | Path,
+    params: Params,
+    config: DecoderConfig,
+    tokenizer=None,
+    *,
+    shard_bytes: int | None = None,
+) -> Path:
+    """Writes ``params`` (in their own dtypes, the published names and ``[out,
+    in]`` orientation), ``config.json`` and, if given, ``tokenizer`` as a folder
+    ``load_decoder`` reads; returns the folder.
+
+    Args:
+      shard_bytes: if given, the tensors go to shards
+        ``model-0000k-of-0000n.safetensors`` of at most this many bytes each (a
+        larger tensor alone in its shard), listed by ``model.safetensors.index.json``.
+    """
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(config.to_json(), indent=2) + "\n"
+    (folder / CONFIG).write_text(text, encoding="utf-8")
+    flat = {}
+    for name, leaf in param_names(params).items():
+        value = np.asarray(leaf)
+        flat[_hf_name(name)] = np.ascontiguousarray(value.T if name.endswith(".kernel") else value)
+    if shard_bytes is None:
+        save_file(flat, str(folder / WEIGHTS), metadata={"format": "pt"})
+    else:
+        _save_shards(folder, flat, shard_bytes)
+    if tokenizer is not None:
+        tokenizer.save(str(folder / TOKENIZER))
+    return folder
+
+
+def _save_shards(folder: Path, flat: dict[str, np.ndarray], shard_bytes: int) -> None:
+    from safetensors.numpy import save_file
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in flat.items():
+        if shards[-1] and size + value.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    n, weight_map = len(shards), {}
+    for k, shard in enumerate(shards, 1):
+        file = f"model-{k:05d}-of-{n:05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    total = sum(v.nbytes for v in flat.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
