@@ -270,3 +270,30 @@ def test_the_loss_and_gradients_of_a_loaded_model(tmp_path):
     np.testing.assert_allclose(value, want, rtol=F32_TOL * 10)
     assert jax.tree.structure(grads) == jax.tree.structure(loaded.params)
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.slow  # ~10 s on 2 cores: two clipped-gradient compilations
+def test_ghost_clipping_reads_every_layer_of_a_tied_gemma():
+    """Gemma's tied head and 1 + w norms: ghost clipping's clipped sum equals the
+    per-example (vmap) one within float32 rounding (F32_TOL of its norm)."""
+    import dpmp
+    from dpmp.models.families._decoder import decoder_config_from_json, decoder_init, decoder_model
+
+    config = decoder_config_from_json(CONFIGS["gemma"] | {"num_hidden_layers": 1})
+    rng = np.random.default_rng(8)
+    params = jax.tree.map(
+        lambda a: np.asarray(a) + rng.normal(0, 0.3, a.shape).astype(np.float32),
+        decoder_init(config, jax.random.key(0)),
+    )
+    batch = {"x": TOKENS[:, :6], "y": np.zeros(2, np.int32)}
+    loss = decoder_model(config, "f32").loss_fn
+    sums = []
+    for method in ("ghost", "vmap"):
+        g = dpmp.private_grad(loss, l2_clip_norm=0.5, policy="f32", method=method)
+        if method == "ghost":
+            rules = {r["param"]: r["rule"] for r in g.explain(params, batch)["layers"]}
+            assert len(rules) == len(jax.tree.leaves(params)), rules  # none left out
+        leaves = jax.tree.leaves(jax.jit(g)(params, batch).grads)
+        sums.append(np.concatenate([np.ravel(leaf) for leaf in leaves]))
+    ghost, vmap = sums
+    assert np.linalg.norm(ghost - vmap) <= F32_TOL * np.linalg.norm(vmap)

@@ -295,8 +295,9 @@ def _rms_norm(config: DecoderConfig, w: jax.Array, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     ms = jnp.square(x32).mean(-1, keepdims=True)
     y = x32 * jax.lax.rsqrt(ms + jnp.float32(config.rms_norm_eps))
-    if config.norm_offset:  # Gemma: (1 + w) in float32, then cast
-        return (y * (1 + w.astype(jnp.float32))).astype(x.dtype)
+    if config.norm_offset:  # Gemma: y (1 + w) in float32, then cast; as y + y w, a
+        # product with the parameter alone, the form ghost clipping's scale rule reads
+        return (y + y * w.astype(jnp.float32)).astype(x.dtype)
     return y.astype(x.dtype) * w.astype(x.dtype)
 
 
