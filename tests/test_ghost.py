@@ -373,6 +373,25 @@ def test_auto_falls_back_on_tied_weights_and_ghost_refuses():
         ghost(params, batch)
 
 
+def test_a_parameter_beside_a_constant_is_planned_not_a_crash():
+    """``1 + w`` (Gemma's norm offset) hands the planner an equation whose other
+    input is a literal, not a variable: it is planned (or refused) like any other
+    use, never a TypeError, and the clipped sum is vmap's."""
+
+    def offset(p, b):
+        h = jnp.tanh(b["x"] @ p["w"]) * (1.0 + p["s"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ p["v"], b["y"]).mean()
+
+    params = {"w": jnp.ones((16, 16)) / 16, "s": jnp.zeros((16,)), "v": jnp.ones((16, 4)) / 4}
+    batch = classification_batch(8)
+    auto = dpmp.private_grad(offset, l2_clip_norm=1.0, policy="f32", method="auto")
+    assert auto.explain(params, batch)["method"] in ("ghost", "vmap")
+    out = jax.jit(auto)(params, batch)
+    vm = jax.jit(dpmp.private_grad(offset, l2_clip_norm=1.0, policy="f32"))(params, batch)
+    # float32 sums of 8 clipped gradients in two orders: a few ulps of their size
+    np.testing.assert_allclose(_flat(out.grads), _flat(vm.grads), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow  # ~4 s on 2 cores
 def test_auto_chooses_ghost_and_reports_it():
     auto = dpmp.private_grad(mlp_loss, l2_clip_norm=1.0, policy="bf16", method="auto")

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.extend import core as jax_core
 
 from dpmp.clipping._jaxpr import uses as jaxpr_uses
 from dpmp.clipping._replay import aval, inline
@@ -203,7 +204,7 @@ def _find_taps(jaxpr, n_params: int, paths) -> tuple[list[Tap], list[int], list[
             eqn = jaxpr.eqns[i]
             name = eqn.primitive.name
             for k, u in enumerate(eqn.invars):
-                if k != pos and u in param_vars:
+                if k != pos and not isinstance(u, jax_core.Literal) and u in param_vars:
                     raise Unsupported(f"parameter {path}: {name} of two parameters")
             if i in claimed:
                 raise Unsupported(f"parameter {path}: {name} also takes parameter {claimed[i]}")
