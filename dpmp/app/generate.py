@@ -1,7 +1,10 @@
-"""Text from a finished GPT-2 run: its trained parameters over its checkpoint folder.
+"""Text from a finished run of a checkpoint's model: its trained parameters over
+its checkpoint folder.
 
-``load_trained(run_dir)`` reads what a run of ``model.kind = "gpt2"`` released
-and returns a ``dpmp.models.GPT2`` holding the trained parameters:
+``load_trained(run_dir)`` reads what a run of ``model.kind = "gpt2"`` (or
+another family read from a checkpoint: ``"llama"``, ``"qwen2"``, ``"gemma"``)
+released and returns the family's loaded checkpoint (a ``dpmp.models.GPT2``,
+a ``Decoder``) holding the trained parameters:
 
 * the run's config, from ``report.json`` (a finished run);
 * the model and its pre-trained parameters, from the folder of
@@ -31,9 +34,9 @@ from dpmp.app.checkpoint import CheckpointError, load_params
 from dpmp.app.config import Config, ConfigError
 from dpmp.app.config_checkpoint import CHECKPOINT_KINDS
 from dpmp.app.export import CHECKPOINTS_DIR, PARAMS_FILE
-from dpmp.app.published import checkpoint_folder
+from dpmp.app.published import checkpoint_folder, load_checkpoint
 from dpmp.app.run_dir import REPORT_FILE
-from dpmp.models import GPT2, generate_text, init_adapters, load_gpt2, merge
+from dpmp.models import generate_text, init_adapters, merge
 
 __all__ = ["generate_from_run", "load_trained", "run_config"]
 
@@ -57,8 +60,8 @@ def run_config(run_dir: str | Path) -> Config:
     return Config.from_dict(raw)
 
 
-def load_trained(run_dir: str | Path, checkpoint: str | Path | None = None) -> GPT2:
-    """The GPT-2 of the run in ``run_dir`` with its trained parameters (see the
+def load_trained(run_dir: str | Path, checkpoint: str | Path | None = None) -> Any:
+    """The model of the run in ``run_dir`` with its trained parameters (see the
     module docstring); ``checkpoint``: its checkpoint folder, if not where
     ``model.checkpoint`` says.
 
@@ -83,7 +86,7 @@ def load_trained(run_dir: str | Path, checkpoint: str | Path | None = None) -> G
         )
     field = "model.checkpoint" if checkpoint is None else "checkpoint"
     folder = checkpoint_folder(m.checkpoint if checkpoint is None else checkpoint, field)
-    loaded = load_gpt2(folder, config.precision)
+    loaded = load_checkpoint(m.kind, folder, config.precision)
     key = jax.random.key(0)
     like = jax.eval_shape(loaded.model.init, key)  # the trainer's float32 masters
     base = jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), loaded.params, like)
@@ -98,7 +101,7 @@ def load_trained(run_dir: str | Path, checkpoint: str | Path | None = None) -> G
         from dpmp.data._tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(config.data.tokenizer)
-    return GPT2(loaded.model, params, tokenizer, loaded.config)
+    return loaded._replace(params=params, tokenizer=tokenizer)
 
 
 def _params_source(run: Path) -> Path:
@@ -133,7 +136,7 @@ def generate_from_run(
     return _continue(trained, prompt, max_new_tokens, temperature, seed)
 
 
-def _continue(trained: GPT2, prompt: str, max_new_tokens: int, temperature: float, seed: int):
+def _continue(trained: Any, prompt: str, max_new_tokens: int, temperature: float, seed: int):
     n = len(trained.tokenizer.encode(prompt).ids)
     if n == 0:
         raise ValueError(f"prompt: {prompt!r} has no tokens")

@@ -65,13 +65,13 @@ def architecture(config: ModelConfig) -> Architecture:
 
 def model_from_config(config: ModelConfig, data_info: Any, policy: Policy | str) -> Model:
     """The configured model for data with ``input_shape`` and ``num_classes``: a
-    built-in family, a checkpoint's (``model.kind = "gpt2"``), or
+    built-in family, a checkpoint's (``model.kind = "gpt2"``, ``"llama"``, ...), or
     ``factory(input_shape, num_classes)`` of ``"module:factory"``."""
     if config.kind in CHECKPOINT_KINDS:  # its sizes are the checkpoint's
-        from dpmp.app.published import checkpoint_folder
-        from dpmp.models._gpt2_checkpoint import load_gpt2
+        from dpmp.app.published import checkpoint_folder, load_checkpoint
 
-        return load_gpt2(checkpoint_folder(config.checkpoint), policy).model
+        folder = checkpoint_folder(config.checkpoint)
+        return load_checkpoint(config.kind, folder, Policy.parse(policy)).model
     if ":" not in config.kind:
         return build_model(config.kind, data_info, policy, architecture(config))
     shape = tuple(int(d) for d in data_info.input_shape)

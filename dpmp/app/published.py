@@ -1,9 +1,10 @@
-"""A run that starts from a published checkpoint folder (``model.kind = "gpt2"``).
+"""A run that starts from a published checkpoint folder (``model.kind = "gpt2"``,
+``"llama"``, ``"qwen2"``, ``"gemma"``: a family whose ``checkpoint`` is set).
 
 ``start_from_checkpoint`` reads ``model.checkpoint`` before anything of the run
 is written and gives what the trainer needs instead of a configured model:
 
-* the model (``dpmp.models.load_gpt2``, in the run's policy) and its stored
+* the model (the family's ``load``, in the run's policy) and its stored
   parameters, the public pre-trained starting point (the frozen base, with
   ``model.lora_rank > 0``);
 * the data, encoded by the checkpoint's ``tokenizer.json``: ``data.tokenizer``
@@ -12,7 +13,8 @@ is written and gives what the trainer needs instead of a configured model:
 * what the report's ``starting_point`` says: the folder.
 
 Every error is one line naming the field or file: a missing folder or file,
-a missing, unexpected or mis-shaped tensor, another ``model_type``, a
+a missing, unexpected or mis-shaped tensor, another ``model_type`` (and the
+``model.kind`` that reads it, where a family declares it), a
 tokenizer of more ids than the embedding has rows, another vocabulary, or
 records (``data.seq_len``) longer than the model's ``n_positions``.
 """
@@ -20,13 +22,16 @@ records (``data.seq_len``) longer than the model's ``n_positions``.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from dpmp.app.config import Config, ConfigError
 from dpmp.data._dataset import DataError
 
-__all__ = ["Start", "checkpoint_folder", "start_from_checkpoint"]
+__all__ = ["Start", "checkpoint_folder", "load_checkpoint", "start_from_checkpoint"]
+
+TOKENIZER = "tokenizer.json"
 
 
 class Start(NamedTuple):
@@ -54,6 +59,38 @@ def checkpoint_folder(path: str | Path, field: str = "model.checkpoint") -> Path
     return folder
 
 
+def load_checkpoint(kind: str, folder: Path, policy: Any) -> Any:
+    """The checkpoint in ``folder`` as the family ``model.kind = kind`` loads it
+    (``CheckpointFamily.load``): ``model``, ``params``, ``tokenizer``, ``config``.
+
+    Raises:
+      DataError: the folder's ``config.json`` ``model_type`` is one another family
+        reads (named), or as the family's ``load``.
+    """
+    from dpmp.models.families import FAMILIES, family_reading
+
+    family = FAMILIES.get(kind)
+    found = _model_type(folder / "config.json")
+    if found is not None and found not in family.model_types:
+        other = family_reading(found)
+        if other is not None:
+            raise DataError(
+                f"{folder / 'config.json'}: model_type {found!r} is not supported by "
+                f"model.kind = {kind!r}; model.kind = {other.name!r} reads it"
+            )
+    return family.load(folder, policy)
+
+
+def _model_type(path: Path) -> Any:
+    """``path``'s ``model_type`` if it is a readable JSON object, else None (the
+    family's ``load`` names what is wrong)."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return raw.get("model_type") if isinstance(raw, dict) else None
+
+
 def start_from_checkpoint(config: Config, *, model: Any, init_params: Any, data: Any) -> Start:
     """The model, starting parameters and data of a run whose ``model.kind`` is read
     from ``model.checkpoint`` (see the module docstring); ``data``: the user's
@@ -64,7 +101,7 @@ def start_from_checkpoint(config: Config, *, model: Any, init_params: Any, data:
         text, no tokenizer, or records longer than ``n_positions``.
       DataError: a bad checkpoint folder or tokenizer (named).
     """
-    from dpmp.models._gpt2_checkpoint import TOKENIZER, load_gpt2
+    from dpmp.models.families import FAMILIES
 
     kind = config.model.kind
     if model is not None or init_params is not None:
@@ -73,7 +110,7 @@ def start_from_checkpoint(config: Config, *, model: Any, init_params: Any, data:
             "model.checkpoint; pass model= and init_params= with another model.kind, or neither"
         )
     folder = checkpoint_folder(config.model.checkpoint)
-    loaded = load_gpt2(folder, config.precision)
+    loaded = load_checkpoint(kind, folder, config.precision)
     n_positions = loaded.config.n_positions
     if data is None:
         tokenizer = _data_tokenizer(config, loaded, folder / TOKENIZER)
@@ -81,7 +118,8 @@ def start_from_checkpoint(config: Config, *, model: Any, init_params: Any, data:
         data = _load_text(config, tokenizer)
     else:
         _check_length("data", int(data.input_shape[-1]), n_positions)
-    source = f"public pre-trained GPT-2 checkpoint {folder.name} (no epsilon)"  # no folders
+    held = FAMILIES.get(kind).checkpoint.removeprefix("a ").removesuffix(" folder")
+    source = f"public pre-trained {held} {folder.name} (no epsilon)"  # no folders
     return Start(loaded.model, loaded.params, data, source)
 
 

@@ -18,6 +18,10 @@ Model``. A new family is one file that defines it and registers it::
 
     register_family(Wide())
 
+A family read from a checkpoint folder (``checkpoint`` set) is also a
+``CheckpointFamily``: it declares the ``config.json`` ``model_type`` values it
+reads and ``load``s its folder.
+
 Your own model does not need a family: ``dpmp.models.as_model`` adapts a
 flax, Equinox or plain-JAX model.
 """
@@ -26,14 +30,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from dpmp._registry import Registry
+from dpmp._registry import Registry, members
 from dpmp.data.sources import SOURCES
 from dpmp.models._model import Model
 from dpmp.precision._policy import Policy
 
-__all__ = ["FAMILIES", "Architecture", "ModelFamily", "build_model", "register_family"]
+__all__ = [
+    "FAMILIES",
+    "Architecture",
+    "CheckpointFamily",
+    "ModelFamily",
+    "build_model",
+    "family_reading",
+    "register_family",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,6 +109,29 @@ class ModelFamily(Protocol):
         ...
 
 
+@runtime_checkable
+class CheckpointFamily(ModelFamily, Protocol):
+    """A family whose model, sizes and parameters are read from a checkpoint folder.
+
+    Attributes:
+      model_types: the ``config.json`` ``model_type`` values it reads (``("gpt2",)``).
+    """
+
+    model_types: tuple[str, ...]
+
+    def load(self, folder: Path, policy: Policy) -> Any:
+        """The checkpoint in ``folder``, its forward pass in ``policy``: a record
+        with ``model`` (a ``Model``), ``params`` (in the stored dtype),
+        ``tokenizer`` (a ``tokenizers.Tokenizer`` or None) and ``config`` (its
+        sizes, with ``vocab_size`` and ``n_positions``, the longest sequence;
+        what saves the folder again).
+
+        Raises:
+          DataError: a bad folder, or one of a ``model_type`` it does not read (named).
+        """
+        ...
+
+
 # ``model.kind``: the built-in families.
 FAMILIES: Registry[ModelFamily] = Registry("model family", protocol=ModelFamily)
 
@@ -104,10 +140,27 @@ def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamil
     """Makes ``family.name`` a valid ``model.kind``; returns ``family``.
 
     Raises:
-      TypeError: ``family`` lacks a member of ``ModelFamily`` (named).
+      TypeError: ``family`` lacks a member of ``ModelFamily``, or of
+        ``CheckpointFamily`` when its ``checkpoint`` is set (named).
       ValueError: the name is taken and ``replace`` is false.
     """
+    if getattr(family, "checkpoint", None) is not None:
+        missing = [m for m in members(CheckpointFamily) if not hasattr(family, m)]
+        if missing:
+            raise TypeError(
+                f"model family {getattr(family, 'name', None)!r} is read from a checkpoint "
+                f"and lacks {', '.join(missing)} (see CheckpointFamily)"
+            )
     return FAMILIES.register(family, replace=replace)
+
+
+def family_reading(model_type: Any) -> ModelFamily | None:
+    """The registered family that reads checkpoints of ``model_type`` (a
+    ``config.json`` ``model_type``), or None."""
+    for family in FAMILIES:
+        if model_type in getattr(family, "model_types", ()):
+            return family
+    return None
 
 
 def build_model(

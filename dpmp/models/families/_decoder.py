@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -44,11 +45,13 @@ import numpy as np
 
 from dpmp.models._model import Model
 from dpmp.models._params_file import nest
+from dpmp.models.families._base import register_family
 from dpmp.models.families._gpt2 import _record_losses
 from dpmp.precision._policy import Policy
 
 __all__ = [
     "DecoderConfig",
+    "DecoderFamily",
     "decoder_config_from_json",
     "decoder_forward",
     "decoder_init",
@@ -171,6 +174,11 @@ class DecoderConfig:
         if not self.tie_word_embeddings:
             out["lm_head.kernel"] = (d, self.vocab_size)
         return out
+
+    @property
+    def n_positions(self) -> int:
+        """The longest sequence, ``max_position_embeddings`` (as ``GPT2Config`` names it)."""
+        return self.max_position_embeddings
 
     def to_json(self) -> dict[str, Any]:
         """The ``config.json`` keys that ``decoder_config_from_json`` reads back."""
@@ -414,3 +422,59 @@ def decoder_model(
             f"positions) and {mlp} MLP {c.intermediate_size}, head {head}"
         ),
     )
+
+
+class DecoderFamily:
+    """``model.kind = "llama"``, ``"qwen2"`` or ``"gemma"``: a decoder read from its
+    Hugging Face checkpoint folder (``model.checkpoint``;
+    ``dpmp.models._hf_checkpoint``) whose ``config.json`` ``model_type`` is the
+    family's name, sizes and parameters included; the ``[model]`` sizes are not read.
+
+    Args:
+      name: the ``model_type`` it reads, and its ``model.kind``.
+      title: the family's name in prose (``"Llama"``).
+    """
+
+    task = "next_token"
+    sizes = ()
+
+    def __init__(self, name: str, title: str):
+        self.name = name
+        self.model_types = (name,)
+        self.checkpoint = f"a {title} checkpoint folder"
+
+    def build(
+        self,
+        architecture: Any,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        policy: Policy,
+    ) -> Model:
+        """Refused: its sizes are its checkpoint's (``load``)."""
+        del architecture, input_shape, num_classes, policy
+        raise ValueError(
+            f"model.kind = {self.name!r} is read from {self.checkpoint} (model.checkpoint), "
+            "not built from the [model] sizes"
+        )
+
+    def load(self, folder: Path, policy: Policy):
+        """``load_decoder(folder, policy)``: a ``Decoder`` (model, params in the
+        stored dtype, tokenizer or None, ``DecoderConfig``).
+
+        Raises:
+          DataError: as ``load_decoder``, or the folder's ``model_type`` is another.
+        """
+        from dpmp.data._dataset import DataError
+        from dpmp.models._hf_checkpoint import CONFIG, load_decoder, read_decoder_config
+
+        found = read_decoder_config(folder).model_type
+        if found not in self.model_types:
+            raise DataError(
+                f"{Path(folder) / CONFIG}: model_type {found!r}; model.kind = {self.name!r} "
+                f"reads {', '.join(map(repr, self.model_types))}"
+            )
+        return load_decoder(folder, policy)
+
+
+for _name, _title in (("llama", "Llama"), ("qwen2", "Qwen2"), ("gemma", "Gemma")):
+    register_family(DecoderFamily(_name, _title))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -223,6 +224,14 @@ class GPT2Family:
     task = "next_token"
     sizes = ()
     checkpoint = "a GPT-2 checkpoint folder"
+    model_types = ("gpt2",)
+
+    def load(self, folder: Path, policy: Policy):
+        """``dpmp.models.load_gpt2(folder, policy)``: a ``GPT2`` (model, params in
+        the stored dtype, tokenizer or None, ``GPT2Config``)."""
+        from dpmp.models._gpt2_checkpoint import load_gpt2  # reads this module
+
+        return load_gpt2(folder, policy)
 
     def build(
         self,

@@ -1,0 +1,107 @@
+"""Runs from Llama, Qwen2 and Gemma checkpoint folders through the command line
+(``model.kind = "llama" | "qwen2" | "gemma"``, ``model.checkpoint``): the family
+loads its folder (``CheckpointFamily.load``), trains privately and reports
+epsilon; a folder of another family's ``model_type`` is one line, exit 2, and
+nothing is written. The folders are tiny random checkpoints written by
+``save_decoder``."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from dpmp.app import cli
+from dpmp.models._hf_checkpoint import load_decoder, save_decoder
+from dpmp.models.families import FAMILIES, CheckpointFamily, family_reading
+from dpmp.models.families._decoder import decoder_config_from_json, decoder_init
+from tests.test_decoder import CONFIGS
+from tests.test_gpt2 import WORDS
+from tests.test_published import _text
+
+# one layer of width 16: the smallest model with every part of each family
+TINY = {"vocab_size": 16, "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1}
+TINY |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8}
+
+
+def _checkpoint(folder, family: str):
+    """A random tiny ``family`` checkpoint with a word-level tokenizer of ``WORDS``."""
+    config = decoder_config_from_json(CONFIGS[family] | TINY)
+    params = decoder_init(config, jax.random.key(0))
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, "[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return save_decoder(folder, params, config, tokenizer)
+
+
+def _argv(tmp_path, kind, checkpoint, *extra):
+    return [
+        "train", "--quiet", "--out", str(tmp_path / "run"),
+        "--set", f"model.kind={kind}", "--set", f'model.checkpoint="{checkpoint}"',
+        "--set", "data.dataset=text", "--set", f'data.path="{_text(tmp_path)}"',
+        "--set", "data.seq_len=6", "--set", "training.steps=2",
+        "--set", "training.expected_batch_size=8", "--set", "training.eval_every=0",
+        "--set", "privacy.target_epsilon=8", "--set", "privacy.noise_multiplier=5.0",
+        "--set", "model.lora_rank=2", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow  # a short private LoRA run through the CLI: compiling its step, ~20 s
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_a_checkpoint_trains_privately_through_the_cli(tmp_path, family):
+    folder = _checkpoint(tmp_path / "ckpt", family)
+    assert cli.main(_argv(tmp_path, family, folder)) == 0
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    text = json.dumps(report)
+    assert '"epsilon"' in text
+    # the epsilon released is within the target
+    eps = [v for k, v in _items(report) if k == "epsilon" and isinstance(v, int | float)]
+    assert eps and 0 < min(eps) and max(eps) <= 8 * (1 + 1e-9)
+    assert str(tmp_path) not in text  # the report names no private folder
+
+
+def _items(tree):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield k, v
+            yield from _items(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _items(v)
+
+
+@pytest.mark.parametrize("kind, stored", [("llama", "qwen2"), ("gpt2", "gemma")])
+def test_a_folder_of_another_model_type_is_one_line(tmp_path, capsys, kind, stored):
+    folder = _checkpoint(tmp_path / "ckpt", stored)
+    assert cli.main(_argv(tmp_path, kind, folder)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dpmp train: error: "), err
+    assert f"model_type {stored!r} is not supported" in err, err
+    assert f"model.kind = {stored!r} reads it" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_family_refuses_another_model_type_itself(tmp_path):
+    folder = _checkpoint(tmp_path / "ckpt", "qwen2")
+    with pytest.raises(ValueError, match="model_type 'qwen2'; model.kind = 'llama' reads 'llama'"):
+        FAMILIES.get("llama").load(folder, "f32")
+
+
+def test_each_checkpoint_family_reads_what_it_declares(tmp_path):
+    """Every family read from a checkpoint is a ``CheckpointFamily`` and is the one
+    ``family_reading`` names for each ``model_type`` it declares."""
+    readers = [f for f in FAMILIES if f.checkpoint is not None]
+    assert readers
+    for family in readers:
+        assert isinstance(family, CheckpointFamily)
+        for model_type in family.model_types:
+            assert family_reading(model_type) is family
+    assert family_reading("no such model_type") is None
+
+
+def test_the_family_loads_what_load_decoder_loads(tmp_path):
+    folder = _checkpoint(tmp_path / "ckpt", "gemma")
+    got, want = FAMILIES.get("gemma").load(folder, "f32"), load_decoder(folder, "f32")
+    assert got.config == want.config and got.config.n_positions == 128
+    assert jax.tree.all(jax.tree.map(lambda a, b: (a == b).all(), got.params, want.params))
