@@ -49,7 +49,7 @@ def _argv(tmp_path, kind, checkpoint, *extra):
 
 @pytest.mark.slow  # a short private LoRA run through the CLI: compiling its step, ~20 s
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
-def test_a_checkpoint_trains_privately_through_the_cli(tmp_path, family):
+def test_a_checkpoint_trains_privately_through_the_cli(tmp_path, capsys, family):
     folder = _checkpoint(tmp_path / "ckpt", family)
     assert cli.main(_argv(tmp_path, family, folder)) == 0
     report = json.loads((tmp_path / "run" / "report.json").read_text())
@@ -59,6 +59,16 @@ def test_a_checkpoint_trains_privately_through_the_cli(tmp_path, family):
     eps = [v for k, v in _items(report) if k == "epsilon" and isinstance(v, int | float)]
     assert eps and 0 < min(eps) and max(eps) <= 8 * (1 + 1e-9)
     assert str(tmp_path) not in text  # the report names no private folder
+    title = FAMILIES.get(family).checkpoint.removeprefix("a ").removesuffix(" folder")
+    assert report["starting_point"]["source"] == (
+        f"public pre-trained {title} {folder.name} (no epsilon)"
+    )
+    capsys.readouterr()
+    # generation reads the trained adapters over the family's own checkpoint
+    ask = [str(tmp_path / "run"), "--prompt", "the cat", "--checkpoint", str(folder)]
+    assert cli.main(["generate", *ask, "--max-new-tokens", "3"]) == 0
+    words = capsys.readouterr().out.split()
+    assert words[:2] == ["the", "cat"] and len(words) <= 5 and set(words) <= set(WORDS)
 
 
 def _items(tree):
