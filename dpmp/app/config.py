@@ -197,8 +197,8 @@ class DataConfig:
     path: the ``.npz`` file, the folder of ``.npy`` or idx files, or the text file;
       given for a ``dataset`` that reads none (``"digits"``), it is refused.
     tokenizer: text: a ``tokenizer.json`` (Hugging Face ``tokenizers``) whose
-      tokens replace the bytes; each record is still one example. With
-      ``model.kind = "gpt2"``, unset means the checkpoint's own.
+      tokens replace the bytes; each record is still one example. With a
+      checkpoint (``model.checkpoint``), unset means the checkpoint's own.
     seq_len: text: bytes per record (UTF-8), or with a ``tokenizer`` predicted
       tokens per record (longer records are cut, shorter ones padded; padding
       contributes nothing to the loss).
@@ -269,8 +269,9 @@ class ModelConfig:
       JAX function of a params dict), ``"vit"`` (a small flax linen vision
       transformer on square images), ``"lm"`` (a small flax linen causal
       transformer over bytes, for the text datasets; uses ``dim``, ``depth``
-      and ``heads``), ``"gpt2"`` (the GPT-2 checkpoint folder ``checkpoint``,
-      whose parameters the run starts from), ``"cnn"``, ``"scatter_linear"``,
+      and ``heads``), ``"gpt2"``, ``"llama"``, ``"qwen2"``, ``"gemma"`` (a
+      Hugging Face checkpoint folder ``checkpoint`` of that family, whose
+      parameters the run starts from), ``"cnn"``, ``"scatter_linear"``,
       ``"scatter_cnn"`` (Tramer & Boneh 2021's Fashion-MNIST models: their tanh
       CNN, and GroupNorm then a linear layer or their CNN on scattering
       features, ``data.features = "scattering"``), or your own model as
@@ -291,11 +292,13 @@ class ModelConfig:
       parameters stay bit-identical. Needs pre-trained parameters (a
       ``[pretrain]`` section, or ``init_params`` of ``dpmp.train``): refused without.
     lora_alpha: the adapters' scale: the update is ``lora_alpha / lora_rank * A @ B``.
-    checkpoint: ``model.kind = "gpt2"``: a folder of ``config.json``,
-      ``model.safetensors`` and ``tokenizer.json`` in the layout GPT-2's
-      publishers use. Its parameters are the public pre-trained starting point
-      (LoRA may adapt them); its ``tokenizer.json`` encodes the text unless
-      ``data.tokenizer`` names a file of the same vocabulary.
+    checkpoint: ``model.kind = "gpt2"``, ``"llama"``, ``"qwen2"`` or ``"gemma"``:
+      a folder of ``config.json`` (its ``model_type`` the family's),
+      ``model.safetensors`` (or shards with ``model.safetensors.index.json``)
+      and ``tokenizer.json`` in the layout their publishers use. Its parameters
+      are the public pre-trained starting point (LoRA may adapt them); its
+      ``tokenizer.json`` encodes the text unless ``data.tokenizer`` names a
+      file of the same vocabulary.
     """
 
     kind: str = "mlp"
