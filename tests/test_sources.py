@@ -245,9 +245,22 @@ class ToyFamily:
         raise AssertionError("never built")
 
 
+@dataclasses.dataclass(frozen=True)
+class ToyCheckpointFamily(ToyFamily):
+    """A family read from a checkpoint folder (never loaded here)."""
+
+    model_types: tuple[str, ...] = ("toy",)
+
+    def load(self, folder, policy):
+        raise AssertionError("never loaded")
+
+
 @pytest.fixture
 def toy_families():
-    made = [ToyFamily("toy_lm"), ToyFamily("toy_ckpt", sizes=(), checkpoint="a toy folder")]
+    made = [
+        ToyFamily("toy_lm"),
+        ToyCheckpointFamily("toy_ckpt", sizes=(), checkpoint="a toy folder"),
+    ]
     for family in made:
         dpmp.models.register_family(family)
     yield made
