@@ -46,7 +46,7 @@ import numpy as np
 from dpmp.models._model import Model
 from dpmp.models._params_file import nest
 from dpmp.models.families._base import register_family
-from dpmp.models.families._gpt2 import _record_losses
+from dpmp.models.families._causal_lm import causal_lm_model
 from dpmp.precision._policy import Policy
 
 __all__ = [
@@ -383,7 +383,7 @@ def decoder_model(
     config: DecoderConfig, policy: Policy | str = "f32", *, pad_id: int | None = None
 ) -> Model:
     """The decoder of ``config`` as a ``dpmp.models.Model``, with the batch and loss
-    conventions of ``dpmp.models.families._gpt2.gpt2_model``: ``x`` token ids
+    conventions of ``dpmp.models.families._causal_lm``: ``x`` token ids
     ``[B, T]``, ``y`` per-token labels of the same shape (negative: ignored) or
     anything else (then the targets are ``x[:, 1:]`` less ``pad_id``); a
     record's loss is its mean cross-entropy over its targets.
@@ -392,29 +392,16 @@ def decoder_model(
     from a checkpoint, pass its parameters as ``init_params``.
     """
     policy = Policy.parse(policy)
-
-    def predict(params, tokens):
-        logits = decoder_forward(config, params, jnp.asarray(tokens), policy.compute)
-        return logits.astype(policy.output)
-
-    def metrics(params, batch):
-        return _record_losses(predict(params, batch["x"]), batch, pad_id)
-
-    def loss_fn(params, batch):
-        loss, _, count = metrics(params, batch)
-        return (loss / jnp.maximum(count, 1).astype(jnp.float32)).mean()
-
     c = config
     mlp = "SwiGLU" if c.hidden_act == "silu" else "GeGLU"
     head = "tied to the token embedding" if c.tie_word_embeddings else "untied"
-    return Model(
+    return causal_lm_model(
+        lambda params, tokens, compute: decoder_forward(config, params, tokens, compute),
+        lambda key: decoder_init(config, key),
+        policy,
+        pad_id,
         kind=c.model_type,
-        framework="jax",
         name=f"{c.model_type} {c.num_hidden_layers} layers width {c.hidden_size}",
-        init=lambda key: decoder_init(config, key),
-        loss_fn=loss_fn,
-        predict=predict,
-        metrics=metrics,
         description=(
             f"{c.model_type}: vocabulary {c.vocab_size}, width {c.hidden_size}, "
             f"{c.num_hidden_layers} pre-RMSNorm layers with {c.num_attention_heads}-head causal "

@@ -35,9 +35,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dpmp.models._model import Model, next_token_losses, token_losses
+from dpmp.models._model import Model
 from dpmp.models._params_file import nest
 from dpmp.models.families._base import Architecture, register_family
+from dpmp.models.families._causal_lm import causal_lm_model
 from dpmp.precision._policy import Policy
 
 __all__ = ["GPT2Config", "GPT2Family", "gpt2_forward", "gpt2_init", "gpt2_model"]
@@ -160,16 +161,6 @@ def gpt2_forward(config: GPT2Config, params: Params, tokens: jax.Array, compute)
     return _layer_norm(params["ln_f"], x, eps) @ wte.T
 
 
-def _record_losses(logits: jax.Array, batch: dict, pad_id: int | None):
-    """``(losses, correct, counts)`` per record: at the per-token labels ``y`` if the
-    batch has them (the shape of ``x``), else of predicting ``x[:, 1:]`` less
-    ``pad_id``."""
-    x, y = jnp.asarray(batch["x"]), batch.get("y")
-    if y is not None and jnp.shape(y) == x.shape:
-        return token_losses(logits, jnp.asarray(y))
-    return next_token_losses(logits, x, -1 if pad_id is None else pad_id)
-
-
 def gpt2_model(
     config: GPT2Config, policy: Policy | str = "f32", *, pad_id: int | None = None
 ) -> Model:
@@ -185,27 +176,14 @@ def gpt2_model(
     targets it has; a record with none contributes 0.
     """
     policy = Policy.parse(policy)
-
-    def predict(params, tokens):
-        logits = gpt2_forward(config, params, jnp.asarray(tokens), policy.compute)
-        return logits.astype(policy.output)
-
-    def metrics(params, batch):
-        return _record_losses(predict(params, batch["x"]), batch, pad_id)
-
-    def loss_fn(params, batch):
-        loss, _, count = metrics(params, batch)
-        return (loss / jnp.maximum(count, 1).astype(jnp.float32)).mean()
-
     c = config
-    return Model(
+    return causal_lm_model(
+        lambda params, tokens, compute: gpt2_forward(config, params, tokens, compute),
+        lambda key: gpt2_init(config, key),
+        policy,
+        pad_id,
         kind="gpt2",
-        framework="jax",
         name=f"GPT-2 {c.n_layer} layers width {c.n_embd} heads {c.n_head}",
-        init=lambda key: gpt2_init(config, key),
-        loss_fn=loss_fn,
-        predict=predict,
-        metrics=metrics,
         description=(
             f"GPT-2: vocabulary {c.vocab_size}, context {c.n_positions}, width {c.n_embd}, "
             f"{c.n_layer} pre-LN block{'s' * (c.n_layer != 1)} with {c.n_head}-head causal "
