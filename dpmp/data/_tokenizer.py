@@ -4,6 +4,8 @@
 ``tokenizers.Tokenizer``; every problem is one ``DataError`` naming the
 config ``field`` that gave the path. ``vocab_size(tokenizer)`` is one more than
 its largest token id (added tokens included): every id it produces is below it.
+``checkpoint_tokenizer`` reads a checkpoint folder's ``tokenizer.json`` against
+the model's vocabulary, and ``pad_token_id`` finds its padding token.
 ``tokenizers`` is imported only when a tokenizer is loaded.
 """
 
@@ -14,7 +16,9 @@ from typing import Any
 
 from dpmp.data._dataset import DataError
 
-__all__ = ["load_tokenizer", "vocab_size"]
+__all__ = ["checkpoint_tokenizer", "load_tokenizer", "pad_token_id", "vocab_size"]
+
+TOKENIZER = "tokenizer.json"
 
 
 def load_tokenizer(path: str | Path | None, field: str = "data.tokenizer") -> Any:
@@ -44,3 +48,33 @@ def vocab_size(tokenizer: Any) -> int:
     """One more than the largest token id of ``tokenizer``, its added tokens included
     (its number of tokens, unless its ids have gaps)."""
     return 1 + max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+
+
+def checkpoint_tokenizer(folder: str | Path, vocab_size_: int | None, embedding: str) -> Any:
+    """``folder/tokenizer.json`` of a checkpoint as a ``tokenizers.Tokenizer``; None
+    without one.
+
+    Args:
+      vocab_size_: the rows of the model's token embedding (None: not checked).
+      embedding: the embedding's tensor name, for the message (``"wte.weight"``).
+
+    Raises:
+      DataError: not a tokenizer file, or it has more tokens than ``vocab_size_``.
+    """
+    path = Path(folder) / TOKENIZER
+    if not path.is_file():
+        return None
+    tokenizer = load_tokenizer(path, field="checkpoint")
+    size = vocab_size(tokenizer)  # one more than its largest token id
+    if vocab_size_ is not None and size > vocab_size_:
+        raise DataError(
+            f"{path}: {size} tokens, more than the model's vocab_size {vocab_size_} "
+            f"(rows of {embedding})"
+        )
+    return tokenizer
+
+
+def pad_token_id(tokenizer: Any) -> int | None:
+    """The id of ``tokenizer``'s ``<pad>`` or ``[PAD]`` token, or None without one."""
+    found = [tokenizer.token_to_id(t) for t in ("<pad>", "[PAD]")]
+    return next((i for i in found if i is not None), None)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmp.data._dataset import DataError
+from dpmp.data._tokenizer import checkpoint_tokenizer, pad_token_id
 from dpmp.models._model import Model
 from dpmp.models._params_file import nest, param_names
 from dpmp.models.families._gpt2 import GPT2Config, Params, gpt2_model
@@ -165,20 +166,7 @@ def load_tokenizer(folder: str | Path, vocab_size: int | None = None):
       DataError: not a tokenizer file, or it has more tokens than ``vocab_size``
         (the rows of the model's embedding).
     """
-    from dpmp.data._tokenizer import load_tokenizer as load_file
-    from dpmp.data._tokenizer import vocab_size as id_bound
-
-    path = Path(folder) / TOKENIZER
-    if not path.is_file():
-        return None
-    tokenizer = load_file(path, field="checkpoint")
-    size = id_bound(tokenizer)  # one more than its largest token id
-    if vocab_size is not None and size > vocab_size:
-        raise DataError(
-            f"{path}: {size} tokens, more than the model's vocab_size {vocab_size} "
-            "(rows of wte.weight)"
-        )
-    return tokenizer
+    return checkpoint_tokenizer(folder, vocab_size, "wte.weight")
 
 
 def load_gpt2(
@@ -203,8 +191,7 @@ def load_gpt2(
     params = read_weights(folder, config)
     tokenizer = load_tokenizer(folder, config.vocab_size)
     if pad_id is None and tokenizer is not None:
-        found = [tokenizer.token_to_id(t) for t in ("<pad>", "[PAD]")]
-        pad_id = next((i for i in found if i is not None), None)
+        pad_id = pad_token_id(tokenizer)
     return GPT2(gpt2_model(config, policy, pad_id=pad_id), params, tokenizer, config)
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmp.data._dataset import DataError
+from dpmp.data._tokenizer import checkpoint_tokenizer, pad_token_id
 from dpmp.models._model import Model
 from dpmp.models._params_file import nest, param_names
 from dpmp.models.families._decoder import (
@@ -192,27 +193,10 @@ def load_decoder(
     """
     config = read_decoder_config(folder)
     params = read_decoder_weights(folder, config)
-    tokenizer = _load_tokenizer(Path(folder), config.vocab_size)
+    tokenizer = checkpoint_tokenizer(folder, config.vocab_size, "embed_tokens.weight")
     if pad_id is None and tokenizer is not None:
-        found = [tokenizer.token_to_id(t) for t in ("<pad>", "[PAD]")]
-        pad_id = next((i for i in found if i is not None), None)
+        pad_id = pad_token_id(tokenizer)
     return Decoder(decoder_model(config, policy, pad_id=pad_id), params, tokenizer, config)
-
-
-def _load_tokenizer(folder: Path, vocab_size: int):
-    from dpmp.data._tokenizer import load_tokenizer
-    from dpmp.data._tokenizer import vocab_size as id_bound
-
-    path = folder / TOKENIZER
-    if not path.is_file():
-        return None
-    tokenizer = load_tokenizer(path, field="checkpoint")
-    if id_bound(tokenizer) > vocab_size:
-        raise DataError(
-            f"{path}: {id_bound(tokenizer)} tokens, more than the model's vocab_size "
-            f"{vocab_size} (rows of embed_tokens.weight)"
-        )
-    return tokenizer
 
 
 def save_decoder(
