@@ -158,21 +158,29 @@ def read_decoder_weights(folder: str | Path, config: DecoderConfig) -> Params:
         path, key = stored[unexpected[0]]
         raise DataError(f"{path}: unexpected tensor {key!r} ({len(unexpected)} in all)")
     flat = {}
-    for name, (param, shape) in wanted.items():
-        path, key = stored[name]
-        hf_shape = shape[::-1] if param.endswith(".kernel") else shape
+    for path in files.values():  # each file opened once, its tensors in the order wanted
+        here = [(name, spec) for name, spec in wanted.items() if stored[name][0] == path]
         try:
             with safe_open(str(path), framework="numpy") as f:
-                got = tuple(f.get_slice(key).get_shape())
-                if got != hf_shape:
-                    raise DataError(f"{path}: tensor {key!r} has shape {got}, expected {hf_shape}")
-                value = f.get_tensor(key)
+                for name, (param, shape) in here:
+                    flat[param] = _tensor(f, path, stored[name][1], param, shape)
         except (SafetensorError, OSError) as e:
             raise DataError(f"checkpoint: {path} is not a safetensors file ({e})") from None
-        if not jnp.issubdtype(value.dtype, jnp.floating):
-            raise DataError(f"{path}: tensor {key!r} is {value.dtype}, not floating")
-        flat[param] = np.ascontiguousarray(value.T) if param.endswith(".kernel") else value
     return nest(flat)
+
+
+def _tensor(f, path: Path, key: str, param: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor ``key`` of the open file ``f``, checked against the parameter's
+    ``shape`` (a linear weight's ``[out, in]`` transposed to the kernel's ``[in, out]``)."""
+    kernel = param.endswith(".kernel")
+    hf_shape = shape[::-1] if kernel else shape
+    got = tuple(f.get_slice(key).get_shape())
+    if got != hf_shape:
+        raise DataError(f"{path}: tensor {key!r} has shape {got}, expected {hf_shape}")
+    value = f.get_tensor(key)
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise DataError(f"{path}: tensor {key!r} is {value.dtype}, not floating")
+    return np.ascontiguousarray(value.T) if kernel else value
 
 
 def load_decoder(
