@@ -28,10 +28,9 @@ from typing import Any, NamedTuple
 
 from dpmp.app.config import Config, ConfigError
 from dpmp.data._dataset import DataError
+from dpmp.data._tokenizer import TOKENIZER
 
 __all__ = ["Start", "checkpoint_folder", "load_checkpoint", "start_from_checkpoint"]
-
-TOKENIZER = "tokenizer.json"
 
 
 class Start(NamedTuple):

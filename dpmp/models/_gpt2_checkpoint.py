@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmp.data._dataset import DataError
-from dpmp.data._tokenizer import checkpoint_tokenizer, pad_token_id
+from dpmp.data._tokenizer import TOKENIZER, checkpoint_tokenizer, pad_token_id
 from dpmp.models._model import Model
 from dpmp.models._params_file import nest, param_names
 from dpmp.models.families._gpt2 import GPT2Config, Params, gpt2_model
@@ -40,7 +40,7 @@ from dpmp.precision._policy import Policy
 
 __all__ = ["GPT2", "encode_text", "load_gpt2", "load_tokenizer", "read_config", "save_gpt2"]
 
-CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
 # PyTorch's pickled weights: never read (unpickling runs code), their conversion named
 _TORCH_WEIGHTS = "pytorch_model.bin"
 _SIZES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmp.data._dataset import DataError
-from dpmp.data._tokenizer import checkpoint_tokenizer, pad_token_id
+from dpmp.data._tokenizer import TOKENIZER, checkpoint_tokenizer, pad_token_id
 from dpmp.models._model import Model
 from dpmp.models._params_file import nest, param_names
 from dpmp.models.families._decoder import (
@@ -44,7 +44,7 @@ from dpmp.precision._policy import Policy
 
 __all__ = ["Decoder", "load_decoder", "read_decoder_config", "read_decoder_weights", "save_decoder"]
 
-CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _PREFIX, _HEAD = "model.", "lm_head.weight"
 
