@@ -115,3 +115,43 @@ def test_the_backward_pass_is_told_by_its_name_stack():
         "broadcast_in_dim": True,
         "mul": True,
     }
+
+
+# ---- a scan's constants and carry, in either jax's parameters ---------------------
+
+
+def test_a_scans_constants_and_carry_are_counted_from_its_own_parameters():
+    """jax before 0.11 names them (num_consts, num_carry), jax 0.11 groups its inputs
+    (ft_in); either way the counts match the scan written here: two closed-over
+    arrays, a carry of two values that both change, one scanned array."""
+    from dpmp.audit.rules._control_flow import _scan_counts
+
+    w, v = jnp.arange(3.0), jnp.arange(2.0)
+
+    def f(xs):
+        def body(c, x):
+            return (c[0] + x * w.sum(), c[1] * v.sum() + x), c[0] * x
+
+        return jax.lax.scan(body, (0.0, 1.0), xs)
+
+    (eqn,) = [e for e in jax.make_jaxpr(f)(jnp.ones(4)).eqns if e.primitive.name == "scan"]
+    consts, carry = _scan_counts(eqn.params, len(eqn.invars))
+    assert carry == 2
+    assert consts == len(eqn.invars) - carry - 1
+
+
+class _Group(tuple):
+    """A stand-in for jax 0.11's flat trees: ``unpack()`` gives the groups, and
+    iterating a group gives its values."""
+
+    def unpack(self):
+        return tuple(self)
+
+
+def test_jax_0_11s_grouped_scan_inputs_are_counted_and_a_mismatch_is_named():
+    from dpmp.audit.rules._control_flow import _scan_counts
+
+    ft_in = _Group(((None, None, None), (None,), (None, None)))
+    assert _scan_counts({"ft_in": ft_in}, 6) == (3, 1)
+    with pytest.raises(ValueError, match="does not describe its 5 inputs"):
+        _scan_counts({"ft_in": ft_in}, 5)

@@ -38,10 +38,27 @@ def _mark_reduced(avs: Outs, indices: set[int]) -> Outs:
     ]
 
 
+def _scan_counts(params: dict, num_inputs: int) -> tuple[int, int]:
+    """A scan's numbers of constants and carried values among its inputs.
+
+    jax before 0.11 names them (``num_consts``, ``num_carry``); jax 0.11 gives
+    the inputs' groups instead (``ft_in``, a flat tree of three groups:
+    constants, carry, scanned; iterating a group yields its values).
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, xs = (len(list(group)) for group in params["ft_in"].unpack())
+    if consts + carry + xs != num_inputs:
+        raise ValueError(
+            f"a scan's ft_in {params['ft_in']!r} does not describe its {num_inputs} inputs"
+        )
+    return consts, carry
+
+
 def _scan(s: Step) -> Outs:
     p, walker, tr = s.eqn.params, s.walker, s.in_transpose
     jaxpr, _ = open_jaxpr(p["jaxpr"])
-    nc, ncarry = p["num_consts"], p["num_carry"]
+    nc, ncarry = _scan_counts(p, len(s.ins))
     consts, init, xs = s.ins[:nc], s.ins[nc : nc + ncarry], s.ins[nc + ncarry :]
     over_batch = any(0 in av.bax for av in xs)
     x_avs = [dataclasses.replace(av, bax=frozenset(a - 1 for a in av.bax if a > 0)) for av in xs]
