@@ -530,6 +530,15 @@ def _measured_rows(name: str) -> tuple[dict, dict[str, dict]]:
     return data, {r["row"]: r for r in data.get("rows", [])}
 
 
+def _where(row: dict, data: dict) -> str:
+    """Where a row ran: its own host and device (a file of one machine has them at the
+    top)."""
+    host = row.get("host", data.get("host", "-"))
+    platform = row.get("platform", data.get("platform"))
+    device = row.get("device", data.get("device"))
+    return host if platform in (None, "cpu") else f"{host}, {device}"
+
+
 def reproduction(name: str) -> str:
     """Each model of the paper's table: its accuracy and noise multiplier beside dpmp's
     runs (mean accuracy and range, epsilon, noise multiplier, time a run, host)."""
@@ -553,7 +562,7 @@ def reproduction(name: str) -> str:
                 f"{r['noise_multiplier']:.2f}",
                 sigma,
                 f"{r['wall_s']['mean'] / 60:.1f} min",
-                r.get("host", data.get("host", "-")),
+                _where(r, data),
             ]
         )
     header = [
@@ -596,7 +605,7 @@ def reproduction_runs(name: str) -> str:
         "model",
         "config",
         "steps x expected batch",
-        f"a step ({data.get('host', 'measured')})",
+        "a step (on the row's host, above)",
         "a run, mean (min-max)",
         "data and features, once",
     ]

@@ -48,6 +48,39 @@ def test_the_spread_of_runs_is_statistics():
     assert tb.spread([0.5])["std"] is None
 
 
+def test_rows_measured_apart_share_one_file_each_with_its_machine(tmp_path):
+    """A file written when rows carried no machine of their own gives each row the
+    file's; a row measured again replaces its row and runs, the others stay, in the
+    paper's order."""
+    tb = _module()
+    old = {
+        "host": "x86_64, 2 CPU cores",
+        "platform": "cpu",
+        "command": "python benchmarks/reproductions/tramer_boneh.py --rows scatter_linear",
+        "rows": [{"row": "scatter_linear", "runs": 1}, {"row": "scatter_cnn", "runs": 1}],
+        "runs": [{"row": "scatter_linear", "run": 1}, {"row": "scatter_cnn", "run": 1}],
+    }
+    path = tmp_path / "tb.json"
+    path.write_text(json.dumps(old))
+    previous = tb._previous(path)
+    assert all(
+        r["host"] == old["host"] and r["command"] == old["command"] for r in previous["rows"]
+    )
+    new_rows = [{"row": "scatter_cnn", "runs": 2, "host": "gpu box"}, {"row": "cnn", "runs": 2}]
+    new_runs = [{"row": r, "run": i} for r in ("scatter_cnn", "cnn") for i in (2, 1)]
+    got = tb.merged(previous, new_rows, new_runs, {"benchmark": "tramer_boneh"})
+    assert [r["row"] for r in got["rows"]] == ["cnn", "scatter_linear", "scatter_cnn"]
+    assert got["rows"][1]["host"] == old["host"] and got["rows"][2]["host"] == "gpu box"
+    assert [(r["row"], r["run"]) for r in got["runs"]] == [
+        ("cnn", 1),
+        ("cnn", 2),
+        ("scatter_linear", 1),
+        ("scatter_cnn", 1),
+        ("scatter_cnn", 2),
+    ]
+    assert got["benchmark"] == "tramer_boneh" and tb._previous(tmp_path / "none.json") == {}
+
+
 def test_help_runs_without_importing_jax():
     code = (
         "import runpy, sys\n"

@@ -136,7 +136,10 @@ def test_the_reproduction_table_is_the_files_numbers():
         assert _close(row[3], r["noise_multiplier"], 2)
         # the page's claim: PLD of the snapped noise calibrates less noise than the paper's RDP
         assert float(row[3]) < float(row[4])
-        assert _close(row[5], r["wall_s"]["mean"] / 60, 1) and row[6] == data["host"]
+        assert _close(row[5], r["wall_s"]["mean"] / 60, 1)
+        # where the row ran: its own host, with the accelerator where it had one
+        host = r.get("host", data.get("host"))
+        assert row[6] == host if r.get("platform", "cpu") == "cpu" else row[6].startswith(host)
 
 
 @pytest.mark.parametrize("content", [None, {"host": "a host", "rows": [], "runs": []}])

@@ -29,10 +29,13 @@ accuracy).
 
 Run: ``python benchmarks/reproductions/tramer_boneh.py [--rows cnn scatter_linear
 scatter_cnn] [--runs 3] [--quick] [--set KEY=VALUE] [--note TEXT] [--json FILE]``;
-prints one JSON line per run and one per row, and writes them with the
-command, the machine and the versions to ``--json`` (default
-``benchmarks/results/tramer_boneh.json``, ``tramer_boneh_quick.json`` with
-``--quick``).
+prints one JSON line per run and one per row, and writes them to ``--json``
+(default ``benchmarks/results/tramer_boneh.json``, ``tramer_boneh_quick.json``
+with ``--quick``). Each row there carries its own command, machine, versions
+and note, so rows measured at different times (or on different machines)
+share one file: the rows run now replace those of the same name, the others
+are kept. The file is written after every run, so a stopped benchmark keeps
+the runs it finished (the row then says how many).
 """
 
 from __future__ import annotations
@@ -115,8 +118,8 @@ def one_run(config, data, out_dir: Path) -> dict:
     }
 
 
-def row(name: str, args, work: Path) -> tuple[list[dict], dict]:
-    """The runs of one row and its summary."""
+def row(name: str, args, work: Path, save=None) -> tuple[list[dict], dict]:
+    """The runs of one row and its summary; ``save(runs, summary)`` after every run."""
     from dpmp.app.config import load_config
     from dpmp.app.inputs import load_data
 
@@ -130,8 +133,17 @@ def row(name: str, args, work: Path) -> tuple[list[dict], dict]:
         result = {"row": name, "run": i + 1, **one_run(config, data, work / f"{name}-{i}")}
         print(json.dumps(result), flush=True)
         runs.append(result)
+        if save is not None:
+            save(list(runs), summarize(name, config, data, runs, data_s))
+    summary = summarize(name, config, data, runs, data_s)
+    print(json.dumps(summary), flush=True)
+    return runs, summary
+
+
+def summarize(name: str, config, data, runs: list[dict], data_s: float) -> dict:
+    """A row's summary of its runs so far."""
     t = config.training
-    summary = {
+    return {
         "row": name,
         "model": config.model.kind,
         "features": config.data.features,
@@ -155,8 +167,6 @@ def row(name: str, args, work: Path) -> tuple[list[dict], dict]:
             "noise_sampler": config.privacy.noise_sampler,
         },
     }
-    print(json.dumps(summary), flush=True)
-    return runs, summary
 
 
 def machine() -> dict:
@@ -180,30 +190,72 @@ def machine() -> dict:
     }
 
 
+# What each row records of where and how it ran.
+MACHINE_KEYS = ("device", "platform", "host", "jax", "dpmp", "commit")
+
+
+def _previous(path: Path) -> dict:
+    """The results already in ``path`` (``{}`` if none), each row with its machine.
+
+    A file written before rows carried their own machine has it once at the top:
+    each of its rows gets a copy, so that merging keeps where each row ran.
+    """
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    shared = {k: data[k] for k in (*MACHINE_KEYS, "command", "note") if k in data}
+    for r in data.get("rows", []):
+        for key, value in shared.items():
+            r.setdefault(key, value)
+    return data
+
+
+def merged(previous: dict, summaries: list[dict], runs: list[dict], header: dict) -> dict:
+    """``previous``'s rows and runs with those of the rows measured now replacing theirs,
+    in the paper's order."""
+    now = {r["row"] for r in summaries}
+    rows = {r["row"]: r for r in previous.get("rows", []) if r["row"] not in now}
+    rows.update({r["row"]: r for r in summaries})
+    kept = [r for r in previous.get("runs", []) if r["row"] not in now]
+    order = list(PUBLISHED)
+    return {
+        **header,
+        "rows": sorted(rows.values(), key=lambda r: order.index(r["row"])),
+        "runs": sorted(kept + runs, key=lambda r: (order.index(r["row"]), r["run"])),
+    }
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    runs, summaries = [], []
-    with tempfile.TemporaryDirectory(prefix="tramer-boneh-") as work:
-        for name in args.rows:
-            row_runs, summary = row(name, args, Path(work))
-            runs += row_runs
-            summaries.append(summary)
-    result = {
+    path = Path(args.json)
+    previous = _previous(path)
+    header = {
         "benchmark": "tramer_boneh",
         "paper": "Tramer & Boneh, Differentially Private Learning Needs Better Features "
         "(or Much More Data), ICLR 2021; Fashion-MNIST at epsilon 3, delta 1e-5",
+        "quick": args.quick,
+    }
+    where = {
+        **machine(),
         "command": shlex.join(
             ["python", "benchmarks/reproductions/tramer_boneh.py", *sys.argv[1:]]
         ),
-        "quick": args.quick,
         "note": args.note,
-        **machine(),
-        "rows": summaries,
-        "runs": runs,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    runs, summaries = [], []
+
+    def save(row_runs: list[dict], summary: dict) -> None:
+        done = [s for s in summaries if s["row"] != summary["row"]] + [{**summary, **where}]
+        result = merged(previous, done, runs + row_runs, header)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="tramer-boneh-") as work:
+        for name in args.rows:
+            row_runs, summary = row(name, args, Path(work), save)
+            runs += row_runs
+            summaries.append({**summary, **where})
+    return merged(previous, summaries, runs, header)
 
 
 if __name__ == "__main__":
