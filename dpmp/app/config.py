@@ -191,14 +191,21 @@ class DataConfig:
       prediction (``model.kind = "lm"``):
       ``"python_docs"`` (the help topics of Python's own documentation,
       ``pydoc_data.topics``, shipped with Python: each distinct line of at
-      least 16 characters is a record) or ``"text"`` (``path`` a ``.txt``
+      least 16 characters is a record), ``"text"`` (``path`` a ``.txt``
       file, one record per line, or a ``.jsonl`` file of ``{"text": ...}``
-      objects, one record each). A record is the privacy unit.
-    path: the ``.npz`` file, the folder of ``.npy`` or idx files, or the text file;
+      objects, one record each) or ``"chat"`` (``path`` a ``.jsonl`` file of
+      ``{"messages": [{"role": ..., "content": ...}, ...]}`` conversations,
+      one record each, rendered by the ``chat_template`` of the tokenizer's
+      ``tokenizer_config.json``, the loss on the assistant's tokens only;
+      needs a tokenizer: the checkpoint's or ``tokenizer``). A record is the
+      privacy unit.
+    path: the ``.npz`` file, the folder of ``.npy`` or idx files, or the text or chat file;
       given for a ``dataset`` that reads none (``"digits"``), it is refused.
     tokenizer: text: a ``tokenizer.json`` (Hugging Face ``tokenizers``) whose
       tokens replace the bytes; each record is still one example. With a
       checkpoint (``model.checkpoint``), unset means the checkpoint's own.
+      Chat records are rendered by the ``chat_template`` of the
+      ``tokenizer_config.json`` beside it.
     seq_len: text: bytes per record (UTF-8), or with a ``tokenizer`` predicted
       tokens per record (longer records are cut, shorter ones padded; padding
       contributes nothing to the loss).
