@@ -237,6 +237,14 @@ BAD_CONFIGS = {
         "rope_type 'yarn' is not supported",
     ),
     "heads": ({"num_key_value_heads": 3}, "num_key_value_heads (3)"),
+    "partial rotary": (
+        {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+        "partial_rotary_factor: 0.5 is not supported",
+    ),
+    "bidirectional": (
+        {"use_bidirectional_attention": True},
+        "use_bidirectional_attention: true is not supported",
+    ),
 }
 
 
@@ -251,6 +259,109 @@ def test_a_bad_config_is_one_line_naming_it(tmp_path, case):
     assert "\n" not in str(e.value)
     if case == "unknown model_type":
         assert all(k in str(e.value) for k in ("'llama'", "'qwen2'", "'gemma'"))
+
+
+def _v5(cfg: dict) -> dict:
+    """``cfg`` as ``transformers`` 5 writes it: the rotary base and scaling in one
+    ``rope_parameters`` object (``rope_type`` ``"default"`` without scaling),
+    Gemma's activation as its legacy ``hidden_act`` ``"gelu"`` alone."""
+    out = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling")}
+    out.pop("hidden_activation", None)
+    rope = cfg.get("rope_scaling") or {"rope_type": "default"}
+    return out | {"rope_parameters": rope | {"rope_theta": cfg.get("rope_theta", 1e4)}}
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_the_rope_parameters_form_is_read_as_rope_theta_and_rope_scaling(family):
+    """Both forms of ``config.json`` give one ``DecoderConfig``; the base is not
+    left at its default (Qwen2's is 1e6)."""
+    from dpmp.models.families._decoder import decoder_config_from_json
+
+    legacy, v5 = (
+        decoder_config_from_json(CONFIGS[family]),
+        decoder_config_from_json(_v5(CONFIGS[family])),
+    )
+    assert v5 == legacy and v5.rope_theta == CONFIGS[family]["rope_theta"]
+    assert (v5.rope_scaling is None) == ("rope_scaling" not in CONFIGS[family])
+    assert v5.hidden_act == ("gelu_pytorch_tanh" if family == "gemma" else "silu")
+
+
+def _sharded(tmp_path):
+    cfg = CONFIGS["qwen2"]
+    loaded = load_decoder(_write(tmp_path / "a", cfg, _tensors(cfg, np.random.default_rng(9))))
+    folder = save_decoder(tmp_path / "b", loaded.params, loaded.config, shard_bytes=9000)
+    return folder, json.loads((folder / "model.safetensors.index.json").read_text())
+
+
+def _relist(folder, index, name, file):
+    """The index with ``name`` listed in ``file`` (None: not listed)."""
+    weight_map = dict(index["weight_map"])
+    weight_map.pop(name, None)
+    weight_map |= {} if file is None else {name: file}
+    text = json.dumps(index | {"weight_map": weight_map})
+    (folder / "model.safetensors.index.json").write_text(text)
+
+
+def test_the_shard_index_is_checked_against_the_shards(tmp_path):
+    """A tensor the index lists in another shard than its own, a tensor it does
+    not list, one it lists in a shard that does not hold it: each one line
+    naming the tensor and the files."""
+    folder, index = _sharded(tmp_path)
+    files = sorted(set(index["weight_map"].values()))
+    # a tensor of a shard of several, so that the shard stays listed without it
+    name, own = next(
+        (k, f)
+        for k, f in index["weight_map"].items()
+        if list(index["weight_map"].values()).count(f) > 1
+    )
+    other = next(f for f in files if f != own)
+    unlisted = (f"{own}: holds tensor {name!r}; ", "does not list it")
+    for listed, words in ((other, (f"tensor {name!r}", other)), (None, unlisted)):
+        _relist(folder, index, name, listed)
+        with pytest.raises(DataError) as e:
+            load_decoder(folder)
+        message = str(e.value)
+        assert "model.safetensors.index.json" in message and "\n" not in message, message
+        assert all(word in message for word in words), message
+    _relist(folder, index, "model.extra.weight", own)
+    with pytest.raises(DataError, match=f"lists tensor 'model.extra.weight' in {own}, which"):
+        load_decoder(folder)
+    _relist(folder, index, "model.extra.weight", None)
+    load_decoder(folder)  # the index as written again
+
+
+def test_generation_defaults_are_read_and_written(tmp_path):
+    from dpmp.models._hf_checkpoint import GenerationDefaults
+
+    cfg = CONFIGS["llama"]
+    folder = _write(tmp_path / "a", cfg, _tensors(cfg, np.random.default_rng(10)))
+    assert load_decoder(folder).generation == GenerationDefaults()  # no file: all None
+    raw = {"bos_token_id": 1, "eos_token_id": [2, 7], "pad_token_id": 0, "max_length": 40}
+    (folder / "generation_config.json").write_text(json.dumps(raw | {"do_sample": True}))
+    loaded = load_decoder(folder)
+    assert loaded.generation == GenerationDefaults(
+        bos_token_id=1, eos_token_ids=(2, 7), pad_token_id=0, max_length=40
+    )
+    save_decoder(tmp_path / "b", loaded.params, loaded.config, generation=loaded.generation)
+    assert json.loads((tmp_path / "b" / "generation_config.json").read_text()) == raw
+    assert load_decoder(tmp_path / "b").generation == loaded.generation
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, "</s>"]}))
+    with pytest.raises(DataError, match="eos_token_id must be an integer >= 0, got '</s>'"):
+        load_decoder(folder)
+
+
+def test_a_family_load_reads_config_json_once(tmp_path, monkeypatch):
+    from dpmp.models import _hf_checkpoint
+    from dpmp.models.families import FAMILIES
+
+    cfg = CONFIGS["gemma"]
+    folder = _write(tmp_path, cfg, _tensors(cfg, np.random.default_rng(11)))
+    read, real = [], _hf_checkpoint._read_json
+    monkeypatch.setattr(_hf_checkpoint, "_read_json", lambda p: read.append(p.name) or real(p))
+    FAMILIES.get("gemma").load(folder, "f32")
+    assert read.count("config.json") == 1, read
+    load_decoder(folder)
+    assert read.count("config.json") == 2, read
 
 
 @pytest.mark.slow  # ~6 s on 2 cores: the gradient's compilation

@@ -12,13 +12,18 @@ A folder holds:
   ``model.layers.{i}.self_attn.q_proj.weight`` ``[out, in]``, ...,
   ``model.norm.weight``, ``lm_head.weight``). A tied model's
   ``lm_head.weight``, if stored, and the rotary ``inv_freq`` buffers are not read;
-* ``tokenizer.json``: the ``tokenizers`` library's format (optional).
+* ``tokenizer.json``: the ``tokenizers`` library's format (optional);
+* ``generation_config.json`` (optional): its ``bos_token_id``, ``eos_token_id``
+  (one id or a list), ``pad_token_id`` and ``max_length`` are read
+  (``GenerationDefaults``); generation stops at an end-of-sequence token.
 
 ``load_decoder(folder)`` gives the model, its parameters in the dtype they are
 stored in (a bfloat16 checkpoint stays bfloat16; linear weights transposed to
-``[in, out]``), the tokenizer and the config; ``save_decoder`` writes such a
-folder, sharded when asked. A missing, unexpected or mis-shaped tensor is a
-``DataError`` naming the tensor and its file.
+``[in, out]``), the tokenizer, the config and the generation defaults;
+``save_decoder`` writes such a folder, sharded when asked. A missing, unexpected
+or mis-shaped tensor is a ``DataError`` naming the tensor and its file, and so is
+a shard index that lists a tensor in a file that does not hold it, or a shard
+holding a tensor its index does not list there.
 """
 
 from __future__ import annotations
@@ -42,22 +47,57 @@ from dpmp.models.families._decoder import (
 )
 from dpmp.precision._policy import Policy
 
-__all__ = ["Decoder", "load_decoder", "read_decoder_config", "read_decoder_weights", "save_decoder"]
+__all__ = [
+    "Decoder",
+    "GenerationDefaults",
+    "load_decoder",
+    "read_decoder_config",
+    "read_decoder_weights",
+    "read_generation_defaults",
+    "save_decoder",
+]
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 INDEX = "model.safetensors.index.json"
+GENERATION = "generation_config.json"
 _PREFIX, _HEAD = "model.", "lm_head.weight"
+
+
+class GenerationDefaults(NamedTuple):
+    """What a checkpoint's ``generation_config.json`` says of its special tokens
+    and length (each None, or ``()``, where it says nothing).
+
+    Attributes:
+      bos_token_id: the token a sequence starts with.
+      eos_token_ids: the tokens that end a sequence (generation stops after one).
+      pad_token_id: the padding token.
+      max_length: the longest sequence to generate, prompt included.
+    """
+
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    max_length: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``generation_config.json`` keys that ``read_generation_defaults`` reads back."""
+        eos = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+        raw = {"bos_token_id": self.bos_token_id, "eos_token_id": eos or None}
+        raw |= {"pad_token_id": self.pad_token_id, "max_length": self.max_length}
+        return {k: v for k, v in raw.items() if v is not None}
 
 
 class Decoder(NamedTuple):
     """A loaded checkpoint: ``model`` (a ``dpmp.models.Model``), ``params`` (in
-    the stored dtype), ``tokenizer`` (a ``tokenizers.Tokenizer`` or None) and
-    ``config`` (its ``DecoderConfig``)."""
+    the stored dtype), ``tokenizer`` (a ``tokenizers.Tokenizer`` or None),
+    ``config`` (its ``DecoderConfig``) and ``generation`` (its
+    ``GenerationDefaults``, all None without a ``generation_config.json``)."""
 
     model: Model
     params: Params
     tokenizer: Any
     config: DecoderConfig
+    generation: GenerationDefaults = GenerationDefaults()
 
 
 def _read_json(path: Path) -> Any:
@@ -86,6 +126,40 @@ def read_decoder_config(folder: str | Path) -> DecoderConfig:
         raise DataError(f"{path}: {e}") from None
 
 
+def read_generation_defaults(folder: str | Path) -> GenerationDefaults:
+    """The ``GenerationDefaults`` of ``folder/generation_config.json``; all None
+    if there is no such file.
+
+    Raises:
+      DataError: the file is not a JSON object, or a token id or ``max_length``
+        is not a non-negative integer (named).
+    """
+    path = Path(folder) / GENERATION
+    if not path.is_file():
+        return GenerationDefaults()
+    raw = _read_json(path)
+    if not isinstance(raw, dict):
+        raise DataError(f"checkpoint: {path} must hold a JSON object")
+    eos = raw.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    given = ("bos_token_id", "pad_token_id", "max_length")
+    fields = {k: [raw[k]] for k in given if raw.get(k) is not None}
+    for key, values in (fields | {"eos_token_id": eos}).items():
+        bad = [v for v in values if not _count(v)]
+        if bad:
+            raise DataError(f"{path}: {key} must be an integer >= 0, got {bad[0]!r}")
+    return GenerationDefaults(
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=tuple(eos),
+        pad_token_id=raw.get("pad_token_id"),
+        max_length=raw.get("max_length"),
+    )
+
+
+def _count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 0
+
+
 def _hf_name(name: str) -> str:
     """The published tensor name of the parameter ``name``
     (``layers.0.input_layernorm.scale`` -> ``model.layers.0.input_layernorm.weight``)."""
@@ -94,27 +168,49 @@ def _hf_name(name: str) -> str:
     return full if full == _HEAD else _PREFIX + full
 
 
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """``{file name: path}`` of the weight files: the index's shards, or the one file."""
+def _weight_files(folder: Path) -> tuple[dict[str, Path], dict[str, str] | None]:
+    """``{file name: path}`` of the weight files (the index's shards, or the one
+    file) and the index's ``weight_map`` (tensor -> file name; None without an index)."""
     index = folder / INDEX
     if index.is_file():
         raw = _read_json(index)
         weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-        if not isinstance(weight_map, dict):
-            raise DataError(f"checkpoint: {index} has no 'weight_map' object")
-        return {f: folder / f for f in sorted(set(weight_map.values()))}
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) for f in weight_map.values()
+        ):
+            raise DataError(f"checkpoint: {index} has no 'weight_map' object of file names")
+        return {f: folder / f for f in sorted(set(weight_map.values()))}, weight_map
     if not (folder / WEIGHTS).is_file():
         raise DataError(f"checkpoint: {folder / WEIGHTS} not found (nor {INDEX})")
-    return {WEIGHTS: folder / WEIGHTS}
+    return {WEIGHTS: folder / WEIGHTS}, None
+
+
+def _check_index(path: Path, keys: list[str], weight_map: dict[str, str]) -> None:
+    """The shard ``path`` holds exactly the tensors ``weight_map`` lists in it."""
+    index = path.parent / INDEX
+    unlisted = [k for k in keys if weight_map.get(k) != path.name]
+    if unlisted:
+        key = unlisted[0]
+        where = f"lists it in {weight_map[key]}" if key in weight_map else "does not list it"
+        raise DataError(f"{path}: holds tensor {key!r}; {index} {where}")
+    held = set(keys)
+    absent = [k for k, f in weight_map.items() if f == path.name and k not in held]
+    if absent:
+        raise DataError(
+            f"{index}: lists tensor {absent[0]!r} in {path.name}, which does not hold it"
+        )
 
 
 def _ignored(name: str, config: DecoderConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (name == _HEAD and config.tie_word_embeddings)
 
 
-def _stored_names(files: dict[str, Path], config: DecoderConfig) -> dict[str, tuple[Path, str]]:
+def _stored_names(
+    files: dict[str, Path], weight_map: dict[str, str] | None, config: DecoderConfig
+) -> dict[str, tuple[Path, str]]:
     """``{published name: (file, key)}`` of every tensor the files hold, less
-    those not read; keys with or without the ``model.`` prefix."""
+    those not read; keys with or without the ``model.`` prefix. Each shard is
+    checked against the index (``_check_index``)."""
     from safetensors import SafetensorError, safe_open
 
     stored = {}
@@ -126,6 +222,8 @@ def _stored_names(files: dict[str, Path], config: DecoderConfig) -> dict[str, tu
                 keys = list(f.keys())
         except (SafetensorError, OSError) as e:
             raise DataError(f"checkpoint: {path} is not a safetensors file ({e})") from None
+        if weight_map is not None:
+            _check_index(path, keys, weight_map)
         for key in keys:
             name = key if key.startswith(_PREFIX) or key == _HEAD else _PREFIX + key
             if not _ignored(name, config):
@@ -144,8 +242,8 @@ def read_decoder_weights(folder: str | Path, config: DecoderConfig) -> Params:
     from safetensors import SafetensorError, safe_open
 
     folder = Path(folder)
-    files = _weight_files(folder)
-    stored = _stored_names(files, config)
+    files, weight_map = _weight_files(folder)
+    stored = _stored_names(files, weight_map, config)
     wanted = {_hf_name(n): (n, s) for n, s in config.shapes().items()}
     missing = [n for n in wanted if n not in stored]
     if missing:
@@ -184,27 +282,35 @@ def _tensor(f, path: Path, key: str, param: str, shape: tuple[int, ...]) -> np.n
 
 
 def load_decoder(
-    folder: str | Path, policy: Policy | str = "f32", *, pad_id: int | None = None
+    folder: str | Path,
+    policy: Policy | str = "f32",
+    *,
+    pad_id: int | None = None,
+    config: DecoderConfig | None = None,
 ) -> Decoder:
     """The Llama, Qwen2 or Gemma checkpoint in ``folder`` (see the module docstring).
 
     Args:
-      folder: holds ``config.json``, the weights and optionally ``tokenizer.json``.
+      folder: holds ``config.json``, the weights and optionally ``tokenizer.json``
+        and ``generation_config.json``.
       policy: the forward pass's dtypes; the parameters stay in their stored dtype.
       pad_id: a token id that is never a target of the loss; default: the
         tokenizer's ``<pad>`` or ``[PAD]`` if it has one, else none.
+      config: ``read_decoder_config(folder)`` if the caller has read it already
+        (``config.json`` is then not read again).
 
     Raises:
-      DataError: a bad file (named), as ``read_decoder_config`` and
-        ``read_decoder_weights`` say, or a tokenizer of more tokens than the
-        embedding has rows.
+      DataError: a bad file (named), as ``read_decoder_config``,
+        ``read_decoder_weights`` and ``read_generation_defaults`` say, or a
+        tokenizer of more tokens than the embedding has rows.
     """
-    config = read_decoder_config(folder)
+    config = read_decoder_config(folder) if config is None else config
     params = read_decoder_weights(folder, config)
     tokenizer = checkpoint_tokenizer(folder, config.vocab_size, "embed_tokens.weight")
     if pad_id is None and tokenizer is not None:
         pad_id = pad_token_id(tokenizer)
-    return Decoder(decoder_model(config, policy, pad_id=pad_id), params, tokenizer, config)
+    model = decoder_model(config, policy, pad_id=pad_id)
+    return Decoder(model, params, tokenizer, config, read_generation_defaults(folder))
 
 
 def save_decoder(
@@ -214,15 +320,18 @@ def save_decoder(
     tokenizer=None,
     *,
     shard_bytes: int | None = None,
+    generation: GenerationDefaults | None = None,
 ) -> Path:
     """Writes ``params`` (in their own dtypes, the published names and ``[out,
-    in]`` orientation), ``config.json`` and, if given, ``tokenizer`` as a folder
-    ``load_decoder`` reads; returns the folder.
+    in]`` orientation), ``config.json`` and, if given, ``tokenizer`` and
+    ``generation`` as a folder ``load_decoder`` reads; returns the folder.
 
     Args:
       shard_bytes: if given, the tensors go to shards
         ``model-0000k-of-0000n.safetensors`` of at most this many bytes each (a
         larger tensor alone in its shard), listed by ``model.safetensors.index.json``.
+      generation: written as ``generation_config.json`` (a ``Decoder``'s own, to
+        keep its special tokens).
     """
     from safetensors.numpy import save_file
 
@@ -240,6 +349,9 @@ def save_decoder(
         _save_shards(folder, flat, shard_bytes)
     if tokenizer is not None:
         tokenizer.save(str(folder / TOKENIZER))
+    if generation is not None:
+        text = json.dumps(generation.to_json(), indent=2) + "\n"
+        (folder / GENERATION).write_text(text, encoding="utf-8")
     return folder
 
 

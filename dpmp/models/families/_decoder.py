@@ -17,7 +17,9 @@ RMSNorm is ``x / sqrt(mean(x^2) + eps) * w``, the mean square in float32
 (Gemma: ``* (1 + w)``, in float32, then cast). Rotary position embeddings
 rotate the pairs ``(i, i + head_dim / 2)`` of each head by ``pos *
 inv_freq[i]``, ``inv_freq[i] = rope_theta^(-2i / head_dim)``, optionally
-rescaled by Llama 3's ``rope_scaling``. Attention scores are ``q k / sqrt(head_dim)``,
+rescaled by Llama 3's ``rope_scaling`` (``config.json`` names both as
+``rope_theta`` and ``rope_scaling``, or, as ``transformers`` 5 writes it, in one
+``rope_parameters``). Attention scores are ``q k / sqrt(head_dim)``,
 softmax in float32. Qwen2 adds biases to ``q_proj``, ``k_proj`` and
 ``v_proj``; Llama's ``attention_bias`` adds them to all four projections.
 
@@ -229,7 +231,7 @@ def decoder_config_from_json(raw: dict[str, Any]) -> DecoderConfig:
             f"model_type {kind!r} is not supported; allowed: {', '.join(map(repr, _DEFAULTS))}"
         )
     raw = _DEFAULTS[kind] | {k: v for k, v in raw.items() if v is not None}
-    for flag in ("use_sliding_window", "mlp_bias"):
+    for flag in ("use_sliding_window", "mlp_bias", "use_bidirectional_attention"):
         if raw.get(flag):
             raise ValueError(f"{flag}: true is not supported")
     sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
@@ -240,11 +242,8 @@ def decoder_config_from_json(raw: dict[str, Any]) -> DecoderConfig:
     head_dim = raw.get("head_dim")
     if head_dim is None and isinstance(heads, int) and heads > 0:
         head_dim = raw["hidden_size"] // heads
-    scaling = raw.get("rope_scaling")
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
+    theta, scaling = _rope_config(raw)
     gemma = kind == "gemma"
-    act = raw.get("hidden_activation") if gemma else None
     return DecoderConfig(
         model_type=kind,
         **{k: raw[k] for k in sizes},
@@ -252,16 +251,47 @@ def decoder_config_from_json(raw: dict[str, Any]) -> DecoderConfig:
         num_key_value_heads=raw.get("num_key_value_heads", heads),
         head_dim=head_dim,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=float(raw["rope_theta"]),
+        rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw["tie_word_embeddings"]),
         attention_bias=kind == "qwen2" or bool(raw.get("attention_bias")),
         o_proj_bias=kind != "qwen2" and bool(raw.get("attention_bias")),
-        hidden_act=act or (_DEFAULTS[kind]["hidden_act"] if gemma else raw["hidden_act"]),
+        hidden_act=_gemma_act(raw) if gemma else raw["hidden_act"],
         scale_embedding=gemma,
         norm_offset=gemma,
     )
+
+
+def _rope_config(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` of a ``config.json``, in either form
+    ``transformers`` writes: ``rope_parameters`` (version 5: ``rope_type`` and
+    ``rope_theta`` in one object) or ``rope_scaling`` beside ``rope_theta``
+    (before); the object's ``rope_theta`` first, as ``transformers`` reads it.
+    ``rope_type`` ``"default"`` is no scaling."""
+    scaling = raw.get("rope_parameters") or raw.get("rope_scaling")
+    if scaling is None:
+        scaling = {}
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_parameters: must be an object, got {scaling!r}")
+    theta = scaling.get("rope_theta", raw["rope_theta"])
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
+        raise ValueError(f"rope_theta: must be a positive number, got {theta!r}")
+    partial = scaling.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1:
+        raise ValueError(f"partial_rotary_factor: {partial!r} is not supported; allowed: 1")
+    scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+def _gemma_act(raw: dict[str, Any]) -> str:
+    """Gemma's activation: ``hidden_activation`` where given, else ``hidden_act``,
+    whose legacy ``"gelu"`` (the published Gemma 1 configs) means the tanh
+    approximation, as ``transformers`` reads it."""
+    act = raw.get("hidden_activation") or raw["hidden_act"]
+    return "gelu_pytorch_tanh" if act == "gelu" else act
 
 
 def rope_inv_freq(config: DecoderConfig) -> np.ndarray:
@@ -454,13 +484,13 @@ class DecoderFamily:
         from dpmp.data._dataset import DataError
         from dpmp.models._hf_checkpoint import CONFIG, load_decoder, read_decoder_config
 
-        found = read_decoder_config(folder).model_type
-        if found not in self.model_types:
+        config = read_decoder_config(folder)  # read once: load_decoder is handed it
+        if config.model_type not in self.model_types:
             raise DataError(
-                f"{Path(folder) / CONFIG}: model_type {found!r}; model.kind = {self.name!r} "
-                f"reads {', '.join(map(repr, self.model_types))}"
+                f"{Path(folder) / CONFIG}: model_type {config.model_type!r}; "
+                f"model.kind = {self.name!r} reads {', '.join(map(repr, self.model_types))}"
             )
-        return load_decoder(folder, policy)
+        return load_decoder(folder, policy, config=config)
 
 
 for _name, _title in (("llama", "Llama"), ("qwen2", "Qwen2"), ("gemma", "Gemma")):
