@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 
 import jax
+import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dpmp.app import cli
-from dpmp.models._hf_checkpoint import load_decoder, save_decoder
+from dpmp.models import generate, generate_text
+from dpmp.models._hf_checkpoint import GenerationDefaults, load_decoder, save_decoder
+from dpmp.models._params_file import nest
 from dpmp.models.families import FAMILIES, CheckpointFamily, family_reading
 from dpmp.models.families._decoder import decoder_config_from_json, decoder_init
 from tests.test_decoder import CONFIGS
@@ -30,9 +33,13 @@ def _checkpoint(folder, family: str):
     """A random tiny ``family`` checkpoint with a word-level tokenizer of ``WORDS``."""
     config = decoder_config_from_json(CONFIGS[family] | TINY)
     params = decoder_init(config, jax.random.key(0))
+    return save_decoder(folder, params, config, _tokenizer())
+
+
+def _tokenizer():
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, "[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    return save_decoder(folder, params, config, tokenizer)
+    return tokenizer
 
 
 def _argv(tmp_path, kind, checkpoint, *extra):
@@ -115,3 +122,27 @@ def test_the_family_loads_what_load_decoder_loads(tmp_path):
     got, want = FAMILIES.get("gemma").load(folder, "f32"), load_decoder(folder, "f32")
     assert got.config == want.config and got.config.n_positions == 128
     assert jax.tree.all(jax.tree.map(lambda a, b: (a == b).all(), got.params, want.params))
+
+
+def test_generation_stops_at_the_checkpoints_end_of_sequence_token(tmp_path):
+    """``generate`` ends at the first generated stop token, which it keeps; text
+    generation stops at the checkpoint's end-of-sequence tokens."""
+    config = decoder_config_from_json(CONFIGS["llama"] | TINY)
+    rng = np.random.default_rng(0)  # weights of N(0, 1): a varied greedy continuation
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in config.shapes().items()}
+    loaded = load_decoder(save_decoder(tmp_path / "ckpt", nest(params), config, _tokenizer()))
+    prompt = loaded.tokenizer.encode("the cat").ids
+    n, new = len(prompt), 4
+    free = generate(loaded.model, loaded.params, prompt, max_new_tokens=new)
+    for k in range(new):
+        stop = int(free[n + k])
+        first = n + list(free[n:]).index(stop)
+        got = generate(loaded.model, loaded.params, prompt, max_new_tokens=new, stop_tokens=[stop])
+        np.testing.assert_array_equal(got, free[: first + 1])
+    assert generate_text(loaded, "the cat", max_new_tokens=new) == loaded.tokenizer.decode(
+        [int(i) for i in free]
+    )
+    # the checkpoint's own eos (read from generation_config.json: test_decoder.py)
+    eos = loaded._replace(generation=GenerationDefaults(eos_token_ids=(int(free[n]),)))
+    want = loaded.tokenizer.decode([int(i) for i in free[: n + 1]])
+    assert generate_text(eos, "the cat", max_new_tokens=new) == want

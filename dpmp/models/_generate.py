@@ -7,17 +7,20 @@
         logits = model.predict(params, tokens)[last position]
         next = argmax(logits)                            temperature 0
         next = categorical(key_i, logits / temperature)  temperature > 0
+        stop after next if it is one of stop_tokens
 
 The tokens live in one buffer of ``len(prompt) + max_new_tokens`` positions
 and the forward pass is compiled once for it: in a causal model the logits at
 a position depend on the tokens up to it only, so what fills the positions
 after it changes nothing. ``generate_text`` does the same from and to text
-with a loaded checkpoint's tokenizer.
+with a loaded checkpoint's tokenizer, stopping at its end-of-sequence tokens
+(a ``Decoder``'s ``generation.eos_token_ids``, from its ``generation_config.json``).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -51,9 +54,11 @@ def generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     key: jax.Array | None = None,
+    stop_tokens: Sequence[int] = (),
 ) -> np.ndarray:
     """The ``prompt`` token ids (int ``[n]``, ``n >= 1``) followed by
-    ``max_new_tokens`` generated ones (int32 ``[n + max_new_tokens]``).
+    ``max_new_tokens`` generated ones (int32 ``[n + max_new_tokens]``), or fewer
+    if one of ``stop_tokens`` is generated: the output ends with it.
 
     Args:
       model: a causal next-token model (``predict(params, tokens [1, T])`` gives
@@ -65,6 +70,7 @@ def generate(
         ``softmax(logits / temperature)``.
       key: a PRNG key, needed when ``temperature > 0``; draw ``i`` uses
         ``jax.random.fold_in(key, i)``.
+      stop_tokens: token ids that end the sequence (an end-of-sequence token).
 
     Raises:
       ValueError: an empty prompt, a negative ``max_new_tokens`` or
@@ -85,6 +91,7 @@ def generate(
     tokens = np.zeros((1, n + max_new_tokens), np.int32)
     tokens[0, :n] = prompt
     logits_at = _logits_at(model)
+    stop = {int(t) for t in stop_tokens}
     for i in range(n, n + max_new_tokens):
         logits = logits_at(params, tokens, i - 1)
         if temperature > 0:
@@ -92,6 +99,8 @@ def generate(
         else:
             draw = jnp.argmax(logits)
         tokens[0, i] = int(draw)
+        if tokens[0, i] in stop:
+            return tokens[0, : i + 1]
     return tokens[0]
 
 
@@ -104,7 +113,9 @@ def generate_text(
     key: jax.Array | None = None,
 ) -> str:
     """``prompt`` and its continuation, as text: ``generate`` over a loaded
-    checkpoint (``load_gpt2``'s ``GPT2``: ``model``, ``params``, ``tokenizer``).
+    checkpoint (``load_gpt2``'s ``GPT2``: ``model``, ``params``, ``tokenizer``;
+    ``load_decoder``'s ``Decoder`` also ``generation``, whose
+    ``eos_token_ids`` end the continuation).
 
     Raises:
       ValueError: the checkpoint has no tokenizer, or as ``generate``.
@@ -119,5 +130,6 @@ def generate_text(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         key=key,
+        stop_tokens=getattr(getattr(loaded, "generation", None), "eos_token_ids", ()),
     )
     return loaded.tokenizer.decode([int(i) for i in out])
