@@ -254,6 +254,14 @@ def test_a_bad_line_is_named(tmp_path, line, message):
         read_chat_file(str(tmp_path / "c.jsonl"))
 
 
+def test_a_missing_or_other_file_is_named(tmp_path):
+    with pytest.raises(DataError, match=r"^data\.path: no such file .*nope\.jsonl"):
+        read_chat_file(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "c.txt").write_text("hello\n")
+    with pytest.raises(DataError, match=r"^data\.path: c\.txt: expected a \.jsonl file"):
+        read_chat_file(str(tmp_path / "c.txt"))
+
+
 def test_a_folder_without_a_template_says_what_to_do(tmp_path):
     with pytest.raises(DataError, match=r"tokenizer_config\.json: no chat_template; .* add"):
         load_chat_template(_folder(tmp_path / "plain", None))
