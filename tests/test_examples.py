@@ -30,7 +30,7 @@ LANGUAGE = {
 }
 
 # Examples that need a checkpoint folder: smoke-run on a tiny random one.
-CHECKPOINT = ("gpt2_lora.py",)
+CHECKPOINT = ("gpt2_lora.py", "llm_lora.py")
 
 # Arguments for a quick smoke run; an example not listed here runs without any.
 QUICK = {
@@ -278,6 +278,67 @@ def test_gpt2_example_fine_tunes_a_checkpoint_folder(tmp_path, capsys, monkeypat
     assert m and 1 < float(m[1]) < 9 and int(m[2]) == 30, out
     assert re.search(r"^before: the cat", out, re.M) and re.search(r"^after: the cat", out, re.M)
     assert (tmp_path / "run" / "report.json").is_file()
+
+
+def decoder_lora_parameters(config, rank: int) -> int:
+    """Adapters ``A (fan_in x r)``, ``B (r x fan_out)`` on each weight matrix of a
+    decoder: per layer the seven projections (q, k, v, o; gate, up, down), and the
+    head when it is not the embedding; not the embedding nor the norms."""
+    d, f, q = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    kv = config.num_key_value_heads * config.head_dim
+    attention = (d + q * config.head_dim) * 2 + (d + kv) * 2
+    layer = attention + 3 * (d + f)
+    head = 0 if config.tie_word_embeddings else d + config.vocab_size
+    return rank * (config.num_hidden_layers * layer + head)
+
+
+def test_llm_example_states_llama_3_2_1b_counts():
+    import importlib.util
+
+    path = EXAMPLES.parent / "benchmarks" / "llm_families.py"
+    spec = importlib.util.spec_from_file_location("llm_families_sizes", path)
+    sys.path.insert(0, str(path.parent))
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    llama = module.SHAPES["llama"]
+    total = sum(math.prod(shape) for shape in llama.shapes().values())
+    doc = ast.get_docstring(ast.parse((EXAMPLES / "llm_lora.py").read_text()))
+    lora = decoder_lora_parameters(llama, 8)
+    assert f"({total:,} parameters)" in doc and f"LoRA: {lora:,} trainable" in doc, doc
+
+
+@pytest.mark.slow  # a tiny checkpoint, three private steps and two generations, ~20-30 s each
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_llm_example_fine_tunes_each_family(family, tmp_path, capsys, monkeypatch):
+    import numpy as np
+
+    from tests.test_decoder_app import _checkpoint
+    from tests.test_gpt2 import WORDS
+
+    folder = _checkpoint(tmp_path / "ckpt", family)
+    config = json.loads((folder / "config.json").read_text())
+    from dpmp.models.families._decoder import decoder_config_from_json
+
+    decoder = decoder_config_from_json(config)
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(WORDS[2:], rng.integers(3, 10))) for _ in range(150)]
+    (tmp_path / "t.txt").write_text("\n".join(lines) + "\n")
+    args = ["--model", str(folder), "--text", str(tmp_path / "t.txt"), "--steps", "3"]
+    args += ["--batch-size", "16", "--seq-len", "12", "--prompt", f"{WORDS[2]} {WORDS[3]}"]
+    out = run("llm_lora.py", *args, "--out", str(tmp_path / "run"), capsys=capsys,
+              monkeypatch=monkeypatch)  # fmt: skip
+    total = sum(math.prod(shape) for shape in decoder.shapes().values())
+    assert f"checkpoint: {family}, 1 layers, width 16 ({total:,} parameters)" in out, out
+    lora = decoder_lora_parameters(decoder, 8)
+    m = re.search(r"LoRA: ([\d,]+) trainable .* epsilon ([\d.]+) \(delta 1e-05\)", out)
+    assert m and m[1] == f"{lora:,}" and 7.99 <= float(m[2]) <= 8.0005, out
+    m = re.search(r"held-out perplexity ([\d.]+) on (\d+) test records", out)
+    # a random tiny base predicts about uniformly: a perplexity near its vocabulary size
+    assert m and 1 < float(m[1]) < 4 * decoder.vocab_size and int(m[2]) == 30, out
+    assert re.search(r"^before: ", out, re.M) and re.search(r"^after: ", out, re.M), out
 
 
 def test_lora_example_compares_with_the_measured_run_of_its_settings():
