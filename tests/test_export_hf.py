@@ -408,3 +408,43 @@ def test_a_private_lora_run_round_trips_through_transformers_and_peft(tmp_path, 
     assert np.abs(_torch_logits(original, TOKENS) - want).max() > F32_TOL * np.abs(want).max()
     adapted = PeftModel.from_pretrained(original, run / "hf")
     _close(_torch_logits(adapted, TOKENS), want, "peft")
+
+
+@pytest.mark.slow  # torch, and transformers' own models
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("case", ["llama-f32", "qwen2-tied-f32", "gemma-f32", "llama-tied-bf16"])
+def test_folders_transformers_saved_export_in_their_own_layout(tmp_path, case):
+    """A sharded folder ``save_pretrained`` wrote (``config.json`` in transformers
+    5's form, ``generation_config.json``): the merged export keeps its shards,
+    names and dtype, and both exports equal dpmp's model in ``transformers``."""
+    pytest.importorskip("peft")
+    torch = pytest.importorskip("torch")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_decoder import BF16_TOL
+    from tests.test_decoder_transformers import _hf_model
+
+    folder = tmp_path / "ckpt"
+    _hf_model(case).save_pretrained(folder, max_shard_size="40KB")
+    family = case.split("-")[0]
+    run, _, adapters = _fake_run(tmp_path, folder, family, rank=2, alpha=6.0)
+    given = ["--checkpoint", str(folder)]
+    assert _export(run, *given) == 0 and _export(run, *given, "--merge") == 0
+    out = run / "hf-merged"
+    shards = sorted(p.name for p in folder.glob("model*"))
+    assert len(shards) > 2 and sorted(p.name for p in out.glob("model*")) == shards
+    for name in ("config.json", "generation_config.json", "model.safetensors.index.json"):
+        assert (out / name).read_bytes() == (folder / name).read_bytes(), name
+    for shard in (s for s in shards if s.endswith(".safetensors")):
+        source, got = load_file(str(folder / shard)), load_file(str(out / shard))
+        assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in source.items()}
+    want = _dpmp_logits(family, folder, adapters, rank=2, alpha=6.0)
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    if case.endswith("-bf16"):  # the merged weights rounded once to bfloat16
+        got = _torch_logits(merged, TOKENS)
+        assert np.abs(got - want).max() <= BF16_TOL * np.abs(want).max()
+    else:
+        _close(_torch_logits(merged, TOKENS), want, "merged")
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    _close(_torch_logits(PeftModel.from_pretrained(base, run / "hf"), TOKENS), want, "peft")
