@@ -125,6 +125,24 @@ def test_file_inventory(tmp_path):
     assert release.PRIVATE_README.startswith(release.PRIVATE_NOTE)
 
 
+def test_an_exported_hugging_face_folder_is_listed_public_and_another_folder_is_not(tmp_path):
+    """dpmp export --format hf's folders hold released parameters and privacy.json; a
+    folder of that name without privacy.json is not an export and is not listed."""
+    from dpmp.app.export_hf import PRIVACY_FILE, export_hf
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf-merged").mkdir()
+    assert release.file_inventory(tmp_path)["public"] == []
+    (tmp_path / "hf" / PRIVACY_FILE).write_text("{}")
+    assert release.file_inventory(tmp_path)["public"] == ["hf/"]
+    # the names are export_hf's own defaults
+    import inspect
+
+    source = inspect.getsource(export_hf)
+    assert all(f'"{name}"' in source for name in release.EXPORTED_FOLDERS)
+    assert "hf/ and hf-merged/" in release.PRIVATE_README
+
+
 def test_a_non_private_run_does_not_end_with_safe_to_publish(tmp_path):
     (tmp_path / "report.json").write_text('{"private": false}')
     (lines,) = release.inventory_lines(tmp_path)

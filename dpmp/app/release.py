@@ -78,6 +78,9 @@ RUN_FILES = (REPORT_FILE, METRICS_FILE, LOG_FILE, "privacy_utility.png", "precis
 # ``dpmp export`` writes the parameters alone beside them.
 EXPORTED_PARAMS = "params.npz"
 PUBLIC_FILES = (*RUN_FILES, EXPORTED_PARAMS)
+# `dpmp export --format hf [--merge]`'s folders in the run (released parameters, the
+# public checkpoint's files, privacy.json): public once they hold an export's privacy.json.
+EXPORTED_FOLDERS = ("hf", "hf-merged")
 PRIVATE_README = f"""{PRIVATE_NOTE}
 
 The files in this folder hold exact statistics of the private training data:
@@ -87,7 +90,8 @@ in the run's epsilon. Use them to debug the run; do not publish them.
 
 Safe to publish (privatized, held-out test, or the public plan):
 {", ".join(RUN_FILES)}, tensorboard/ when training.writers writes it, and
-{EXPORTED_PARAMS} once `dpmp export` writes it.
+{EXPORTED_PARAMS}, {" and ".join(f"{d}/" for d in EXPORTED_FOLDERS)} once `dpmp export`
+writes them.
 Secret: ../checkpoints/ (the noise keys, the sampler's seed and a fingerprint
 of the data: as secret as the data itself).
 
@@ -595,6 +599,7 @@ def file_inventory(run_dir: str | Path) -> dict[str, list[str]]:
         public.append("pretrained/")
     if (run_dir / "tensorboard").is_dir():  # training.writers: the public records' scalars
         public.append("tensorboard/")
+    public += [f"{d}/" for d in EXPORTED_FOLDERS if (run_dir / d / "privacy.json").is_file()]
     private = [f"{PRIVATE_DIR}/"] if (run_dir / PRIVATE_DIR).is_dir() else []
     secret = ["checkpoints/"] if (run_dir / "checkpoints").is_dir() else []
     return {"public": public, "private": private, "secret": secret}
