@@ -72,21 +72,21 @@ def _checkpoint(folder, family, dtype=np.float32, shard_bytes=None):
     return save_decoder(folder, params, config, tokenizer, shard_bytes=shard_bytes)
 
 
-def _fake_run(tmp_path, folder, kind, *, rank=2, alpha=6.0, report=None, run="run"):
+def _fake_run(tmp_path, folder, kind, *, rank=2, alpha=6.0, report=None, run="run", targets=()):
     """A finished run of ``kind`` over ``folder``: random trained parameters (LoRA
     adapters with a nonzero B, or with ``rank = 0`` every weight moved) in its
     checkpoint, and a report of ``REPORT``'s numbers (``report`` overrides)."""
     config = load_config(
         None,
         [f"model.kind={kind}", f'model.checkpoint="{folder}"', f"model.lora_rank={rank}"]
-        + [f"model.lora_alpha={alpha}"],
+        + [f"model.lora_alpha={alpha}", f"model.lora_targets={json.dumps(list(targets))}"],
     )
     from dpmp.app.published import load_checkpoint
 
     base = load_checkpoint(kind, folder, "f32").params
     rng = np.random.default_rng(5)
     if rank:
-        trained = init_adapters(base, rank, jax.random.key(1))
+        trained = init_adapters(base, rank, jax.random.key(1), tuple(targets))
         for ab in trained.values():
             ab["b"] = jnp.asarray(0.3 * rng.standard_normal(ab["b"].shape), jnp.float32)
     else:  # the trainer's float32 masters
@@ -153,6 +153,28 @@ def test_an_adapter_holds_peft_names_and_the_transposed_adapters(tmp_path, capsy
         np.testing.assert_array_equal(got_b, np.asarray(ab["b"]).T)
     assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
     _check_public(out, tmp_path, json.loads((run / "report.json").read_text()))
+
+
+def test_an_adapter_of_some_targets_names_them_and_a_merge_keeps_the_others(tmp_path):
+    """model.lora_targets = ["q_proj", "v_proj"]: PEFT's target_modules are those two,
+    the adapter holds their tensors alone, and the merged folder's other weights are
+    the checkpoint's, bit for bit."""
+    folder = _checkpoint(tmp_path / "ckpt", "llama")
+    targets = ("q_proj", "v_proj")
+    run, base, adapters = _fake_run(tmp_path, folder, "llama", targets=targets)
+    assert _export(run, "--checkpoint", str(folder)) == 0
+    config = json.loads((run / "hf" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == sorted(targets)
+    tensors = load_file(str(run / "hf" / "adapter_model.safetensors"))
+    assert {k.split(".")[-3] for k in tensors} == set(targets)
+    assert len(tensors) == 2 * len(adapters)
+    assert _export(run, "--checkpoint", str(folder), "--merge") == 0
+    merged = load_file(str(run / "hf-merged" / "model.safetensors"))
+    stored = load_file(str(folder / "model.safetensors"))
+    assert merged.keys() == stored.keys()
+    for key, value in stored.items():
+        changed = not np.array_equal(merged[key], value)
+        assert changed == any(f".{t}." in key for t in targets), key
 
 
 def _at(tree, name):

@@ -388,3 +388,75 @@ def test_public_pretraining_in_chunks_gives_the_whole_batchs_mean_and_gradient()
             got = jax.jit(_chunked_value_and_grad(loss_fn, chunk))(w, x, y)
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12)
+
+
+# ---- model.lora_targets: which modules get adapters ---------------------------------
+
+
+def _decoder_like():
+    """The weight names of a decoder layer (flax-style ``kernel`` leaves), a norm and
+    an embedding."""
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+    layer = {
+        "self_attn": {n: {"kernel": w(8, 8)} for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+        "mlp": {n: {"kernel": w(8, 12)} for n in ("gate_proj", "up_proj")}
+        | {"down_proj": {"kernel": w(12, 8)}},
+        "input_layernorm": {"scale": w(8)},
+    }
+    return {"layers": {"0": layer, "1": layer}, "embed_tokens": {"embedding": w(16, 8)}}
+
+
+def test_targets_adapt_the_modules_whose_path_ends_with_them():
+    from dpmp.models._lora import init_adapters, merge
+
+    base = _decoder_like()
+    every = set(adapted(base))
+    assert len(every) == 14  # seven projections in each of two layers, no norm, no embedding
+    only = set(adapted(base, ("q_proj", "v_proj")))
+    assert only == {f"layers/{i}/self_attn/{n}/kernel" for i in "01" for n in ("q_proj", "v_proj")}
+    # a longer end names the same modules; a path that is not an end names none
+    assert set(adapted(base, ("self_attn.q_proj", "self_attn/v_proj"))) == only
+    assert set(adapted(base, ("mlp",))) == set()
+    adapters = init_adapters(base, 2, jax.random.key(0), ("q_proj", "v_proj"))
+    assert set(adapters) == only
+    adapters = jax.tree.map(lambda a: a + 1.0, adapters)  # B is zero at the start
+    merged = merge(base, adapters, 4.0, targets=("q_proj", "v_proj"))
+    for (path, w), (_, m) in zip(
+        jax.tree_util.tree_flatten_with_path(base)[0],
+        jax.tree_util.tree_flatten_with_path(merged)[0],
+        strict=True,
+    ):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if name in only:  # W + alpha / r * A B, in float64
+            a, b = (np.asarray(adapters[name][x], np.float64) for x in "ab")
+            want = np.asarray(w, np.float64) + 4.0 / 2 * a @ b
+            np.testing.assert_allclose(np.asarray(m), want, rtol=1e-6, atol=1e-6)
+        else:  # bit for bit
+            assert np.array_equal(np.asarray(m), np.asarray(w)), name
+    with pytest.raises(ValueError, match="adapters do not match"):
+        merge(base, adapters, 4.0)  # made with targets, merged as if without
+
+
+def test_a_target_that_names_no_weight_is_refused_with_the_modules_there_are():
+    from dpmp.models._lora import init_adapters
+
+    with pytest.raises(ValueError, match=r"'qkv' names no weight matrix .* q_proj"):
+        init_adapters(_decoder_like(), 2, jax.random.key(0), ("q_proj", "qkv"))
+
+
+@pytest.mark.parametrize(
+    "targets, message",
+    [("q_proj", "must be a list"), ([""], "is not a module name"), ([3], "is not a module")],
+)
+def test_lora_targets_in_a_config_are_checked(targets, message):
+    with pytest.raises(ConfigError, match=f"model.lora_targets: .*{message}"):
+        load_config(None, ["model.lora_rank=2", f"model.lora_targets={json.dumps(targets)}"])
+    with pytest.raises(ConfigError, match="set model.lora_rank too"):
+        load_config(None, ['model.lora_targets=["q_proj"]'])
+    assert load_config(
+        None, ["model.lora_rank=2", 'model.lora_targets=["a", "b.c"]']
+    ).model.lora_targets == ("a", "b.c")

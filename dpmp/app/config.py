@@ -299,6 +299,10 @@ class ModelConfig:
       parameters stay bit-identical. Needs pre-trained parameters (a
       ``[pretrain]`` section, or ``init_params`` of ``dpmp.train``): refused without.
     lora_alpha: the adapters' scale: the update is ``lora_alpha / lora_rank * A @ B``.
+    lora_targets: the modules whose weight matrices get adapters, as PEFT's
+      ``target_modules``: ``["q_proj", "v_proj"]`` adapts every weight whose module
+      path ends with one of them (``"self_attn.q_proj"`` is a longer end); empty
+      (the default): every weight matrix. A target naming none is refused.
     checkpoint: ``model.kind = "gpt2"``, ``"llama"``, ``"qwen2"`` or ``"gemma"``:
       a folder of ``config.json`` (its ``model_type`` the family's),
       ``model.safetensors`` (or shards with ``model.safetensors.index.json``)
@@ -316,6 +320,7 @@ class ModelConfig:
     heads: int = 4
     lora_rank: int = 0
     lora_alpha: float = 8.0
+    lora_targets: tuple[str, ...] = ()
     checkpoint: str | None = None
 
     def __post_init__(self):
@@ -346,6 +351,17 @@ class ModelConfig:
             )
         _positive("model.lora_rank", self.lora_rank, integer=True, allow_zero=True)
         _positive("model.lora_alpha", self.lora_alpha)
+        targets = self.lora_targets
+        if isinstance(targets, str) or not isinstance(targets, list | tuple):
+            raise ConfigError(
+                f"model.lora_targets: must be a list of module names, got {targets!r}"
+            )
+        for t in targets:
+            if not isinstance(t, str) or not t.strip(". /"):
+                raise ConfigError(f"model.lora_targets: {t!r} is not a module name")
+        if targets and not self.lora_rank:
+            raise ConfigError("model.lora_targets: set model.lora_rank too (0 trains everything)")
+        object.__setattr__(self, "lora_targets", tuple(targets))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,7 @@ _ALLOWED = {
     "model.hidden": "list of integers in [1, 2^20] (may be empty)",
     "model.heads": "integer in [1, 1024] dividing model.dim",
     "model.lora_rank": "integer >= 0",
+    "model.lora_targets": "list of module names (may be empty: every weight matrix)",
     "pretrain.path": "path to a .txt or .jsonl file (text)",
     "privacy.delta": "number in (0, 1)",
     "training.seed": "integer in [0, 2^32 - 1]",

@@ -235,7 +235,9 @@ def _trained(run: Path, config: Config, started: str | None, folder: Path):
         )
     key = jax.random.key(0)
     if m.lora_rank:
-        like = jax.eval_shape(lambda k: init_adapters(loaded.params, m.lora_rank, k), key)
+        like = jax.eval_shape(
+            lambda k: init_adapters(loaded.params, m.lora_rank, k, m.lora_targets), key
+        )
     else:
         like = jax.eval_shape(loaded.model.init, key)  # the trainer's float32 masters
     return loaded, load_params(_params_source(run), like)
@@ -342,7 +344,9 @@ def _write(tmp: Path, folder: Path, loaded, trained, m, privacy, merge: bool, ba
     if merge:
         params = trained
         if m.lora_rank:  # in float32; write_merged rounds each to its stored dtype
-            params = merge_adapters(loaded.params, trained, m.lora_alpha, wide=True)
+            params = merge_adapters(
+                loaded.params, trained, m.lora_alpha, wide=True, targets=m.lora_targets
+            )
         write_merged(folder, tmp, params, hf)
         shutil.copyfile(folder / "config.json", tmp / "config.json")
     else:

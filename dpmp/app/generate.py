@@ -91,9 +91,9 @@ def load_trained(run_dir: str | Path, checkpoint: str | Path | None = None) -> A
     like = jax.eval_shape(loaded.model.init, key)  # the trainer's float32 masters
     base = jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), loaded.params, like)
     if m.lora_rank:
-        like = jax.eval_shape(lambda k: init_adapters(base, m.lora_rank, k), key)
+        like = jax.eval_shape(lambda k: init_adapters(base, m.lora_rank, k, m.lora_targets), key)
     trained = load_params(_params_source(Path(run_dir)), like)
-    params = merge(base, trained, m.lora_alpha) if m.lora_rank else trained
+    params = merge(base, trained, m.lora_alpha, targets=m.lora_targets) if m.lora_rank else trained
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         if config.data.tokenizer is None:

@@ -12,7 +12,10 @@ starts as the base model (Hu et al. 2021, "LoRA", arXiv:2106.09685). Biases,
 norms and position embeddings stay as they are. A kernel of more than two
 axes is seen as the matrix of its axes split where the two sides are closest
 in size (attention's ``[dim, heads, head_dim]`` query kernel as
-``dim x dim``).
+``dim x dim``). ``targets`` (``model.lora_targets``) narrows the adapted
+matrices to the modules named, as PEFT's ``target_modules``: a target
+(``"q_proj"``, ``"self_attn.q_proj"``) names every weight whose module path
+ends with it; an empty ``targets`` adapts every weight matrix.
 
 Because the private step differentiates the adapters only, per-example
 clipping, the noise, its sensitivity, the accounting and the audit cover
@@ -57,9 +60,37 @@ def _name(path) -> str:
     return "/".join(parts)
 
 
-def _is_weight(path, leaf) -> bool:
+def _is_weight(path, leaf, targets: tuple[str, ...] = ()) -> bool:
     last = _name(path[-1:]) if path else ""
-    return last in WEIGHT_NAMES and getattr(leaf, "ndim", 0) >= 2
+    if last not in WEIGHT_NAMES or getattr(leaf, "ndim", 0) < 2:
+        return False
+    return not targets or any(_names_module(_name(path[:-1]), t) for t in targets)
+
+
+def _parts(name: str) -> list[str]:
+    return [p for p in name.replace(".", "/").split("/") if p]
+
+
+def _names_module(module: str, target: str) -> bool:
+    """``target`` (parts joined by ``.`` or ``/``) is the end of the ``module`` path."""
+    want, have = _parts(target), _parts(module)
+    return bool(want) and have[len(have) - len(want) :] == want
+
+
+def _check_targets(base: Any, targets: tuple[str, ...]) -> None:
+    """A ``ValueError`` naming a target that names no weight matrix of ``base``."""
+    modules = [
+        _name(path[:-1])
+        for path, leaf in jax.tree_util.tree_flatten_with_path(base)[0]
+        if _is_weight(path, leaf)
+    ]
+    for target in targets:
+        if not any(_names_module(m, target) for m in modules):
+            known = sorted({_parts(m)[-1] for m in modules if _parts(m)})
+            raise ValueError(
+                f"model.lora_targets: {target!r} names no weight matrix of the model "
+                f"(its modules end in: {', '.join(known)})"
+            )
 
 
 def _split(shape: tuple[int, ...]) -> int:
@@ -70,24 +101,30 @@ def _split(shape: tuple[int, ...]) -> int:
     )
 
 
-def adapted(base: Any) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` of the weight matrices of ``base`` that get adapters."""
+def adapted(base: Any, targets: tuple[str, ...] = ()) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of the weight matrices of ``base`` that get adapters (those of
+    the modules ``targets`` names, or all)."""
     found = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(base)[0]:
-        if _is_weight(path, leaf):
+        if _is_weight(path, leaf, targets):
             found[_name(path)] = tuple(leaf.shape)
     return found
 
 
-def init_adapters(base: Any, rank: int, key: jax.Array) -> dict[str, dict[str, jax.Array]]:
-    """``{name: {"a": A, "b": B}}`` for every weight matrix of ``base`` (float32).
+def init_adapters(
+    base: Any, rank: int, key: jax.Array, targets: tuple[str, ...] = ()
+) -> dict[str, dict[str, jax.Array]]:
+    """``{name: {"a": A, "b": B}}`` for every weight matrix of ``base`` (of the modules
+    ``targets`` names, if any), in float32.
 
     Raises:
-      ValueError: ``rank`` is not a positive integer, or ``base`` has no weight matrix.
+      ValueError: ``rank`` is not a positive integer, ``base`` has no weight matrix,
+        or a target names none.
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"model.lora_rank: must be an integer > 0, got {rank!r}")
-    shapes = adapted(base)
+    _check_targets(base, targets)
+    shapes = adapted(base, targets)
     if not shapes:
         raise ValueError(
             "model.lora_rank: the model has no weight matrix to adapt (no leaf named "
@@ -103,15 +140,16 @@ def init_adapters(base: Any, rank: int, key: jax.Array) -> dict[str, dict[str, j
     return out
 
 
-def names(base: Any) -> list[str | None]:
+def names(base: Any, targets: tuple[str, ...] = ()) -> list[str | None]:
     """The adapter name of each leaf of ``base`` (None for a leaf without adapters)."""
     leaves = jax.tree_util.tree_flatten_with_path(base)[0]
-    return [_name(path) if _is_weight(path, leaf) else None for path, leaf in leaves]
+    return [_name(path) if _is_weight(path, leaf, targets) else None for path, leaf in leaves]
 
 
-def _check_names(base: Any, adapters: dict) -> None:
-    """A ``ValueError`` when ``adapters`` does not match the weight matrices of ``base``."""
-    expected = adapted(base)
+def _check_names(base: Any, adapters: dict, targets: tuple[str, ...] = ()) -> None:
+    """A ``ValueError`` when ``adapters`` does not match the weight matrices of ``base``
+    (those ``targets`` names)."""
+    expected = adapted(base, targets)
     if set(adapters) != set(expected):
         missing, extra = set(expected) - set(adapters), set(adapters) - set(expected)
         raise ValueError(
@@ -121,7 +159,12 @@ def _check_names(base: Any, adapters: dict) -> None:
 
 
 def merge(
-    base: Any, adapters: dict[str, dict[str, jax.Array]], alpha: float, *, wide: bool = False
+    base: Any,
+    adapters: dict[str, dict[str, jax.Array]],
+    alpha: float,
+    *,
+    wide: bool = False,
+    targets: tuple[str, ...] = (),
 ) -> Any:
     """``base`` with ``W + alpha / r * A @ B`` for every adapted weight matrix ``W``.
 
@@ -131,9 +174,10 @@ def merge(
     spacing); the leaves without adapters are ``base``'s own.
 
     Raises:
-      ValueError: ``adapters`` does not match the weight matrices of ``base``.
+      ValueError: ``adapters`` does not match the weight matrices of ``base`` (those
+        ``targets`` names: the ``targets`` they were made with).
     """
-    _check_names(base, adapters)
+    _check_names(base, adapters, targets)
 
     def one(path, w):
         name = _name(path)
@@ -145,7 +189,9 @@ def merge(
     return jax.tree_util.tree_map_with_path(one, base)
 
 
-def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
+def lora_model(
+    model: Model, base: Any, *, rank: int, alpha: float, targets: tuple[str, ...] = ()
+) -> Model:
     """``model`` with ``base`` frozen and low-rank adapters as its only parameters.
 
     ``init(key)`` draws the adapters; ``loss_fn``, ``predict`` and ``metrics``
@@ -154,21 +200,28 @@ def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
     ``merge(base, adapters, alpha)``: a dense layer's adapters beside its weight,
     ``x W + s (x A) B`` in the layer's own dtypes, any other adapted weight
     merged in float32 (``dpmp.models._lora_apply``). ``base`` keeps its dtypes.
+    ``targets``: the modules adapted (all weight matrices if empty).
     """
     base = jax.tree.map(jnp.asarray, base)
+    targets = tuple(targets)
     # the shapes, and the errors before any work
-    shapes = jax.eval_shape(lambda b, k: init_adapters(b, rank, k), base, jax.random.key(0))
+    shapes = jax.eval_shape(
+        lambda b, k: init_adapters(b, rank, k, targets), base, jax.random.key(0)
+    )
     trainable = count_params(shapes)
 
     def init(key):
-        return init_adapters(base, rank, key)
+        return init_adapters(base, rank, key, targets)
+
+    def adapter_names(tree):
+        return names(tree, targets)
 
     def applied(fn):  # fn(base, x) -> fn(adapters, x, frozen=base)
-        run = unmerged(fn, alpha, names)
+        run = unmerged(fn, alpha, adapter_names)
 
         def adapted_fn(adapters, x, frozen=None):
             frozen = base if frozen is None else frozen
-            _check_names(frozen, adapters)
+            _check_names(frozen, adapters, targets)
             return run(frozen, adapters, x)
 
         return adapted_fn
@@ -182,7 +235,7 @@ def lora_model(model: Model, base: Any, *, rank: int, alpha: float) -> Model:
         metrics=applied(model.metrics),
         description=(
             f"{model.description}; LoRA: rank {rank} adapters (alpha {alpha:g}) on its "
-            f"{len(adapted(base))} weight matrices train {trainable:,} parameters, its "
+            f"{len(adapted(base, targets))} weight matrices train {trainable:,} parameters, its "
             f"{count_params(base):,} parameters are frozen"
         ),
         frozen=base,

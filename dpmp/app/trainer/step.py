@@ -510,8 +510,9 @@ def _starting_point(
     if config.model.lora_rank:
         base = jax.jit(model.init)(init_key) if init_params is None else init_params
         try:
+            m = config.model
             adapted = lora_model(
-                model, base, rank=config.model.lora_rank, alpha=config.model.lora_alpha
+                model, base, rank=m.lora_rank, alpha=m.lora_alpha, targets=m.lora_targets
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
