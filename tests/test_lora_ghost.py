@@ -204,3 +204,45 @@ def test_lora_inside_shard_map_clips_as_without_a_mesh(method):
         )
     )
     assert diff <= bound, (diff, bound)
+
+
+@pytest.mark.slow  # three families, two methods each, compiled in float64: ~30 s
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_decoder_lora_ghost_norms_equal_per_example_norms_in_float64(family):
+    """LoRA on every projection of a Llama, Qwen2 or Gemma decoder (GQA, rotary, tied
+    or untied head, Qwen2's biases): auto takes ghost clipping for every adapter, and
+    its per-example norms and clipped sum equal per-example (vmap) gradients', both in
+    float64."""
+    from dpmp.models.families._decoder import decoder_config_from_json, decoder_init
+    from dpmp.models.families._decoder import decoder_model as build
+    from tests.test_decoder import CONFIGS, TOKENS
+
+    config = decoder_config_from_json(CONFIGS[family] | {"num_hidden_layers": 1})
+    policy = "param=f64,compute=f64,output=f64,grad=f64,clip=f64,accumulate=f64,noise=f64"
+    with jax.enable_x64(True):
+        base = jax.tree.map(
+            lambda a: jnp.asarray(a, jnp.float64), decoder_init(config, jax.random.key(0))
+        )
+        lora = lora_model(build(config, policy), base, rank=R, alpha=4.0)
+        adapters = jax.tree.map(
+            lambda a: (a + 0.05 * jnp.cos(jnp.arange(a.size)).reshape(a.shape)).astype(jnp.float64),
+            lora.init(jax.random.key(1)),
+        )
+        batch = {"x": np.asarray(TOKENS[:B, :6] % config.vocab_size, np.int32)}
+        batch["x"] = np.concatenate([batch["x"]] * (B // len(batch["x"]) + 1))[:B]
+        batch["y"] = np.zeros(B, np.int32)  # next tokens are the targets
+        auto = dpmp.private_grad(lora.loss_fn, l2_clip_norm=0.05, policy=policy, method="auto")
+        info = auto.explain(adapters, batch, base)
+        assert info["method"] == "ghost", info["reason"]
+        assert len(info["layers"]) == len(jax.tree.leaves(adapters))
+        norms, sums = {}, {}
+        for method in ("vmap", "ghost"):
+            g = jax.jit(
+                dpmp.private_grad(lora.loss_fn, l2_clip_norm=0.05, policy=policy, method=method)
+            )
+            norms[method] = _alone(g, adapters, batch, base)
+            sums[method] = g(adapters, batch, base)
+        assert (norms["vmap"] > 0.05).all()  # every example is clipped
+        np.testing.assert_allclose(norms["ghost"], norms["vmap"], rtol=1e-10)
+        for a, b in zip(jax.tree.leaves(sums["ghost"].grads), jax.tree.leaves(sums["vmap"].grads)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-9, atol=1e-12)
