@@ -14,7 +14,8 @@ step) and ``full`` (``model.lora_rank = 0``: every parameter trained; it holds
 float32 parameters and Adam's two moments, 12 bytes a parameter, so it needs
 memory: ``--rows full`` is opt-in). Each as the private step (clipping with
 ``clip_method = "auto"``, snapped noise, Adam) and the non-private one
-(``jax.grad`` of the batch's mean loss, Adam), compiled, never run unless
+(``jax.grad`` of the batch's mean loss, Adam), compiled for the arguments'
+shapes (the non-private optimizer state never allocated), never run unless
 ``--time N``: StableHLO text size, lower and compile times (the least of
 ``--rounds`` cold compiles taken in turns; wall and process CPU seconds),
 XLA's compiled memory (arguments + outputs + temporaries - aliases,
@@ -207,7 +208,9 @@ def measure(family: str, row: str, tmp: Path, args) -> tuple[list[dict], dict]:
     fns, facts = steps(family, row, checkpoint, text, args.batch, args.tokens, args.set)
     by_step, calls, given = {}, {}, {}
     for kind, (fn, make_args) in fns.items():
-        given[kind] = (fn, make_args())
+        # compiled for the arguments' shapes alone unless timed: the non-private Adam
+        # state of a full fine-tune is never allocated
+        given[kind] = (fn, make_args() if args.time else jax.eval_shape(make_args))
         compiled, stats = compile_stats(*given[kind])
         calls[kind] = (compiled, given[kind][1])
         by_step[kind] = {**facts, "step": kind, **stats}
