@@ -12,6 +12,7 @@ from dpmp.models._gpt2_checkpoint import encode_text as encode_text
 from dpmp.models._gpt2_checkpoint import load_gpt2 as load_gpt2
 from dpmp.models._gpt2_checkpoint import save_gpt2 as save_gpt2
 from dpmp.models._hf_checkpoint import Decoder as Decoder
+from dpmp.models._hf_checkpoint import GenerationDefaults as GenerationDefaults
 from dpmp.models._hf_checkpoint import load_decoder as load_decoder
 from dpmp.models._hf_checkpoint import save_decoder as save_decoder
 from dpmp.models._lora import init_adapters as init_adapters
@@ -32,6 +33,7 @@ __all__ = [
     "Architecture",
     "Decoder",
     "DecoderConfig",
+    "GenerationDefaults",
     "GPT2Config",
     "Model",
     "ModelFamily",
