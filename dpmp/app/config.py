@@ -30,13 +30,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpmp.accounting._registry import accountant_names
 from dpmp.app.config_checkpoint import check_checkpoint
 from dpmp.app.config_text import check_tokenizer
+from dpmp.app.config_toml import coerce, parse_value
+from dpmp.app.config_users import check_unit, check_user_field
 from dpmp.noise._registry import sampler_names
 
 if TYPE_CHECKING:
@@ -199,6 +200,9 @@ class DataConfig:
       ``tokenizer_config.json``, the loss on the assistant's tokens only;
       needs a tokenizer: the checkpoint's or ``tokenizer``). A record is the
       privacy unit.
+    user_field: the user id of each record, for ``privacy.unit = "user"``: a field
+      of each JSON line (``"text"``, ``"chat"``) or an array of the ``.npz`` file,
+      one string or integer per record (unset: no users).
     path: the ``.npz`` file, the folder of ``.npy`` or idx files, or the text or chat file;
       given for a ``dataset`` that reads none (``"digits"``), it is refused.
     tokenizer: text: a ``tokenizer.json`` (Hugging Face ``tokenizers``) whose
@@ -237,6 +241,7 @@ class DataConfig:
 
     dataset: str = "digits"
     path: str | None = None
+    user_field: str | None = None
     tokenizer: str | None = None
     features: str = "none"
     test_fraction: float = 0.2
@@ -253,6 +258,7 @@ class DataConfig:
         if self.seq_len > 4096:
             raise ConfigError(f"data.seq_len: at most 4096, got {self.seq_len}")
         _path_read("data", _sources(), self.dataset, self.path)
+        check_user_field(self.user_field, ConfigError)
         check_tokenizer(self.dataset, self.tokenizer)
         _choice("data.features", self.features, _feature_maps().names())
         if isinstance(self.standardize, bool):
@@ -374,7 +380,14 @@ class PrivacyConfig:
     noise_multiplier: sigma; if unset it is calibrated so that the run's
       ``steps`` spend exactly ``target_epsilon``. A given sigma too small for
       ``training.steps`` within ``target_epsilon`` is refused before training.
-    l2_clip_norm: C, the per-example clip norm.
+    l2_clip_norm: C, the per-example clip norm (per user with ``unit = "user"``).
+    unit: what the guarantee protects: ``"record"`` (one record) or ``"user"`` (all
+      of a user's records, ``data.user_field``): users are Poisson-sampled
+      (``training.expected_batch_size`` then counts users), each sampled user
+      gives at most ``user_records`` of its records, and the clip bounds the
+      norm of the sum of their gradients (vmap; ghost not yet).
+    user_records: ``unit = "user"``: the most records one sampled user gives a
+      step (k; chosen uniformly at random among its records).
     accountant: the registered accountant that composes the run's releases
       (``dpmp.accounting.register_accountant`` adds one; the choices are read
       from the registry when a config is checked).
@@ -402,6 +415,8 @@ class PrivacyConfig:
     delta: float = 1e-5
     noise_multiplier: float | None = None
     l2_clip_norm: float = 1.0
+    unit: str = "record"
+    user_records: int = 8
     accountant: str = "pld"
     sampling: str = "poisson"
     clip_method: str = "auto"
@@ -419,6 +434,7 @@ class PrivacyConfig:
         _choice("privacy.accountant", self.accountant, tuple(sorted(accountant_names())))
         _choice("privacy.sampling", self.sampling, SAMPLINGS)
         _choice("privacy.clip_method", self.clip_method, CLIP_METHODS)
+        check_unit(self, ConfigError)
         _choice("privacy.noise_sampler", self.noise_sampler, sampler_names())
         for key in ("reproducible_noise", "allow_large_delta"):
             if not isinstance(value := getattr(self, key), bool):
@@ -715,27 +731,6 @@ def check_keys(raw: Any) -> None:
                 raise ConfigError(f"unknown key {key}.{k}; allowed: {', '.join(names)}")
 
 
-def _parse_value(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text  # a bare word: a string
-
-
-def _coerce(section, key: str, value: Any) -> Any:
-    """Ints given where floats are expected (``--set privacy.delta=1``) become floats."""
-    hints = typing.get_type_hints(section)
-    hint = str(hints.get(key, ""))
-    if (
-        isinstance(value, int)
-        and not isinstance(value, bool)
-        and "float" in hint
-        and "int" not in hint
-    ):
-        return float(value)
-    return value
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
     """Reads a TOML config (or the defaults) and applies ``section.key=value`` overrides."""
     return Config.from_dict(raw_config(path, overrides))
@@ -760,7 +755,7 @@ def raw_config(path: str | Path | None = None, overrides: list[str] | tuple = ()
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         key, text = item.split("=", 1)
         key = key.strip()
-        value = _parse_value(text.strip())
+        value = parse_value(text.strip())
         if key == "policy":
             raw["policy"] = value
             continue
@@ -777,12 +772,12 @@ def raw_config(path: str | Path | None = None, overrides: list[str] | tuple = ()
         table = raw.setdefault(section, {})
         if not isinstance(table, dict):
             raise ConfigError(f"{section}: expected a table of keys, got {table!r}")
-        table[name] = _coerce(_SECTIONS[section], name, value)
+        table[name] = coerce(_SECTIONS[section], name, value)
     # ints in TOML files where floats are expected
     for section, cls in _SECTIONS.items():
         table = raw.get(section, {})
         if isinstance(table, dict):  # anything else: Config.from_dict names the section
             for name, value in list(table.items()):
-                table[name] = _coerce(cls, name, value)
+                table[name] = coerce(cls, name, value)
     check_keys(raw)
     return raw

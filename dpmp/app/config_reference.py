@@ -14,6 +14,7 @@ from typing import Any
 
 from dpmp.accounting._registry import accountant_names
 from dpmp.app import config
+from dpmp.app.config_users import UNITS
 from dpmp.noise._registry import sampler_names
 
 __all__ = ["config_reference", "markdown_table"]
@@ -36,6 +37,8 @@ _ALLOWED = {
     "model.lora_targets": "list of module names (may be empty: every weight matrix)",
     "pretrain.path": "path to a .txt or .jsonl file (text)",
     "privacy.delta": "number in (0, 1)",
+    "privacy.user_records": "integer in [1, 65536]",
+    "data.user_field": "a JSONL field (text, chat) or an array name (npz), or unset",
     "training.seed": "integer in [0, 2^32 - 1]",
     "pretrain.seed": "integer in [0, 2^32 - 1]",
     "pretrain.steps": "integer in [1, 10^6]",
@@ -59,6 +62,7 @@ _CHOICES = {
     "privacy.accountant": lambda: tuple(sorted(accountant_names())),
     "privacy.sampling": config.SAMPLINGS,
     "privacy.clip_method": config.CLIP_METHODS,
+    "privacy.unit": UNITS,
     "privacy.noise_sampler": sampler_names,
     "training.optimizer": config.OPTIMIZERS,
     "loss_scale.kind": config.LOSS_SCALE_KINDS,

@@ -49,6 +49,7 @@ def load_data(config: DataConfig | None = None, seed: int = 0) -> Dataset:
         seed=seed,
         tokenizer=config.tokenizer,
         features=config.features,
+        user_field=config.user_field,
     )
 
 

@@ -87,6 +87,10 @@ class Dataset:
       records_cut: ``(train, test)``: how many records were longer and cut. A
         statistic of the private data: a run writes it to
         ``private/diagnostics.json`` only, never to ``summary()`` or a log.
+      users_train: int32 ``[n]``, the user ``0..U-1`` each training record
+        belongs to, or None (``dpmp.data._users``: ``data.user_field``, or
+        ``users=`` here); what ``privacy.unit = "user"`` protects. ``U``
+        (``num_users``) is public as ``n`` is, and in ``summary()``.
     """
 
     x_train: np.ndarray
@@ -100,10 +104,32 @@ class Dataset:
     task: str = "classify"
     cut_to: str | None = None
     records_cut: tuple[int, int] = (0, 0)
+    users_train: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.users_train is not None and len(self.users_train) != self.num_train:
+            raise DataError(
+                f"users: {len(self.users_train)} user ids for {self.num_train} training records"
+            )
 
     @property
     def num_train(self) -> int:
         return int(self.x_train.shape[0])
+
+    @property
+    def num_users(self) -> int | None:
+        """U, the number of users among the training records (None: no users)."""
+        return None if self.users_train is None else int(self.users_train.max()) + 1
+
+    def with_users(self, ids: Any, where: Any = None) -> Dataset:
+        """This dataset with ``ids`` (one string or integer per training record) as
+        its users (``dpmp.data._users.user_indices``)."""
+        from dpmp.data._users import user_indices
+
+        if len(ids) != self.num_train:
+            raise DataError(f"users: {len(ids)} user ids for {self.num_train} training records")
+        users = user_indices(ids, where or (lambda i: f"users[{i}]"))
+        return dataclasses.replace(self, users_train=users)
 
     @property
     def num_test(self) -> int:
@@ -119,17 +145,24 @@ class Dataset:
 
     @classmethod
     def from_arrays(
-        cls, train: tuple[Any, Any], test: tuple[Any, Any], *, description: str | None = None
+        cls,
+        train: tuple[Any, Any],
+        test: tuple[Any, Any],
+        *,
+        description: str | None = None,
+        users: Any = None,
     ) -> Dataset:
         """A dataset of ``train = (x, y)`` and ``test = (x, y)`` arrays.
 
         Features are not copied: a memory-mapped array (``np.load(...,
         mmap_mode="r")``) stays on disk. ``[n, h, w]`` features get a channel
-        axis. Raises ``DataError`` naming the array at fault.
+        axis. ``users``: a user id (string or integer) per training record, for
+        ``privacy.unit = "user"``. Raises ``DataError`` naming the array at fault.
         """
         x_train = _features("x_train", train[0], copy=not isinstance(train[0], np.memmap))
         x_test = _features("x_test", test[0], copy=not isinstance(test[0], np.memmap))
-        return _assemble(x_train, train[1], x_test, test[1], description or "user arrays")
+        data = _assemble(x_train, train[1], x_test, test[1], description or "user arrays")
+        return data if users is None else data.with_users(users)
 
     @classmethod
     def from_sources(cls, train: Any, test: Any, *, description: str | None = None) -> Dataset:
@@ -151,16 +184,19 @@ class Dataset:
         *,
         vocab_size: int,
         description: str | None = None,
+        users: Any = None,
     ) -> Dataset:
         """A next-token dataset of ``train = (x, y)`` and ``test = (x, y)``: integer
         token ids ``x [n, T]`` in ``[0, vocab_size)`` and per-token labels ``y [n, T]``
         (the token each position predicts, or -1 where it predicts none: padding,
-        no loss). Each row is one record, the privacy unit. Raises ``DataError``
+        no loss). Each row is one record; ``users``: a user id (string or integer)
+        per training record, for ``privacy.unit = "user"``. Raises ``DataError``
         naming the array at fault (an id or label outside the vocabulary among them).
         """
         from dpmp.data._tokens import tokens_dataset
 
-        return tokens_dataset(train, test, vocab_size=vocab_size, description=description)
+        data = tokens_dataset(train, test, vocab_size=vocab_size, description=description)
+        return data if users is None else data.with_users(users)
 
     def summary(self) -> dict[str, Any]:
         """JSON-serialisable description (for the run report)."""
@@ -172,7 +208,7 @@ class Dataset:
             "input_shape": list(self.input_shape),
             "standardize": self.standardize,
             "task": self.task,
-        }
+        } | ({} if self.users_train is None else {"num_users": self.num_users})
 
 
 def as_dataset(data: Any) -> Dataset:
@@ -224,7 +260,8 @@ def fingerprint(data: Dataset) -> str:
     the data) and never written to a report or log.
     """
     h = hashlib.sha256()
-    for name in ("x_train", "y_train", "x_test", "y_test"):
+    names = ("x_train", "y_train", "x_test", "y_test")
+    for name in names + ("users_train",) * (data.users_train is not None):
         arr = getattr(data, name)
         h.update(f"{name}:{np.dtype(arr.dtype).str}:{tuple(arr.shape)};".encode())
         rows = _rows_per_block(arr)

@@ -27,9 +27,10 @@ import dataclasses
 from typing import Protocol, runtime_checkable
 
 from dpmp._registry import Registry
-from dpmp.data._dataset import DataError, Dataset
+from dpmp.data._dataset import DataError, Dataset, split_positions
 from dpmp.data._features import FEATURE_MAPS
 from dpmp.data._tokens import records_dataset
+from dpmp.data._users import jsonl_user_ids, train_users
 
 __all__ = [
     "PUBLIC_TEXT",
@@ -56,6 +57,8 @@ class SourceOptions:
       seed: seeds the train/test split.
       tokenizer: text: a ``tokenizer.json`` to encode the records with, or None
         for UTF-8 bytes.
+      user_field: where each record's user id is (a JSONL field, an ``.npz``
+        array), or None: no users (``dpmp.data._users``).
     """
 
     path: str | None = None
@@ -63,6 +66,7 @@ class SourceOptions:
     seq_len: int = 64
     seed: int = 0
     tokenizer: str | None = None
+    user_field: str | None = None
 
 
 @runtime_checkable
@@ -122,7 +126,7 @@ class TextSource:
 
     def load(self, options: SourceOptions) -> Dataset:
         records, source = self.corpus.records(options.path, "data.path")
-        return records_dataset(
+        data = records_dataset(
             records,
             source,
             tokenizer=options.tokenizer,
@@ -130,6 +134,19 @@ class TextSource:
             test_fraction=options.test_fraction,
             seed=options.seed,
         )
+        return with_jsonl_users(data, options, self.name)
+
+
+def with_jsonl_users(data: Dataset, options: SourceOptions, name: str) -> Dataset:
+    """``data`` with the users of ``options.user_field`` in its JSONL file (split as
+    its records were: ``split_positions``), or as it is without a user field."""
+    if options.user_field is None:
+        return data
+    ids = jsonl_user_ids(options.path, options.user_field, name)
+    train, _ = split_positions(len(ids), options.test_fraction, options.seed)
+    where = f"{options.path}: record {{}}"
+    users = train_users(ids, train, lambda i: where.format(i + 1))
+    return dataclasses.replace(data, users_train=users)
 
 
 # ``data.dataset``: the private training data.
@@ -167,6 +184,7 @@ def load_dataset(
     seed: int = 0,
     tokenizer: str | None = None,
     features: str = "none",
+    user_field: str | None = None,
 ) -> Dataset:
     """Loads the data set of the source registered as ``name`` (no standardisation),
     its examples mapped by the feature map registered as ``features``.
@@ -183,6 +201,8 @@ def load_dataset(
       features: a registered feature map (``dpmp.data._features``): ``"none"``,
         ``"scattering"`` (computed once, cached) or your own; a fixed function
         of each record alone, applied to both splits.
+      user_field: where each record's user id is (a JSONL field of ``"text"``
+        and ``"chat"``, an array of ``"npz"``), or None (``dpmp.data._users``).
 
     Raises:
       ValueError: no source is registered as ``name``, or no feature map as ``features``.
@@ -190,7 +210,12 @@ def load_dataset(
         a source that reads one or given for a source that reads none.
     """
     options = SourceOptions(
-        path=path, test_fraction=test_fraction, seq_len=seq_len, seed=seed, tokenizer=tokenizer
+        path=path,
+        test_fraction=test_fraction,
+        seq_len=seq_len,
+        seed=seed,
+        tokenizer=tokenizer,
+        user_field=user_field,
     )
     source = SOURCES.get(name)
     feature_map = FEATURE_MAPS.get(features)
@@ -202,4 +227,7 @@ def load_dataset(
         )
     if tokenizer is not None and not isinstance(source, TextSource):
         raise DataError(f"data.tokenizer: encodes text; data.dataset {name!r} is not text")
-    return feature_map.apply(source.load(options))
+    data = source.load(options)
+    if user_field is not None and data.users_train is None:
+        raise DataError(f"data.user_field: data.dataset {name!r} carries no user ids")
+    return feature_map.apply(data)

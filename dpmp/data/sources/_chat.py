@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from dpmp.data._chat import chat_dataset, read_chat_file
 from dpmp.data._dataset import Dataset
-from dpmp.data.sources._base import SourceOptions, TextSource, register_source
+from dpmp.data.sources._base import (
+    SourceOptions,
+    TextSource,
+    register_source,
+    with_jsonl_users,
+)
 
 
 class ChatFile:
@@ -31,7 +36,7 @@ class ChatSource(TextSource):
 
     def load(self, options: SourceOptions) -> Dataset:
         conversations, source = self.corpus.records(options.path, "data.path")
-        return chat_dataset(
+        data = chat_dataset(
             conversations,
             source,
             tokenizer=options.tokenizer,
@@ -39,6 +44,7 @@ class ChatSource(TextSource):
             test_fraction=options.test_fraction,
             seed=options.seed,
         )
+        return with_jsonl_users(data, options, self.name)
 
 
 register_source(ChatSource(ChatFile()))

@@ -4,11 +4,14 @@ Features of shape ``[n, h, w, c]`` keep their image shape, ``[n, h, w]``
 becomes ``[n, h, w, 1]`` and ``[n, d]`` stays flat; they are read whole into
 float32. Without a test split, one is held out at the positions a seeded
 permutation picks (``split_positions``: never a function of the records, not
-stratified by label). Pickled (object) arrays are refused.
+stratified by label). Pickled (object) arrays are refused. With
+``data.user_field``, the array of that name holds a user id per record of
+``x`` (strings or integers; ``dpmp.data._users``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zipfile
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from dpmp.data._dataset import (
     _same_length,
     split_positions,
 )
+from dpmp.data._users import npz_user_ids, train_users
 from dpmp.data.sources._base import SourceOptions, register_source
 
 
@@ -43,6 +47,8 @@ class Npz:
         x = _features("x", arrays["x"])
         y = _labels("y", arrays["y"])
         _same_length("x", x, "y", y)
+        field, train = options.user_field, np.arange(len(x))
+        ids = None if field is None else npz_user_ids(arrays, field, file, len(x))
         if "x_test" in arrays:
             x_train, y_train = x, y
             x_test = _features("x_test", arrays["x_test"])
@@ -73,13 +79,17 @@ class Npz:
             f"{file.name}: {len(x_train)} train / {len(x_test)} test examples of shape "
             f"{tuple(x_train.shape[1:])}; {split}"
         )
-        return _assemble(
+        data = _assemble(
             np.ascontiguousarray(x_train, np.float32),
             y_train,
             np.ascontiguousarray(x_test, np.float32),
             y_test,
             description,
         )
+        if ids is None:
+            return data
+        users = train_users(ids, train, lambda i: f"{file}: {field}[{i}]")
+        return dataclasses.replace(data, users_train=users)
 
 
 def _read(file: Path) -> dict[str, np.ndarray]:
