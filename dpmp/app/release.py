@@ -117,14 +117,35 @@ NONPRIVATE_STANDARDIZE = (
 )
 
 
+USER_LEVEL = (
+    "privacy.unit = 'user': the guarantee protects all of one user's training records "
+    "together (zero-out neighbours of a user: all of its records replaced by null records); "
+    "users are Poisson-sampled, each sampled user gives at most privacy.user_records "
+    "records, and the clip bounds the norm of the sum of their gradients. The numbers of "
+    "users and of records are public."
+)
+
+
+def unit_text(config, data) -> str:
+    """What the run's neighbours differ in, and what is public, for the log."""
+    if config.privacy.unit != "user":
+        return "(the number of records is public)"
+    return (
+        f"of a user: all of one user's records null (the {data.num_users:,} users and "
+        f"{data.num_train:,} records are public; at most {config.privacy.user_records} "
+        "records of a user per step)"
+    )
+
+
 def privacy_warnings(config, num_train: int | None = None) -> list[str]:
-    """Why a run of ``config`` on ``num_train`` records is NOT differentially private
-    (empty: it is)."""
+    """Why a run of ``config`` on ``num_train`` records (users, with ``privacy.unit =
+    "user"``) is NOT differentially private (empty: it is)."""
     out = []
+    what = "users" if config.privacy.unit == "user" else "training records"
     if num_train and config.privacy.delta >= 1 / num_train:
         out.append(
             f"privacy.delta = {config.privacy.delta:g} is not below 1/n = {1 / num_train:.3g} "
-            f"(n = {num_train:,} training records; privacy.allow_large_delta = true): a "
+            f"(n = {num_train:,} {what}; privacy.allow_large_delta = true): a "
             "mechanism that publishes a record in the clear meets such a guarantee. This run "
             "is NOT differentially private."
         )
@@ -450,7 +471,12 @@ def _privacy_section(config, step, breakdown, warnings_: list[str]) -> dict[str,
         "private": not warnings_,
         "privacy_warnings": warnings_,
         "privacy_notes": privacy_notes(config, breakdown),
-        "neighbouring_relation": accounting.NEIGHBOURING_RELATION_NOTE,
+        "privacy_unit": p.unit,
+        "num_users": step.data.num_users if p.unit == "user" else None,
+        "user_records": p.user_records if p.unit == "user" else None,
+        "neighbouring_relation": (
+            USER_LEVEL if p.unit == "user" else accounting.NEIGHBOURING_RELATION_NOTE
+        ),
         "accounting_relation": "add_or_remove",
         # the guarantee: the tracker's epsilon, the one calibrated to, stopped at and
         # shown in every metrics.jsonl record; its parts are breakdown's
@@ -508,7 +534,7 @@ def build_report(
     """``report.json`` of a run of ``config`` with ``step`` (a ``PrivateStep``): the
     plan, epsilon, test metrics, loss scale, audit. Public."""
     breakdown = tracker.breakdown()
-    warnings_ = privacy_warnings(config, step.data.num_train) + audit_warnings(audit)
+    warnings_ = privacy_warnings(config, step.sampler.num_examples) + audit_warnings(audit)
     return {
         **_privacy_section(config, step, breakdown, warnings_),
         "steps": completed,
@@ -529,6 +555,7 @@ def build_report(
             "method_requested": step.clipping["requested"],
             "method": step.clipping["method"],
             "method_reason": step.clipping["reason"],
+            "unit": step.clipping.get("unit", "example"),
             "layers": step.clipping["layers"],
         },
         "audit": audit,

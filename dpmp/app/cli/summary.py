@@ -85,6 +85,16 @@ def _privacy_rows(report: dict) -> list[tuple[str, str]]:
         rows.append(("private", "NO: this run is NOT differentially private"))
         for warning in report.get("privacy_warnings") or []:
             rows.append(("privacy warning", warning))
+    if report.get("privacy_unit") == "user":
+        rows.append(
+            (
+                "privacy unit",
+                f"user ({fmt(report.get('num_users'))} users, at most "
+                f"{fmt(report.get('user_records'))} records of each per step)",
+            )
+        )
+    elif report.get("privacy_unit"):
+        rows.append(("privacy unit", str(report["privacy_unit"])))
     if report.get("stopped_early"):
         rows.append(("stopped early", report["stopped_early"]))
     overflow = report.get("overflow", {}) or {}

@@ -7,6 +7,10 @@ every batch, or fixed shuffled batches (``privacy.sampling = "shuffle"``, not
 covered by the Poisson epsilon). The padded size is a multiple of
 ``training.physical_batch_size`` (and of ``training.microbatch_size``).
 
+With ``privacy.unit = "user"`` the sampler draws users
+(``dpmp.data._user_sampling.UserPoissonSampler``): the expected, physical and
+micro batch sizes count users, and a batch is ``[padded users, k, ...]``.
+
 ``gather`` reads a batch's examples from the training split -- an in-memory
 array, a memory-mapped ``.npy`` file or any random-access source -- so only
 the batch is ever in memory; ``physical_chunks`` cuts it into the chunks the
@@ -19,9 +23,11 @@ import numpy as np
 
 from dpmp.app.config import Config, ConfigError
 from dpmp.app.trainer.plan import max_truncation_prob
+from dpmp.clipping._users import RECORD_MASK
 from dpmp.data._dataset import Dataset
 from dpmp.data._preprocess import FeatureStats, exact_feature_stats, private_feature_stats
-from dpmp.data._sampling import PoissonSampler, ShuffledSampler
+from dpmp.data._sampling import PoissonSampler, SampledBatch, ShuffledSampler
+from dpmp.data._user_sampling import UserBatch, UserPoissonSampler
 from dpmp.step._step import physical_chunks
 
 __all__ = [
@@ -51,17 +57,22 @@ def chunk_size(config: Config, devices: int = 1) -> int | None:
     return t.physical_batch_size
 
 
-def make_sampler(config: Config, num_train: int, seed: int, devices: int = 1):
+def make_sampler(config: Config, num_train: int, seed: int, devices: int = 1, users=None):
     """The run's sampler over ``num_train`` examples with the secret ``seed``, its
-    padded batches split evenly over ``devices`` devices."""
+    padded batches split evenly over ``devices`` devices; with ``privacy.unit =
+    "user"``, over the users of ``users`` (``Dataset.users_train``)."""
     t = config.training
+    by_user = config.privacy.unit == "user"
+    count, what = (int(users.max()) + 1, "users") if by_user else (num_train, "examples")
     # a batch never holds more than every example (a larger physical or micro
     # batch would be padding, allocated)
     for name in ("expected_batch_size", "physical_batch_size", "microbatch_size"):
         size = getattr(t, name)
-        if size is not None and size > num_train:
-            raise ConfigError(f"training.{name}: {size} exceeds the {num_train} training examples")
+        if size is not None and size > count:
+            raise ConfigError(f"training.{name}: {size} exceeds the {count} training {what}")
     unit = chunk_size(config, devices)
+    if by_user:
+        return _user_sampler(config, users, seed, unit)
     if config.privacy.sampling == "shuffle":
         if unit and t.expected_batch_size % unit:
             raise ConfigError(
@@ -77,6 +88,20 @@ def make_sampler(config: Config, num_train: int, seed: int, devices: int = 1):
         padded = -(-sampler.padded_batch_size // unit) * unit
         sampler = PoissonSampler(
             num_train, t.expected_batch_size, padded_batch_size=padded, seed=seed, num_steps=t.steps
+        )
+    return sampler
+
+
+def _user_sampler(config: Config, users, seed: int, unit: int | None) -> UserPoissonSampler:
+    """Users Poisson-sampled, padded to a multiple of ``unit`` users."""
+    t = config.training
+    kwargs = dict(records_per_user=config.privacy.user_records, seed=seed, num_steps=t.steps)
+    tail = max_truncation_prob(config)
+    sampler = UserPoissonSampler(users, t.expected_batch_size, max_truncation_prob=tail, **kwargs)
+    if unit and sampler.padded_batch_size % unit:
+        padded = -(-sampler.padded_batch_size // unit) * unit
+        sampler = UserPoissonSampler(
+            users, t.expected_batch_size, padded_batch_size=padded, **kwargs
         )
     return sampler
 
@@ -101,8 +126,13 @@ def gather(data: Dataset, batch) -> tuple[dict[str, np.ndarray], np.ndarray]:
     its padding mask.
 
     Padding rows repeat example 0 (masked out of every sum). Only the batch's
-    rows are read, so a memory-mapped split is never loaded whole.
+    rows are read, so a memory-mapped split is never loaded whole. A
+    ``UserBatch``'s leaves are ``[users, k, ...]``, with the real-record mask
+    (``RECORD_MASK``, ``[users, k]``) beside ``x`` and ``y``; its padding mask
+    is the padding users'.
     """
+    if isinstance(batch, UserBatch):
+        return _gather_users(data, batch)
     pad = np.asarray(batch.is_padding_example, bool)
     idx = np.where(pad, 0, np.asarray(batch.indices))
     x = np.asarray(data.x_train[idx], input_dtype(data))
@@ -112,3 +142,13 @@ def gather(data: Dataset, batch) -> tuple[dict[str, np.ndarray], np.ndarray]:
 def input_dtype(data: Dataset) -> type:
     """What the model takes: int32 tokens for next-token data, else float32 features."""
     return np.int32 if data.task == "next_token" else np.float32
+
+
+def _gather_users(data: Dataset, batch: UserBatch) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """``gather`` of a user batch: its records read as one flat batch, then one row per user."""
+    shape = batch.indices.shape
+    flat = SampledBatch(batch.indices.reshape(-1), batch.is_padding_record.reshape(-1))
+    rows, _ = gather(data, flat)
+    out = {name: value.reshape(*shape, *value.shape[1:]) for name, value in rows.items()}
+    out[RECORD_MASK] = ~np.asarray(batch.is_padding_record, bool)
+    return out, np.asarray(batch.is_padding_example, bool)

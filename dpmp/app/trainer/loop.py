@@ -75,7 +75,7 @@ from dpmp.app.trainer.mesh import (
     primary_first,
     same_everywhere,
 )
-from dpmp.app.trainer.plan import noise_plan
+from dpmp.app.trainer.plan import noise_plan, population
 from dpmp.app.trainer.pretrain import params_digest, pretrain
 from dpmp.app.trainer.resume import check_config, check_data, check_model, check_start
 from dpmp.app.trainer.step import (
@@ -161,18 +161,19 @@ def _log_plan(run: RunDir, config: Config, step: PrivateStep) -> None:
         )
     clip = step.clipping
     run.log(
-        f"per-example clipping: {clip['method']} (requested {clip['requested']}"
+        f"per-{clip.get('unit', 'example')} clipping: {clip['method']} (requested "
+        f"{clip['requested']}"
         + (f"; {clip['reason']}" if clip["reason"] and clip["requested"] != "vmap" else "")
         + (f"; {_ghost_layers(clip['layers'])}" if clip["method"] == "ghost" else "")
         + ")"
     )
-    warnings_ = release.privacy_warnings(config, step.data.num_train)
+    warnings_ = release.privacy_warnings(config, step.sampler.num_examples)
     for warning in warnings_:
         run.log("WARNING: " + warning, echo=True)
     if not warnings_:
         run.log(
             "privacy: noise keys and sampler seed drawn from OS entropy (kept only in "
-            "checkpoints); neighbours: zero-out (the number of records is public)"
+            f"checkpoints); neighbours: zero-out {release.unit_text(config, step.data)}"
         )
     published = [*release.RUN_FILES] + [f"{TENSORBOARD_DIR}/"] * ("tensorboard" in t.writers)
     run.log(
@@ -314,7 +315,7 @@ def _train(
     told: list[str] = []  # the pre-training's log lines, written once the run's log is open
     fixed = config.privacy.noise_multiplier is not None
     if fixed and config.pretrain.enabled:  # refuse a too-small sigma before pre-training
-        exact = noise_plan(config, num_train=data.num_train, params_shape=None)
+        exact = noise_plan(config, num_train=population(config, data), params_shape=None)
         _check_fixed_noise(config, exact.budget)
     init_params, start = _starting_point(
         config, run_dir, model, init_params, progress, told, init_from
@@ -532,7 +533,7 @@ class _Run:
                 f"{path}: privacy plan differs from this config's: checkpoint "
                 f"{self.tracker.budget}, config {self.step.plan.budget}"
             )
-        self.sampler = type(self.sampler).from_state_dict(
+        self.sampler = self.sampler.from_state_dict(  # a user sampler keeps its users
             meta["sampler"], num_steps=self.config.training.steps
         )
         self.totals.update(meta["totals"])

@@ -34,6 +34,7 @@ __all__ = [
     "count_noise_stddev",
     "max_truncation_prob",
     "noise_plan",
+    "population",
     "run_keys",
     "truncation_delta",
 ]
@@ -192,10 +193,19 @@ class NoisePlan:
     truncation_delta: float = 0.0
 
 
+def population(config: Config, data: Any) -> int:
+    """n of the accounting: the training records, or with ``privacy.unit = "user"``
+    the users (``Dataset.num_users``), sampled with ``q = expected_batch_size / n``."""
+    if config.privacy.unit == "user" and data.num_users is not None:
+        return data.num_users
+    return data.num_train
+
+
 def noise_plan(
     config: Config, *, num_train: int, params_shape: Any, truncation_probability: float = 0.0
 ) -> NoisePlan:
-    """The noise multiplier and budget of ``config`` for ``num_train`` examples and
+    """The noise multiplier and budget of ``config`` for ``num_train`` examples (users,
+    with ``privacy.unit = "user"``: see ``population``) and
     trainable parameters shaped like ``params_shape`` (a pytree of arrays or
     ``jax.ShapeDtypeStruct``; None: the plan of exact Gaussian noise, which a
     snapped noise's residual can only add to).
@@ -204,10 +214,11 @@ def noise_plan(
     covers the snapped noise's residual, its failure probability included) gets
     what a possibly truncated Poisson sample (``truncation_probability`` per
     step) leaves of it."""
+    what = "users" if config.privacy.unit == "user" else "training records"
     if config.privacy.delta >= 1 / num_train and not config.privacy.allow_large_delta:
         raise ConfigError(
             f"privacy.delta: {config.privacy.delta:g} is not below 1/n = {1 / num_train:.3g} "
-            f"for the n = {num_train:,} training records, so the guarantee would allow "
+            f"for the n = {num_train:,} {what}, so the guarantee would allow "
             "publishing a record in the clear; use a delta below 1/n (1e-5 is usual), or "
             "privacy.allow_large_delta = true to train anyway (NOT differentially private)"
         )

@@ -47,6 +47,7 @@ from dpmp.audit._precision import audit_precision
 from dpmp.audit._privacy import privacy_audit
 from dpmp.clipping._private_grad import private_grad
 from dpmp.clipping._private_loss_scale import PrivateDynamicLossScale
+from dpmp.clipping._users import user_private_grad
 from dpmp.data._dataset import Dataset
 from dpmp.data._preprocess import FeatureStats, standardize
 from dpmp.models._lora import lora_model
@@ -185,10 +186,8 @@ def _step_batch(data: Dataset, sampled, mesh: DataParallelMesh | None, chunk: in
     if mesh is None:
         return gather(data, sampled)
 
-    def rows(start, stop):
-        part = slice(start, stop)
-        indices, pad = sampled.indices[part], sampled.is_padding_example[part]
-        return gather(data, sampled._replace(indices=indices, is_padding_example=pad))
+    def rows(start, stop):  # every field of the sampled batch has a row per example
+        return gather(data, type(sampled)(*(field[start:stop] for field in sampled)))
 
     return mesh.put_batch(rows, len(sampled.is_padding_example), chunk)
 
@@ -292,21 +291,15 @@ def build_private_step(
     model, params_shape, notes = _trained_model(
         config, model, init_params, init_key, shards, donate
     )
-    sampler = make_sampler(config, data.num_train, keys.sampler_seed, devices)
+    users = _users(config, data)
+    sampler = make_sampler(config, data.num_train, keys.sampler_seed, devices, users)
     plan = noise_plan(
         config,
-        num_train=data.num_train,
+        num_train=sampler.num_examples,  # the users, with privacy.unit = "user"
         params_shape=params_shape,
         truncation_probability=_truncation_bound(config, sampler),
     )
-    grad_fn = private_grad(
-        model.loss_fn,
-        l2_clip_norm=config.privacy.l2_clip_norm,
-        policy=policy,
-        microbatch_size=t.microbatch_size,
-        allow_nonprivate_loss_scale=config.loss_scale.kind == "nonprivate_dynamic",
-        method=config.privacy.clip_method,
-    )
+    grad_fn = _grad_fn(config, model, per_user=users is not None)
     params = jax.jit(model.init)(init_key)
     size = t.physical_batch_size
     first = sampler.batch(0)
@@ -354,6 +347,32 @@ def build_private_step(
         keys=keys,
         notes=notes,
     )
+
+
+def _grad_fn(config: Config, model: Model, *, per_user: bool):
+    """The clipped-sum function: per example, or per user (``user_private_grad``)."""
+    return (user_private_grad if per_user else private_grad)(
+        model.loss_fn,
+        l2_clip_norm=config.privacy.l2_clip_norm,
+        policy=config.precision,
+        microbatch_size=config.training.microbatch_size,
+        allow_nonprivate_loss_scale=config.loss_scale.kind == "nonprivate_dynamic",
+        method=config.privacy.clip_method,
+    )
+
+
+def _users(config: Config, data: Dataset):
+    """The users of the training records with ``privacy.unit = "user"`` (None at
+    record level); data without users is refused in one line."""
+    if config.privacy.unit != "user":
+        return None
+    if data.users_train is None:
+        raise ConfigError(
+            'privacy.unit: "user" needs a user id per training record: set data.user_field '
+            "(a JSONL field, an npz array), or give users= to dpmp.Dataset.from_arrays or "
+            "from_tokens"
+        )
+    return data.users_train
 
 
 def _truncation_bound(config: Config, sampler) -> float:
