@@ -442,6 +442,47 @@ def gpt2_step(name: str, unit: str = "s") -> str:
     return _table(header, rows)
 
 
+LLM_FAMILIES = {
+    "llama": "Llama-3.2-1B's sizes",
+    "qwen2": "Qwen2.5-0.5B's sizes",
+    "gemma": "Gemma-3-1B's sizes (Gemma architecture)",
+}
+LLM_ROWS = {"lora": "LoRA rank 8, {:,} adapter parameters", "full": "full, {:,} parameters"}
+
+
+def llm_families(name: str) -> str:
+    """Each family's private and non-private steps at a published model's sizes:
+    compiled memory and compile CPU seconds, and their ratios."""
+    data = _load(name)
+    by_step = {(r["family"], r["row"], r["step"]): r for r in data["rows"]}
+    first = data["rows"][0]
+    rows = []
+    for ratio in data["ratios"]:
+        key = (ratio["family"], ratio["row"])
+        steps = [by_step[(*key, kind)] for kind in ("non-private", "private")]
+        base = steps[0]["base_params"] or steps[0]["trainable_params"]
+        row = [
+            f"{LLM_FAMILIES[key[0]]}, {base:,} parameters",
+            LLM_ROWS[key[1]].format(steps[0]["trainable_params"]),
+            ratio["clip_method"],
+        ]
+        for r in steps:
+            row.append(f"{r['compiled_mb']:,.0f} MB, compiled in {r['compile_cpu_s']:.1f} s CPU")
+        row.append(
+            f"{ratio['memory_ratio']:.2f}x memory, {ratio['compile_cpu_ratio']:.2f}x compile"
+        )
+        rows.append(row)
+    header = [
+        f"model (bf16, batch {first['batch']} x {first['tokens']} tokens)",
+        "trained",
+        "clip method (`auto`)",
+        "non-private step",
+        "private step",
+        "private / non-private",
+    ]
+    return _table(header, rows)
+
+
 OPERAND_MODELS = {
     "mlp": "MLP 784-1024-1024-1024-10",
     "cnn": "CNN",
@@ -704,6 +745,7 @@ TABLES: dict[str, Callable[..., str]] = {
     "lora": lora,
     "lora_compile": lora_compile,
     "gpt2_step": gpt2_step,
+    "llm_families": llm_families,
     "gpt2_checkpoint": gpt2_checkpoint,
     "ghost_operands": ghost_operands,
     "reproduction": reproduction,

@@ -406,3 +406,29 @@ def test_figures_in_prose_are_the_committed_results(page, phrase, figure):
     assert phrase in text, f"docs/{page} no longer says {phrase!r}: update this list"
     number = re.search(r"\d[\d,.]*\d|\d", phrase).group(0)
     assert number == figure(), f"docs/{page}: {phrase!r}, but the file gives {figure()}"
+
+
+def test_the_llm_families_table_is_the_files_numbers():
+    """Each family's row: its parameters, what trains, and the private / non-private
+    ratios recomputed here from the two steps' own compiled memory and compile CPU
+    seconds."""
+    name = "cpu_2core_llm_families.json"
+    data = json.loads((RESULTS / name).read_text())
+    lines = hooks.render("llm_families", (name,), {}).splitlines()[2:]
+    assert len(lines) == len(data["ratios"]) > 0
+    for line, ratio in zip(lines, data["ratios"], strict=True):
+        cells = line.strip("| ").split(" | ")
+        steps = {
+            r["step"]: r
+            for r in data["rows"]
+            if (r["family"], r["row"]) == (ratio["family"], ratio["row"])
+        }
+        private, base = steps["private"], steps["non-private"]
+        count = base["base_params"] or base["trainable_params"]
+        assert cells[0] == f"{hooks.LLM_FAMILIES[ratio['family']]}, {count:,} parameters"
+        assert f"{base['trainable_params']:,}" in cells[1]
+        memory = private["compiled_mb"] / base["compiled_mb"]
+        compile_cpu = private["compile_cpu_s"] / base["compile_cpu_s"]
+        assert _close(cells[5].split("x memory")[0], memory, 2)
+        assert _close(cells[5].split(", ")[1].split("x compile")[0], compile_cpu, 2)
+        assert f"{private['compiled_mb']:,.0f} MB" in cells[4]
