@@ -16,6 +16,7 @@ from dpmp.app.config import ConfigError, load_config
 from dpmp.clipping._users import RECORD_MASK, user_private_grad
 from dpmp.data._dataset import DataError, split_positions
 from dpmp.data._user_sampling import UserPoissonSampler
+from dpmp.data.sources import load_dataset
 
 U32 = 2.0**-24
 
@@ -177,6 +178,31 @@ def test_each_sampled_user_gives_its_own_records_at_most_k():
             assert len(records) == min(count, k)
             seen_big += count == 3000
     assert seen_big > 0
+
+
+def _same_partition(a, b):
+    """Whether two labelings of the same items group them alike."""
+    pairs = set(zip(np.asarray(a).tolist(), np.asarray(b).tolist()))
+    return len(pairs) == len(set(np.asarray(a).tolist())) == len(set(np.asarray(b).tolist()))
+
+
+def test_jsonl_and_npz_users_follow_their_records_through_the_split(tmp_path):
+    from dpmp.data._text import BOS, PAD
+
+    rows = [{"text": f"user {i % 7} wrote line {i}", "user": i % 7 or "zero"} for i in range(40)]
+    data = load_dataset("text", path=_jsonl(tmp_path, rows), user_field="user", seed=3)
+    texts = [bytes(t for t in row if t not in (BOS, PAD)).decode() for row in data.x_train]
+    writers = [int(t.split()[1]) for t in texts]
+    assert _same_partition(writers, data.users_train) and data.num_users == len(set(writers))
+
+    x = np.arange(60, dtype=np.float32).reshape(30, 2)
+    np.savez(tmp_path / "d.npz", x=x, y=np.arange(30) % 2, who=np.arange(30) % 4)
+    data = load_dataset("npz", path=str(tmp_path / "d.npz"), user_field="who", seed=1)
+    assert _same_partition(data.x_train[:, 0].astype(int) // 2 % 4, data.users_train)
+    with pytest.raises(DataError, match="no array 'users'"):
+        load_dataset("npz", path=str(tmp_path / "d.npz"), user_field="users")
+    with pytest.raises(DataError, match="carries no user ids"):
+        load_dataset("digits", user_field="users")
 
 
 def test_a_user_with_no_training_record_is_not_a_user():
