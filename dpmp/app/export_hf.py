@@ -137,7 +137,11 @@ def privacy_record(report: dict[str, Any], search: dict[str, Any] | None = None)
         "format": _FORMAT,
         "private": private,
         "privacy_warnings": warnings,
-        "privacy_unit": report.get("privacy_unit", PRIVACY_UNIT),
+        "privacy_unit": (  # report.json names the unit ("record" or "user"); say what it is
+            PRIVACY_UNIT
+            if report.get("privacy_unit", "record") == "record"
+            else report.get("neighbouring_relation")
+        ),
         "neighbouring_relation": report.get("neighbouring_relation"),
         "guarantee": guarantee,
         "epsilon": epsilon,
