@@ -148,8 +148,8 @@ def _log_plan(run: RunDir, config: Config, step: PrivateStep) -> None:
         run.log(
             f"noise stddev = noise multiplier x L2 sensitivity {bound['sensitivity']:.9g}: the "
             f"clip norm {bound['clip_norm']:g} plus the rounding of the clipped sum of "
-            f"{bound['batch_size']} padded examples in {bound['parts']} part(s), accumulated "
-            f"in {bound['accumulate_dtype']}"
+            f"{bound['batch_size']} padded {'users' if p.unit == 'user' else 'examples'} in "
+            f"{bound['parts']} part(s), accumulated in {bound['accumulate_dtype']}"
         )
     if step.fn.mesh is not None:
         where = release.mesh_summary(step.fn.mesh, sharded=t.shard_params)
