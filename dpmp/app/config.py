@@ -199,7 +199,7 @@ class DataConfig:
       one record each, rendered by the ``chat_template`` of the tokenizer's
       ``tokenizer_config.json``, the loss on the assistant's tokens only;
       needs a tokenizer: the checkpoint's or ``tokenizer``). A record is the
-      privacy unit.
+      privacy unit (all of a user's records with ``privacy.unit = "user"``).
     user_field: the user id of each record, for ``privacy.unit = "user"``: a field
       of each JSON line (``"text"``, ``"chat"``) or an array of the ``.npz`` file,
       one string or integer per record (unset: no users).

@@ -344,8 +344,10 @@ def _facts(config: Config) -> _Facts:
     else:
         data = load_data(config.data, config.training.seed)
         model = model_from_config(config.model, data, config.precision)
+    from dpmp.app.trainer.plan import population  # the users, with privacy.unit = "user"
+
     shape = jax.eval_shape(model.init, jax.random.key(config.training.seed))
-    return _Facts(data.num_train, shape)
+    return _Facts(population(config, data), shape)
 
 
 def _noise_plan(config: Config, facts: _Facts):
