@@ -543,3 +543,85 @@ def test_whole_private_step_needs_at_most_1_3x_the_non_private_steps_memory():
 
     ratio = total(private, opt) / total(nonprivate, adam)
     assert ratio <= 1.3, ratio
+
+
+def _same_size_tree():
+    """Leaves past ``GROUP_MAX``: five of 2^17 coordinates in five shapes (their piece
+    divides them), two of 70,017 (it does not), one of 90,300 alone, one of 2^17 in
+    bfloat16 (a group of its own), and two small leaves."""
+    ramp = jnp.linspace(-2.0, 2.0, 1 << 17)
+    five = [(512, 256), (256, 512), (1 << 17,), (2, 256, 256), (64, 2048)]
+    tree = {f"five{j}": (ramp * (j + 1)).reshape(s) for j, s in enumerate(five)}
+    tree |= {"two0": ramp[:70_017].reshape(3, 23_339), "two1": ramp[1:70_018].reshape(23_339, 3)}
+    tree |= {"one": ramp[:90_300].reshape(300, 301), "half": ramp.astype(jnp.bfloat16)}
+    return tree | {"small": ramp[:15].reshape(3, 5), "tiny": ramp[:100]}
+
+
+@pytest.mark.slow  # ~10 s on 2 cores: five compiled draws and four references
+def test_same_sized_leaves_drawn_together_get_their_own_leafs_noise(strict_promotion):
+    """On XLA:CPU the larger leaves of one size and dtype are drawn in one loop, piece
+    ``c`` of each of them in one pass; every leaf still equals ``snapped_leaf`` of it
+    from ``fold_in(key, i)``, bit for bit: groups of 1, 2 and 5 leaves, sizes the
+    piece divides and does not, leaves of one size in different shapes, a dtype and
+    sizes mixed in one tree."""
+    from dpmp.noise import _snapped as noise
+
+    key = jax.random.key(9)
+    tree = _same_size_tree()
+    assert [noise._same_size_piece(g, n) for g, n in ((5, 1 << 17), (2, 70_017))] == [8192, 8192]
+    drawn = jax.jit(lambda k, t: noise._snap_tree(k, t, 0.6))(key, tree)
+    own = jax.jit(noise.snapped_leaf, static_argnums=2)
+    for i, (got, leaf) in enumerate(
+        zip(jax.tree.leaves(drawn), jax.tree.leaves(tree), strict=True)
+    ):
+        ref = own(noise._key_words(jax.random.fold_in(key, i)), leaf.reshape(-1), 0.6)
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape
+        np.testing.assert_array_equal(np.asarray(got).reshape(-1), np.asarray(ref))
+        assert not np.array_equal(np.asarray(got), np.asarray(leaf))
+
+
+def _draws(fn, *args) -> int:
+    """How many times the traced ``fn(*args)`` calls the snapped draw."""
+    from dpmp.noise._snapped import snapped_normal_sample
+
+    text = str(jax.make_jaxpr(fn)(*args))
+    return len(re.findall(r"name=" + snapped_normal_sample.__name__ + r"\b", text))
+
+
+def test_same_sized_leaves_share_one_draw_on_cpu_only(monkeypatch):
+    """Traced for XLA:CPU, the program holds one draw for each size and dtype of the
+    larger leaves (one loop, no remainder piece) and one for each dtype of the
+    small ones; traced for any other backend, one for each larger leaf. The
+    precision audit finds each draw, in float64."""
+    from dpmp.noise import _snapped as noise
+
+    tree = jax.eval_shape(_same_size_tree)
+    fn = lambda k, t: noise._snap_tree(k, t, 1.0)  # noqa: E731
+    key = jax.random.key(0)
+    assert noise.traced_for_cpu() and _draws(fn, key, tree) == 4 + 1
+    priv = dpmp.gaussian_privatizer(stddev=1.0, prng_key=0, policy="fp32")
+    grads = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+    report = dpmp.audit_precision(priv.update, grads, priv.init(grads), policy="fp32")
+    # the privatizer lifts the bfloat16 leaf to the noise dtype: it joins the five
+    assert report.counts()["noise_sample"] == 3 + 1, str(report)
+    assert all(f.ok and f.out_dtype == jnp.float64 for f in report.of_kind("noise_sample"))
+    monkeypatch.setattr(noise, "traced_for_cpu", lambda: False)
+    # a new function: the trace of the first is cached
+    assert _draws(lambda k, t: noise._snap_tree(k, t, 1.0), key, tree) == 9 + 1
+
+
+def test_same_sized_leaves_need_one_piece_of_temporary_memory():
+    """Sixteen leaves of 2^20 coordinates drawn together: the compiled draw's
+    temporary memory is the drawn piece, [16, C] float32 with 16 C within
+    ``chunk_size(16 * 2^20)``, plus no more than one leaf drawn alone needs (its
+    own piece, key words and loop counters); not a copy of the leaves."""
+    from dpmp.noise import _snapped as noise
+
+    def temp(count):
+        tree = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * count
+        fn = jax.jit(lambda k, t: noise._snap_tree(k, t, 1.0))
+        return fn.lower(jax.random.key(0), tree).compile().memory_analysis().temp_size_in_bytes
+
+    piece = 16 * noise._same_size_piece(16, 1 << 20)
+    assert piece <= noise.chunk_size(16 << 20) and piece == 1 << 21
+    assert temp(16) <= 4 * piece + temp(1), (temp(16), temp(1))

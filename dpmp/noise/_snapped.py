@@ -16,11 +16,15 @@ Its deviation from the exact Gaussian is bounded per grid cell and accounted:
 At the sizes models are trained (10^8 to 10^10 coordinates) the noise stage
 must not hold per-coordinate temporaries of the whole model: a coordinate's
 noise is a function of the key, its leaf and its index alone
-(``_noise_words``), so each leaf is drawn in one fused pass without
-temporaries, in bounded pieces written back in place (``chunk_size``); the
-small leaves of a tree are drawn together as one vector (one program for all,
-``GROUP_MAX``), and on a mesh each device draws only its own part of a leaf or
-of that vector (``NoiseSharding``), with the same result as one device.
+(``_noise_words``), so a leaf is drawn in one fused pass, in bounded pieces
+written back in place (``chunk_size``). Each copy of that pass in a program
+costs XLA:CPU about half a second to compile, so leaves share one: the small
+leaves of a tree are drawn together as one vector (``GROUP_MAX``), and on one
+device compiled for XLA:CPU the larger leaves of one size and dtype are drawn
+together too, piece ``c`` of each of them in one pass (``_snap_same_size``);
+on a mesh each device draws only its own part of a leaf or of the small
+leaves' vector (``NoiseSharding``). The result is the same however the leaves
+are grouped, pieced or sharded.
 """
 
 from __future__ import annotations
@@ -384,7 +388,8 @@ GROUP_MAX = 1 << 16
 def _snap_tree(key, tree, stddev: float, sharding: NoiseSharding | None = None):
     """``snapped_gaussian`` on every leaf; leaf ``i`` is drawn from ``fold_in(key, i)``
     in bounded pieces (over ``sharding``'s mesh when given), the small leaves of a
-    dtype together (``_snap_leaves``)."""
+    dtype together, and on one device compiled for XLA:CPU the larger leaves of a
+    size and dtype together (``_snap_leaves``)."""
     if stddev == 0:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
@@ -397,27 +402,125 @@ def _snap_tree(key, tree, stddev: float, sharding: NoiseSharding | None = None):
 def _snap_leaves(
     key, leaves: list, stddev: float, sharding: NoiseSharding | None = None, specs=None
 ) -> list:
-    """The leaves with noise: each leaf of more than ``GROUP_MAX`` coordinates on its
-    own, and on a mesh each leaf split over it (``specs``: one ``PartitionSpec`` a
-    leaf); the others (small, whole on every device) in one draw per dtype, over the
-    mesh when there is one (the same values, fewer programs)."""
+    """The leaves with noise. The small ones (at most ``GROUP_MAX`` coordinates, and
+    on a mesh whole on every device) in one draw per dtype, over the mesh when there
+    is one (``_snap_small``: the same values, fewer programs). The larger ones: on
+    one device traced for XLA:CPU, those of one size and dtype together
+    (``_snap_same_size``); elsewhere each on its own, and on a mesh each split over
+    it (``specs``: one ``PartitionSpec`` a leaf)."""
     out = list(leaves)
     groups: dict[Any, list[int]] = {}
+    same_size: dict[Any, list[int]] = {}
+    together = sharding is None and traced_for_cpu()
     for i, leaf in enumerate(leaves):
         if leaf.size <= GROUP_MAX and (sharding is None or sharding.replicates(specs[i])):
             groups.setdefault(jnp.dtype(leaf.dtype), []).append(i)
-            continue
-        words = _key_words(jax.random.fold_in(key, i))
-        if sharding is None:
-            out[i] = snapped_leaf(words, leaf, stddev)
+        elif together:
+            same_size.setdefault((leaf.size, jnp.dtype(leaf.dtype)), []).append(i)
+        elif sharding is None:
+            # Not traced for XLA:CPU: one leaf at a time, as measured on GPUs (a
+            # piece of up to SNAP_CHUNK, no loop); grouping is not measured there.
+            out[i] = snapped_leaf(_key_words(jax.random.fold_in(key, i)), leaf, stddev)
         else:
-            out[i] = sharding.draw(words, leaf, specs[i], stddev)
+            out[i] = sharding.draw(_key_words(jax.random.fold_in(key, i)), leaf, specs[i], stddev)
+    if same_size:
+        ids = [i for group in same_size.values() for i in group]
+        table = _leaf_key_words(key, jnp.asarray(ids, jnp.uint32))
+        row = {i: r for r, i in enumerate(ids)}
+        for group in same_size.values():
+            rows = table[np.asarray([row[i] for i in group])]
+            drawn = _snap_same_size(rows, [leaves[i] for i in group], stddev)
+            for i, leaf in zip(group, drawn, strict=True):
+                out[i] = leaf
     draw = _draw_group if sharding is None else sharding.draw_group
     for ids in groups.values():
         drawn = _snap_small(key, ids, [leaves[i] for i in ids], stddev, draw)
         for i, leaf in zip(ids, drawn, strict=True):
             out[i] = leaf
     return out
+
+
+def _same_size_piece(leaves: int, n: int) -> int:
+    """Coordinates ``C`` per leaf in a piece of ``_snap_same_size``'s draw of
+    ``leaves`` leaves of ``n`` coordinates each: the largest power of two with
+    ``leaves * C`` within ``chunk_size(leaves * n)``, the piece of one leaf of all
+    their coordinates (at most ``SNAP_CHUNK``, an eighth of them)."""
+    return 1 << max(chunk_size(leaves * n) // leaves, 1).bit_length() - 1
+
+
+def _snap_same_size(table: jax.Array, leaves: list, stddev: float) -> list:
+    """Leaves of one size and dtype with snapped noise, leaf ``j`` drawn with the key
+    words ``table[j]`` (uint32[G, 4] for G leaves): each coordinate gets what
+    ``snapped_leaf`` of its own leaf gives it (tests), from one copy of the draw.
+
+    One loop over pieces of ``C = _same_size_piece(G, n)`` coordinates: piece ``c``
+    of every leaf (dynamic slices of the flat leaves, the loop's carry) read as the
+    rows of a [G, C] array, drawn in one elementwise pass (row ``j`` with
+    ``table[j]``, coordinates ``c C`` to ``c C + C - 1``) inside an always-true
+    ``lax.cond`` (``_snap_flat`` says why, on XLA:CPU), and each row written back
+    into its own leaf in place. When ``C`` does not divide ``n`` the last piece is
+    the leaves' last ``C`` coordinates, and it keeps the ones an earlier piece drew
+    (the same loop body: no second copy of the draw for a remainder). The
+    temporary memory is the drawn piece, [G, C] (at most ``chunk_size(G n)``
+    coordinates); the slices fuse into the draw.
+
+    The rows are written back at offsets XLA cannot fold (``opaque_ints``): the G
+    writes compile to one kernel. The key words are carried through the loop, so
+    that XLA does not fuse their Threefry computation into each of their readers.
+
+    Each copy of the draw (a Threefry-4x32 block, the float64 ``ndtri``, the
+    snapping: one fusion of ~600 operations) costs XLA:CPU ~0.4-0.5 s to compile.
+    48 leaves of 256 x 1024 (2 CPU cores): 23-27 s to compile leaf by leaf, 3.2-3.4 s
+    together; GPT-2-small's 48 weight matrices (4 shapes, 3 sizes, 12 layers): 27-29 s
+    and 4.9-5.3 s; a draw no slower. Selecting a leaf by the loop index
+    (``lax.switch``) instead of reading them all makes XLA copy the whole carry
+    every iteration."""
+    g, n = len(leaves), leaves[0].size
+    size = _same_size_piece(g, n)
+    pieces, rest = -(-n // size), n % size
+
+    def draw(table, start, low, part):
+        positions = start + jax.lax.iota(jnp.int32, size)
+        keys = tuple(table[:, w, None] for w in range(4))  # uint32[G, 1] each
+        noisy = _snap_words(_noise_words(keys, _as_index(positions)), part, stddev)
+        return noisy if not rest else jnp.where(positions >= low, noisy, part)
+
+    def read(start, flats):
+        if g == 1:
+            return jax.lax.dynamic_slice(flats[0], (start,), (size,))[None]
+        row = jax.lax.broadcasted_iota(jnp.int32, (g, size), 0)
+        part = None
+        for j, x in enumerate(flats):  # a chain of selects fuses into the draw, a stack
+            # (concatenate) would be one more [G, C] temporary
+            own = jnp.broadcast_to(jax.lax.dynamic_slice(x, (start,), (size,)), (g, size))
+            part = own if part is None else jnp.where(row == j, own, part)
+        return part
+
+    def piece(c, carry):
+        table, flats = carry
+        low = c * size
+        start = low if not rest else jnp.minimum(low, n - size)
+        always = always_true(table)
+        noisy = jax.lax.cond(
+            always,
+            lambda t, f: draw(t, start, low, read(start, f)),
+            lambda t, f: read(start, f),
+            table,
+            flats,
+        )
+        zero = jnp.zeros((), jnp.int32)
+        rows = opaque_ints(range(g), always)
+        flats = tuple(
+            jax.lax.dynamic_update_slice(
+                x, jax.lax.dynamic_slice(noisy, (r, zero), (1, size))[0], (start,)
+            )
+            for r, x in zip(rows, flats, strict=True)
+        )
+        return table, flats
+
+    flats = tuple(leaf.reshape(-1) for leaf in leaves)
+    _, flats = jax.lax.fori_loop(0, pieces, piece, (table, flats))
+    return [x.reshape(leaf.shape) for x, leaf in zip(flats, leaves, strict=True)]
 
 
 def _snap_small(key, ids: list[int], leaves: list, stddev: float, draw: Callable) -> list:
@@ -482,8 +585,9 @@ def _draw_group(flat: jax.Array, table: jax.Array, starts: np.ndarray, stddev: f
 
 @dataclasses.dataclass(frozen=True)
 class SnappedSampler:
-    """``snapped_gaussian`` noise, leaf by leaf, the small ones of a dtype together
-    (``_snap_tree``; ``dpmp.noise.NoiseSampler``).
+    """``snapped_gaussian`` noise on every leaf, the small ones of a dtype together
+    and, on XLA:CPU, the larger ones of a size and dtype together (``_snap_tree``;
+    ``dpmp.noise.NoiseSampler``).
 
     Its normals are drawn by the named jit ``snapped_normal_sample``, which the
     precision audit records as the ``noise_sample`` site; it draws in float64,
