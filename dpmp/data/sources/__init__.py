@@ -26,6 +26,7 @@ from dpmp.data.sources import _python_docs  # noqa: F401, E402  isort: skip
 from dpmp.data.sources import _python_stdlib  # noqa: F401, E402  isort: skip
 from dpmp.data.sources import _text_file  # noqa: F401, E402  isort: skip
 from dpmp.data.sources import _chat  # noqa: F401, E402  isort: skip
+from dpmp.data.sources import _shakespeare  # noqa: F401, E402  isort: skip
 
 __all__ = [
     "PUBLIC_TEXT",
