@@ -90,8 +90,9 @@ def gaussian_privatizer(
     (an unsafe opt-in) always gets the plain sampler in that dtype.
 
     The snapped noise is drawn leaf by leaf (the small leaves of a dtype as one
-    vector), in bounded pieces written back in place (``chunk_size``), each in
-    one fused pass that needs no temporaries: its temporary memory does not
+    vector; on XLA:CPU, the larger leaves of a size and dtype in one loop, a
+    piece of each in one pass), in bounded pieces written back in place
+    (``chunk_size``), each in one fused pass: its temporary memory does not
     grow with the model. ``sharding`` (a
     ``NoiseSharding``) splits the draw over the devices of a mesh, each device
     drawing only its part; the result is the same as on one device.
