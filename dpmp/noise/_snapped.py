@@ -425,7 +425,7 @@ def _snap_leaves(
             out[i] = sharding.draw(_key_words(jax.random.fold_in(key, i)), leaf, specs[i], stddev)
     if same_size:
         ids = [i for group in same_size.values() for i in group]
-        table = _leaf_key_words(key, jnp.asarray(ids, jnp.uint32))
+        table = _key_table(key, ids)
         row = {i: r for r, i in enumerate(ids)}
         for group in same_size.values():
             rows = table[np.asarray([row[i] for i in group])]
@@ -438,6 +438,16 @@ def _snap_leaves(
         for i, leaf in zip(ids, drawn, strict=True):
             out[i] = leaf
     return out
+
+
+def _key_table(key, ids: list[int]) -> jax.Array:
+    """``_key_words(jax.random.fold_in(key, i))`` for each ``i`` of ``ids`` (uint32[m,
+    4]): written out in one pass (``_leaf_key_words``) for a 128-bit or a Threefry
+    key; for any other key (e.g. ``rbg``, whose bits under ``vmap`` are not its
+    bits one key at a time) key by key, as a leaf drawn alone takes them."""
+    if key128.is_key128(key) or _threefry_data(key) is not None:
+        return _leaf_key_words(key, jnp.asarray(ids, jnp.uint32))
+    return jnp.stack([_key_words(jax.random.fold_in(key, i)) for i in ids])
 
 
 def _same_size_piece(leaves: int, n: int) -> int:
@@ -470,11 +480,11 @@ def _snap_same_size(table: jax.Array, leaves: list, stddev: float) -> list:
 
     Each copy of the draw (a Threefry-4x32 block, the float64 ``ndtri``, the
     snapping: one fusion of ~600 operations) costs XLA:CPU ~0.4-0.5 s to compile.
-    48 leaves of 256 x 1024 (2 CPU cores): 23-27 s to compile leaf by leaf, 3.2-3.4 s
-    together; GPT-2-small's 48 weight matrices (4 shapes, 3 sizes, 12 layers): 27-29 s
-    and 4.9-5.3 s; a draw no slower. Selecting a leaf by the loop index
-    (``lax.switch``) instead of reading them all makes XLA copy the whole carry
-    every iteration."""
+    48 leaves of 256 x 1024 (2 CPU cores): 22-27 s to compile leaf by leaf, 3.0-3.4 s
+    together; GPT-2-small's 48 weight matrices (4 shapes, 3 sizes, 12 layers): 27-32 s
+    and 4.6-5.4 s; a draw no slower (the 48 matrices: 1.6 s, 1.8 s leaf by leaf).
+    Selecting a leaf by the loop index (``lax.switch``) instead of reading them all
+    makes XLA copy the whole carry every iteration."""
     g, n = len(leaves), leaves[0].size
     size = _same_size_piece(g, n)
     pieces, rest = -(-n // size), n % size
