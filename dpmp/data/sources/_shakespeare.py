@@ -91,11 +91,10 @@ class ShakespeareSource(TextSource):
                 f"{len(test_at)} of {len(users)} speeches; need at least one test and "
                 f"{MIN_TRAIN_EXAMPLES} training speeches"
             )
-        x, y, vocab, cut, unit = _encode(records, options)
+        x, y, vocab, cut, unit, cut_to = _encode(records, options)
         trained = [users[i] for i in train_at]
         split = (
-            f"split by users: test_fraction={options.test_fraction} of users, seed="
-            f"{options.seed}"
+            f"split by users: test_fraction={options.test_fraction} of users, seed={options.seed}"
         )
         return Dataset(
             x_train=x[train_at],
@@ -109,27 +108,28 @@ class ShakespeareSource(TextSource):
                 f"{len(set(trained))} train users, {unit} (longer ones cut; {split})"
             ),
             task="next_token",
-            cut_to=unit.split(", ")[-1].replace(" per record", ""),
+            cut_to=cut_to,
             records_cut=(int(cut[train_at].sum()), int(cut[test_at].sum())),
             users_train=user_indices(trained, lambda i: f"speech {int(train_at[i]) + 1}"),
         )
 
 
 def _encode(records: list[str], options: SourceOptions):
-    """``(x, y, vocabulary, cut, unit)`` of the records, as the ``text`` source encodes
-    them: UTF-8 bytes, or the tokens of ``options.tokenizer``; ``cut`` marks the
-    records longer than what an example holds."""
+    """``(x, y, vocabulary, cut, unit, cut_to)`` of the records, as the ``text`` source
+    encodes them: UTF-8 bytes, or the tokens of ``options.tokenizer``; ``cut`` marks
+    the records longer than what an example holds (``cut_to``)."""
     n = options.seq_len
     if options.tokenizer is None:
         x, y = encode_records(records, n)
         cut = np.fromiter((len(r.encode("utf-8")) > n for r in records), bool, len(records))
-        return x, y, VOCAB, cut, f"UTF-8 bytes, {n} bytes per record"
+        return x, y, VOCAB, cut, f"UTF-8 bytes, {n} per record", f"{n} bytes"
     encoder = load_tokenizer(options.tokenizer, "data.tokenizer")
     ids = [e.ids for e in encoder.encode_batch(records)]
     x, y = encode_token_records(ids, n)
     cut = np.fromiter((len(i) > n + 1 for i in ids), bool, len(ids))
     name = Path(options.tokenizer).name
-    return x, y, vocab_size(encoder), cut, f"tokenized by {name}, {n + 1} tokens per record"
+    unit = f"tokenized by {name}, {n} predicted tokens per record"
+    return x, y, vocab_size(encoder), cut, unit, f"{n + 1} tokens"
 
 
 register_source(ShakespeareSource(ShakespearePlays()))
