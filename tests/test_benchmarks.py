@@ -77,10 +77,11 @@ def test_peers_models_have_equal_parameter_counts():
     }
 
 
-def test_step_profile_busy_time_is_the_union_of_kernel_intervals():
+def test_step_profile_busy_time_is_the_union_of_kernel_intervals(monkeypatch):
     """benchmarks/step_profile.py's device busy time: overlapping kernels count once,
     against a count of busy nanoseconds one by one."""
-    sys.path.insert(0, str(PEERS.parent))
+    # on the path for this test only: benchmarks/transformers.py would hide the package
+    monkeypatch.syspath_prepend(str(PEERS.parent))
     import numpy as np
     import step_profile
 
@@ -94,8 +95,8 @@ def test_step_profile_busy_time_is_the_union_of_kernel_intervals():
         assert step_profile._union(spans) == busy.sum()
 
 
-def test_step_profile_reads_instructions_and_their_op_names():
-    sys.path.insert(0, str(PEERS.parent))
+def test_step_profile_reads_instructions_and_their_op_names(monkeypatch):
+    monkeypatch.syspath_prepend(str(PEERS.parent))
     import jax
     import jax.numpy as jnp
     import step_profile
