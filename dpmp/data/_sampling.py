@@ -94,7 +94,47 @@ def _check_state(sampler: Any, state: dict[str, Any], fields: tuple[str, ...]) -
             )
 
 
-class PoissonSampler:
+class _TruncatedSteps:
+    """What a Poisson sampler does with its ``_draw(step) -> (batch, dropped)``: the
+    batch of a step, iteration that advances ``step`` and counts truncated steps and
+    dropped examples, and its state (``_CONFIG``, ``kind``, the step and counters)."""
+
+    def batch(self, step: int):
+        """The batch of ``step``, without advancing the sampler or its counters."""
+        return self._draw(_check_int("step", step, 0))[0]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.num_steps is not None and self.step >= self.num_steps:
+            raise StopIteration
+        batch, dropped = self._draw(self.step)
+        self.step += 1
+        self.num_truncated += dropped > 0
+        self.num_dropped += dropped
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: the configuration, the next step, the counters."""
+        state = {name: getattr(self, name) for name in self._CONFIG}
+        state.update(
+            kind=self.kind,
+            step=self.step,
+            num_truncated=self.num_truncated,
+            num_dropped=self.num_dropped,
+        )
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resumes at ``state['step']``; the configuration must match."""
+        _check_state(self, state, self._CONFIG)
+        self.step = _check_int("step", state["step"], 0)
+        self.num_truncated = _check_int("num_truncated", state["num_truncated"], 0)
+        self.num_dropped = _check_int("num_dropped", state["num_dropped"], 0)
+
+
+class PoissonSampler(_TruncatedSteps):
     """Poisson-sampled batches of fixed size, with a resumable state.
 
     At step ``t`` every example is included independently with probability
@@ -223,41 +263,7 @@ class PoissonSampler:
             sample = rng.choice(sample, size=self.padded_batch_size, replace=False)
         return _pad(sample, self.padded_batch_size), dropped
 
-    def batch(self, step: int) -> SampledBatch:
-        """The batch of ``step``, without advancing the sampler or its counters."""
-        return self._draw(_check_int("step", step, 0))[0]
-
-    def __iter__(self) -> PoissonSampler:
-        return self
-
-    def __next__(self) -> SampledBatch:
-        if self.num_steps is not None and self.step >= self.num_steps:
-            raise StopIteration
-        batch, dropped = self._draw(self.step)
-        self.step += 1
-        self.num_truncated += dropped > 0
-        self.num_dropped += dropped
-        return batch
-
     _CONFIG = ("num_examples", "sampling_prob", "padded_batch_size", "seed")
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: the configuration, the next step, the counters."""
-        state = {name: getattr(self, name) for name in self._CONFIG}
-        state.update(
-            kind=self.kind,
-            step=self.step,
-            num_truncated=self.num_truncated,
-            num_dropped=self.num_dropped,
-        )
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resumes at ``state['step']``; the configuration must match."""
-        _check_state(self, state, self._CONFIG)
-        self.step = _check_int("step", state["step"], 0)
-        self.num_truncated = _check_int("num_truncated", state["num_truncated"], 0)
-        self.num_dropped = _check_int("num_dropped", state["num_dropped"], 0)
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], *, num_steps: int | None = None):

@@ -31,7 +31,7 @@ from dpmp.data._sampling import (
     PADDING_INDEX,
     PoissonSampler,
     _check_int,
-    _check_state,
+    _TruncatedSteps,
 )
 
 __all__ = ["UserBatch", "UserPoissonSampler"]
@@ -54,7 +54,7 @@ class UserBatch(NamedTuple):
     is_padding_record: np.ndarray
 
 
-class UserPoissonSampler:
+class UserPoissonSampler(_TruncatedSteps):
     """Poisson sampling over users, each sampled user giving up to ``k`` records.
 
     Example:
@@ -158,42 +158,8 @@ class UserPoissonSampler:
         batch = UserBatch(indices, sampled.is_padding_example, indices == PADDING_INDEX)
         return batch, dropped
 
-    def batch(self, step: int) -> UserBatch:
-        """The batch of ``step``, without advancing the sampler or its counters."""
-        return self._draw(_check_int("step", step, 0))[0]
-
-    def __iter__(self) -> UserPoissonSampler:
-        return self
-
-    def __next__(self) -> UserBatch:
-        if self.num_steps is not None and self.step >= self.num_steps:
-            raise StopIteration
-        batch, dropped = self._draw(self.step)
-        self.step += 1
-        self.num_truncated += dropped > 0
-        self.num_dropped += dropped
-        return batch
-
+    # the users themselves are the data's, not the state's
     _CONFIG = ("num_examples", "records_per_user", "sampling_prob", "padded_batch_size", "seed")
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: the configuration, the next step, the counters
-        (the users themselves are the data's, not the state's)."""
-        state = {name: getattr(self, name) for name in self._CONFIG}
-        state.update(
-            kind=self.kind,
-            step=self.step,
-            num_truncated=self.num_truncated,
-            num_dropped=self.num_dropped,
-        )
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resumes at ``state['step']``; the configuration must match."""
-        _check_state(self, state, self._CONFIG)
-        self.step = _check_int("step", state["step"], 0)
-        self.num_truncated = _check_int("num_truncated", state["num_truncated"], 0)
-        self.num_dropped = _check_int("num_dropped", state["num_dropped"], 0)
 
     def from_state_dict(self, state: dict[str, Any], *, num_steps: int | None = None):
         """A sampler over this one's users with ``state``'s seed, at its step (a
