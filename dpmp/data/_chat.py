@@ -64,7 +64,7 @@ import numpy as np
 
 from dpmp.data._dataset import DataError, Dataset, split_positions
 from dpmp.data._tokenizer import load_tokenizer, vocab_size
-from dpmp.data._tokens import IGNORE, encode_token_records
+from dpmp.data._tokens import IGNORE, encode_token_records, split_token_records
 
 __all__ = [
     "ROLES",
@@ -398,23 +398,13 @@ def chat_dataset(
         kept = assistant[1 : seq_len + 1]
         labelled[: len(kept)] = kept
         y[i, ~labelled] = IGNORE
-    cut = np.fromiter((len(ids) > seq_len + 1 for ids, _ in encoded), bool, len(encoded))
     vocab = vocab_size(encoder)
-    return Dataset(
-        x_train=x[train],
-        y_train=y[train],
-        x_test=x[test],
-        y_test=y[test],
-        num_classes=vocab,
-        input_shape=(seq_len,),
-        description=(
-            f"{source}: {len(train)} train / {len(test)} test conversations, rendered by "
-            f"{Path(template.where).name}'s chat_template and tokenized by "
-            f"{Path(str(tokenizer)).name} ({vocab} token ids), {seq_len} predicted tokens per "
-            f"record, loss on the assistant's tokens only (longer ones cut; split "
-            f"test_fraction={test_fraction}, seed={seed})"
-        ),
-        task="next_token",
-        cut_to=f"{seq_len + 1} tokens",
-        records_cut=(int(cut[train].sum()), int(cut[test].sum())),
+    description = (
+        f"{source}: {len(train)} train / {len(test)} test conversations, rendered by "
+        f"{Path(template.where).name}'s chat_template and tokenized by "
+        f"{Path(str(tokenizer)).name} ({vocab} token ids), {seq_len} predicted tokens per "
+        f"record, loss on the assistant's tokens only (longer ones cut; split "
+        f"test_fraction={test_fraction}, seed={seed})"
     )
+    ids = [ids for ids, _ in encoded]
+    return split_token_records(x, y, ids, train, test, vocab=vocab, description=description)

@@ -106,8 +106,30 @@ def token_dataset(
     vocab = vocab_size(encoder)
     ids = [e.ids for e in encoder.encode_batch(records)]
     x, y = encode_token_records(ids, seq_len)
-    cut = np.fromiter((len(i) > seq_len + 1 for i in ids), bool, len(ids))
     _check_ids("x_train", x, vocab, low=0)  # a tokenizer's ids are below its vocab_size
+    description = (
+        f"{source}: {len(train)} train / {len(test)} test records, tokenized by "
+        f"{Path(str(tokenizer)).name} ({vocab} token ids), {seq_len} predicted tokens "
+        f"per record (longer ones cut; split test_fraction={test_fraction}, seed={seed})"
+    )
+    return split_token_records(x, y, ids, train, test, vocab=vocab, description=description)
+
+
+def split_token_records(
+    x: np.ndarray,
+    y: np.ndarray,
+    ids: Sequence[Sequence[int]],
+    train: np.ndarray,
+    test: np.ndarray,
+    *,
+    vocab: int,
+    description: str,
+) -> Dataset:
+    """The next-token ``Dataset`` of ``encode_token_records``' ``x, y`` (made of each
+    record's token ``ids``), split at the positions ``train`` and ``test``; a record
+    of more than ``seq_len + 1`` tokens is counted as cut, per split."""
+    seq_len = x.shape[1]
+    cut = np.fromiter((len(i) > seq_len + 1 for i in ids), bool, len(ids))
     return Dataset(
         x_train=x[train],
         y_train=y[train],
@@ -115,11 +137,7 @@ def token_dataset(
         y_test=y[test],
         num_classes=vocab,
         input_shape=(seq_len,),
-        description=(
-            f"{source}: {len(train)} train / {len(test)} test records, tokenized by "
-            f"{Path(str(tokenizer)).name} ({vocab} token ids), {seq_len} predicted tokens "
-            f"per record (longer ones cut; split test_fraction={test_fraction}, seed={seed})"
-        ),
+        description=description,
         task="next_token",
         cut_to=f"{seq_len + 1} tokens",
         records_cut=(int(cut[train].sum()), int(cut[test].sum())),

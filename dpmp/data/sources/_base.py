@@ -118,6 +118,8 @@ class TextSource:
     ``options.tokenizer``; one record per example; split by ``split_positions``)."""
 
     task = "next_token"
+    # records -> Dataset (``records_dataset``'s signature); a chat source's renders them first
+    dataset = staticmethod(records_dataset)
 
     def __init__(self, corpus: TextCorpus):
         self.corpus = corpus
@@ -126,7 +128,7 @@ class TextSource:
 
     def load(self, options: SourceOptions) -> Dataset:
         records, source = self.corpus.records(options.path, "data.path")
-        data = records_dataset(
+        data = self.dataset(
             records,
             source,
             tokenizer=options.tokenizer,

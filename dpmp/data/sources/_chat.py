@@ -10,12 +10,9 @@ checkpoint's own (``model.checkpoint``) or ``data.tokenizer``, with the
 from __future__ import annotations
 
 from dpmp.data._chat import chat_dataset, read_chat_file
-from dpmp.data._dataset import Dataset
 from dpmp.data.sources._base import (
-    SourceOptions,
     TextSource,
     register_source,
-    with_jsonl_users,
 )
 
 
@@ -34,17 +31,7 @@ class ChatSource(TextSource):
     ``TextSource``: ``data.tokenizer`` and a checkpoint's tokenizer apply), one
     conversation per example, labels on the assistant's tokens."""
 
-    def load(self, options: SourceOptions) -> Dataset:
-        conversations, source = self.corpus.records(options.path, "data.path")
-        data = chat_dataset(
-            conversations,
-            source,
-            tokenizer=options.tokenizer,
-            seq_len=options.seq_len,
-            test_fraction=options.test_fraction,
-            seed=options.seed,
-        )
-        return with_jsonl_users(data, options, self.name)
+    dataset = staticmethod(chat_dataset)
 
 
 register_source(ChatSource(ChatFile()))
