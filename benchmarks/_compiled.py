@@ -7,11 +7,13 @@ counterpart."""
 
 import statistics
 import time
+from collections import Counter
 
 import jax
 
 from dpmp.app.trainer.compare import _nonprivate_step
 from dpmp.app.trainer.step import _make_optimizer
+from dpmp.models._model import count_params
 from dpmp.step._step import WithFrozen
 
 
@@ -33,6 +35,36 @@ def step_pair(step, config) -> dict[str, tuple]:
             lambda: (params, data, pad, optimizer.init(params), scale, *frozen),
         ),
     }
+
+
+def step_facts(step, config, tokens: int) -> dict:
+    """What a built private step of a language model trains and how it clips: its
+    trainable and frozen parameter counts, batch, tokens a record, policy and the
+    clip method ``auto`` chose, with its reason and each layer's rule."""
+    frozen = step.model.frozen
+    return {
+        "trainable_params": count_params(step.example_args[0]),
+        "base_params": count_params(frozen) if frozen is not None else None,
+        "batch": int(len(step.example_args[2])),
+        "tokens": tokens,
+        "policy": str(config.precision),
+        "clip_method": step.clipping["method"],
+        "clip_reason": step.clipping["reason"],
+        "clip_layers": dict(Counter(f"{t['layer']} {t['rule']}" for t in step.clipping["layers"])),
+    }
+
+
+def pair_ratios(by_step: dict[str, dict]) -> dict:
+    """private / non-private of compiled memory, compile time and (if both were
+    timed) step time."""
+    private, base = by_step["private"], by_step["non-private"]
+    out = {
+        "memory_ratio": round(private["compiled_mb"] / base["compiled_mb"], 3),
+        "compile_ratio": round(private["compile_s"] / base["compile_s"], 2),
+    }
+    if "step_s" in private and "step_s" in base:
+        out["time_ratio"] = round(private["step_s"] / base["step_s"], 3)
+    return out
 
 
 def timed_compile(fn, args) -> tuple:

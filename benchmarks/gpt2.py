@@ -43,7 +43,6 @@ import platform
 import shlex
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 import jax
@@ -52,6 +51,8 @@ from _compiled import (  # benchmarks/_compiled.py
     compile_stats,
     least_compile_times,
     median_times,
+    pair_ratios,
+    step_facts,
     step_pair,
 )
 from gpt2_checkpoint import SMALL  # benchmarks/gpt2_checkpoint.py
@@ -99,31 +100,8 @@ def steps(row: str, checkpoint: Path, text: Path, batch: int, tokens: int, sets=
     )
     step = build_private_step(config)
     jax.clear_caches()  # the program that made the starting parameters (their copy inside)
-    frozen = step.model.frozen
-    facts = {
-        "row": row,
-        "trainable_params": count_params(step.example_args[0]),
-        "base_params": count_params(frozen) if frozen is not None else None,
-        "batch": int(len(step.example_args[2])),
-        "tokens": tokens,
-        "policy": str(config.precision),
-        "clip_method": step.clipping["method"],
-        "clip_reason": step.clipping["reason"],
-        "clip_layers": dict(Counter(f"{t['layer']} {t['rule']}" for t in step.clipping["layers"])),
-    }
+    facts = {"row": row, **step_facts(step, config, tokens)}
     return step_pair(step, config), facts
-
-
-def ratios(by_step: dict[str, dict]) -> dict:
-    """private / non-private of time, compiled memory and compile time."""
-    private, base = by_step["private"], by_step["non-private"]
-    out = {
-        "memory_ratio": round(private["compiled_mb"] / base["compiled_mb"], 3),
-        "compile_ratio": round(private["compile_s"] / base["compile_s"], 2),
-    }
-    if "step_s" in private and "step_s" in base:
-        out["time_ratio"] = round(private["step_s"] / base["step_s"], 3)
-    return out
 
 
 def main():
@@ -167,7 +145,9 @@ def main():
                 rows.append(row)
             del fns, calls, given  # the row's model, optimizer states and programs
             gc.collect()
-            summary.append({"row": name, "clip_method": facts["clip_method"], **ratios(by_step)})
+            summary.append(
+                {"row": name, "clip_method": facts["clip_method"], **pair_ratios(by_step)}
+            )
             print(json.dumps(summary[-1]), flush=True)
     shapes = jax.eval_shape(lambda k: gpt2_init(SMALL, k), jax.random.key(0))
     result = {

@@ -49,19 +49,24 @@ import platform
 import shlex
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 import jax
 import ml_dtypes
 import numpy as np
-from _compiled import compile_stats, least_compile_times, median_times, step_pair
+from _compiled import (
+    compile_stats,
+    least_compile_times,
+    median_times,
+    pair_ratios,
+    step_facts,
+    step_pair,
+)
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dpmp.app.config import load_config
 from dpmp.app.trainer import build_private_step
 from dpmp.models._hf_checkpoint import save_decoder
-from dpmp.models._model import count_params
 from dpmp.models._params_file import nest
 from dpmp.models.families._decoder import DecoderConfig
 
@@ -173,33 +178,8 @@ def steps(family, row, checkpoint, text, batch, tokens, sets=()):
     )
     step = build_private_step(config)
     jax.clear_caches()  # the programs that made the starting parameters
-    frozen = step.model.frozen
-    facts = {
-        "family": family,
-        "row": row,
-        "trainable_params": count_params(step.example_args[0]),
-        "base_params": count_params(frozen) if frozen is not None else None,
-        "batch": int(len(step.example_args[2])),
-        "tokens": tokens,
-        "policy": str(config.precision),
-        "clip_method": step.clipping["method"],
-        "clip_reason": step.clipping["reason"],
-        "clip_layers": dict(Counter(f"{t['layer']} {t['rule']}" for t in step.clipping["layers"])),
-    }
+    facts = {"family": family, "row": row, **step_facts(step, config, tokens)}
     return step_pair(step, config), facts
-
-
-def ratios(by_step: dict[str, dict]) -> dict:
-    """private / non-private of compiled memory, compile time and (if timed) time."""
-    private, base = by_step["private"], by_step["non-private"]
-    out = {
-        "memory_ratio": round(private["compiled_mb"] / base["compiled_mb"], 3),
-        "compile_ratio": round(private["compile_s"] / base["compile_s"], 2),
-        "compile_cpu_ratio": round(private["compile_cpu_s"] / base["compile_cpu_s"], 2),
-    }
-    if "step_s" in private and "step_s" in base:
-        out["time_ratio"] = round(private["step_s"] / base["step_s"], 3)
-    return out
 
 
 def measure(family: str, row: str, tmp: Path, args) -> tuple[list[dict], dict]:
@@ -221,7 +201,10 @@ def measure(family: str, row: str, tmp: Path, args) -> tuple[list[dict], dict]:
     del fns, calls, given
     gc.collect()
     summary = {"family": family, "row": row, "clip_method": facts["clip_method"]}
-    return list(by_step.values()), {**summary, **ratios(by_step)}
+    private, base = by_step["private"], by_step["non-private"]
+    cpu = round(private["compile_cpu_s"] / base["compile_cpu_s"], 2)
+    ratios = {**pair_ratios(by_step), "compile_cpu_ratio": cpu}
+    return list(by_step.values()), {**summary, **ratios}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
