@@ -172,7 +172,8 @@ def test_the_start_of_run_file_list_names_only_files_a_run_writes(small_run):
     (line,) = [line for line in log if line.startswith("published files: ")]
     listed = line.removeprefix("published files: ").split(";")[0].split(", ")
     assert listed == list(release.RUN_FILES) and "params.npz" not in listed
-    assert "params.npz once `dpmp export` writes it" in release.PRIVATE_README
+    readme = " ".join(release.PRIVATE_README.split())
+    assert "params.npz, hf/ and hf-merged/ once `dpmp export` writes them" in readme
 
 
 def test_metrics_records(small_run):
@@ -694,6 +695,7 @@ PUBLIC_REPORT_KEYS = {
         "config", "versions", "num_params", "finite_params", "noise",
         "starting_point",  # pre-trained on public text, or given (and then the caller's)
         "mesh", "delta_parts",
+        "privacy_unit", "num_users", "user_records",  # the unit and its public plan
     },
     "mesh": {"devices", "processes", "platform", "sharded_params", "all_reduce"},
     "delta_parts": {"accountant", "truncation_reserved", "note"},
@@ -707,7 +709,7 @@ PUBLIC_REPORT_KEYS = {
     },
     "loss_scale": {"kind", "initial", "final", "changes", "history", "history_note"},
     "standardize": {"mode"},
-    "clipping": {"method_requested", "method", "method_reason", "layers"},
+    "clipping": {"method_requested", "method", "method_reason", "layers", "unit"},
     "sampling": {
         "kind", "sampling_prob", "expected_batch_size", "padded_batch_size", "privacy_note",
         "truncation_probability", "truncation_delta",
