@@ -22,8 +22,9 @@ MAX_USER_RECORDS = 65536
 
 def check_unit(privacy: Any, error: type[Exception]) -> None:
     """``privacy.unit`` is a unit, ``privacy.user_records`` an integer in [1, 65536],
-    and a user-level run neither asks for ghost norms (not yet per user) nor
-    shuffles (the user-level accounting is of Poisson sampling over users).
+    and a user-level run does not shuffle (the user-level accounting is of Poisson
+    sampling over users). Every ``privacy.clip_method`` works per user
+    (``dpmp.clipping._users``: ghost norms over a user's records).
 
     Raises:
       error: the first key that is wrong, named, in one line.
@@ -38,11 +39,6 @@ def check_unit(privacy: Any, error: type[Exception]) -> None:
         )
     if privacy.unit != "user":
         return
-    if privacy.clip_method == "ghost":
-        raise error(
-            'privacy.clip_method: "ghost" with privacy.unit = "user": user-level ghost norms '
-            'are not implemented yet; use "vmap" or "auto" (which picks vmap per user)'
-        )
     if privacy.sampling != "poisson":
         raise error(
             f'privacy.sampling: {privacy.sampling!r} with privacy.unit = "user": users are '
