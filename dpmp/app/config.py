@@ -389,7 +389,7 @@ class PrivacyConfig:
       of a user's records, ``data.user_field``): users are Poisson-sampled
       (``training.expected_batch_size`` then counts users), each sampled user
       gives at most ``user_records`` of its records, and the clip bounds the
-      norm of the sum of their gradients (vmap; ghost not yet).
+      norm of the sum of their gradients (ghost norms over the user's records, or vmap).
     user_records: ``unit = "user"``: the most records one sampled user gives a
       step (k; chosen uniformly at random among its records).
     accountant: the registered accountant that composes the run's releases
