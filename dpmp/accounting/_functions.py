@@ -42,6 +42,7 @@ class PlanFields(TypedDict, total=False):
     preprocessing_noise_multiplier: float | None
     noised_coordinates: int | None
     noise_sampler: str
+    bands: int
 
 
 def _as_plan(

@@ -24,6 +24,7 @@ from dpmp.accounting._accountants import (
     check_neighboring,
     check_within_limit,
 )
+from dpmp.accounting._bandmf import bandmf_event, bands_of
 from dpmp.accounting._contract import NoiseContract, NoiseResidual
 from dpmp.accounting._events import (
     GaussianRelease,
@@ -80,6 +81,9 @@ class AccountingPlan:
         parameters), or None: accounted as exact Gaussian noise.
       noise: the drawn noise's ``NoiseContract`` (its sampler's), or None: exact.
         Its residual is accounted when ``noised_coordinates`` is given too.
+      bands: 1 for DP-SGD; b > 1 for amplified banded matrix factorization on
+        b-cyclic Poisson samples (``sampling_prob`` within a group): the steps
+        compose as ``ceil(steps / b)`` rounds (``dpmp.accounting._bandmf``).
     """
 
     noise_multiplier: float | None
@@ -93,6 +97,7 @@ class AccountingPlan:
     preprocessing_noise_multiplier: float | None = None
     noised_coordinates: int | None = None
     noise: NoiseContract | None = None
+    bands: int = 1
 
     def __post_init__(self):
         acct = as_accountant(self.accountant)
@@ -110,6 +115,7 @@ class AccountingPlan:
                 self.preprocessing_noise_multiplier, "preprocessing_noise_multiplier"
             ),
             count_noise_stddev=check.optional_noise(self.count_noise_stddev, "count_noise_stddev"),
+            bands=bands_of(self.bands),
         )
         for name, value in fields.items():
             object.__setattr__(self, name, value)
@@ -147,7 +153,17 @@ class AccountingPlan:
         }
 
     def event(self) -> dp_accounting.DpEvent:
-        """The dp-accounting event of the whole plan (``dpsgd_event``)."""
+        """The dp-accounting event of the whole plan (``dpsgd_event``; with bands,
+        ``bandmf_event``)."""
+        if self.bands > 1:
+            return bandmf_event(
+                noise_multiplier=self._sigma(),
+                sampling_prob=self.sampling_prob,
+                steps=self.steps,
+                bands=self.bands,
+                count_noise_stddev=self.count_noise_stddev,
+                preprocessing_noise_multiplier=self.preprocessing_noise_multiplier,
+            )
         return dpsgd_event(
             noise_multiplier=self._sigma(),
             sampling_prob=self.sampling_prob,

@@ -21,6 +21,7 @@ from dpmp.accounting._accountants import (
     as_accountant,
     check_neighboring,
 )
+from dpmp.accounting._bandmf import bands_of, round_counts
 from dpmp.accounting._contract import DEFAULT_NOISE_SAMPLER, NoiseResidual, noise_contract
 from dpmp.accounting._events import Release
 from dpmp.accounting._plan import AccountingPlan, EpsilonBreakdown
@@ -68,6 +69,8 @@ class PrivacyBudget:
         noise, whose accounting contract the noised coordinates are taken
         under (``"snapped"``; ``"plain"`` is accounted as exact); recorded as
         the default when ``noised_coordinates`` is None.
+      bands: 1 (DP-SGD), or the bands of amplified banded matrix factorization,
+        whose steps compose in rounds of ``bands`` (``AccountingPlan.bands``).
 
     ``plan(steps)`` is the ``AccountingPlan`` of a run of ``steps`` steps.
     """
@@ -83,10 +86,12 @@ class PrivacyBudget:
     preprocessing_noise_multiplier: float | None = None
     noised_coordinates: int | None | _Required = REQUIRED
     noise_sampler: str = DEFAULT_NOISE_SAMPLER
+    bands: int = 1
 
     def __post_init__(self):
         acct = as_accountant(self.accountant)
         fields = dict(
+            bands=bands_of(self.bands),
             accountant=acct,
             noise_multiplier=check.noise_multiplier(self.noise_multiplier),
             sampling_prob=check.sampling_prob(self.sampling_prob),
@@ -123,6 +128,7 @@ class PrivacyBudget:
             preprocessing_noise_multiplier=self.preprocessing_noise_multiplier,
             noised_coordinates=coordinates,
             noise=None if coordinates is None else noise_contract(self.noise_sampler),
+            bands=self.bands,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -386,9 +392,10 @@ class _EpsilonCurve:
         if key in self._memo:
             self._memo.move_to_end(key)
             return self._memo[key]
+        composed = round_counts(plain, with_count, self._plan.bands)
         counts = {
-            Release.STEP: plain,
-            Release.STEP_WITH_COUNT: with_count,
+            Release.STEP: composed[0],
+            Release.STEP_WITH_COUNT: composed[1],
             Release.PREPROCESSING: self._pre,
         }
         eps_at = self._curve(counts)
