@@ -141,6 +141,7 @@ def private_optimizer(
     policy: Policy | str,
     sampler: str = "snapped",
     sharding: NoiseSharding | None = None,
+    strategy: Any = None,
 ) -> optax.GradientTransformation:
     """``optax.chain(noise, scale(1 / expected_batch_size), optimizer)`` for DP-SGD.
 
@@ -152,7 +153,9 @@ def private_optimizer(
     ``gaussian_privatizer``: leave it None for fresh OS entropy; ``sampler``
     too (a registered sampler's name: ``"snapped"``, the default, or ``"plain"``),
     and ``sharding`` (a
-    ``NoiseSharding``: the draw split over the devices of a mesh).
+    ``NoiseSharding``: the draw split over the devices of a mesh). ``strategy``
+    (a noise mechanism's, e.g. ``dpmp.noise._banded_mf.BandedMF``) correlates the
+    noise across steps through its ``privatizer``; None: independent (DP-SGD).
     """
     policy = Policy.parse(policy)
     if not float(expected_batch_size) > 0:
@@ -167,7 +170,8 @@ def private_optimizer(
             "noise_multiplier * l2_clip_norm)"
         )
     stddev = 0.0 if nm == 0 else nm * clip
-    privatizer = gaussian_privatizer(
+    make = gaussian_privatizer if strategy is None else strategy.privatizer
+    privatizer = make(
         stddev=stddev, prng_key=prng_key, policy=policy, sampler=sampler, sharding=sharding
     )
     chained = optax.chain(privatizer, optax.scale(1.0 / float(expected_batch_size)), optimizer)
