@@ -172,6 +172,7 @@ class PrivateStepFn:
         each parameter; else None.
       chunked: the pieces of a step over physical chunks, or None.
       frozen: the frozen arrays ``grad_fn`` is given after the batch, or None.
+      strategy: the noise mechanism's strategy (correlated noise), or None (DP-SGD).
     """
 
     step_fn: Callable
@@ -182,6 +183,7 @@ class PrivateStepFn:
     param_specs: Any = None
     chunked: Chunked | None = None
     frozen: Any = None
+    strategy: Any = None
 
     def init(self, params: Any, loss_scale: Any = None) -> StepState:
         """The first ``StepState``: ``params``, the optimizer's initial state and
@@ -242,6 +244,7 @@ def private_step(
     shard_params: bool = False,
     frozen: Any = None,
     donate: bool = False,
+    strategy: Any = None,
 ) -> PrivateStepFn:
     """The private step of ``grad_fn`` and ``optimizer`` (see ``PrivateStepFn``).
 
@@ -282,6 +285,9 @@ def private_step(
         14.1, not 24.7). On XLA:GPU, which runs the step as CUDA graphs and
         updates them on the host whenever a buffer moves, the donated buffers
         stay where they were.
+      strategy: a noise mechanism's strategy (``dpmp.noise._banded_mf.BandedMF``):
+        the noise is correlated across steps, drawn for the sensitivity times its
+        ``sensitivity_factor(padded_batch_size)``; None: DP-SGD.
 
     Raises:
       ValueError: ``shard_params`` without a mesh, or a padded batch that the
@@ -300,10 +306,12 @@ def private_step(
     acc_shapes = jax.eval_shape(lambda p, b, *f: grad_fn(p, b, *f).grads, params, batch, *extra)
     parts = (1 if size is None else padded_batch_size // size) * (mesh.size if mesh else 1)
     sensitivity = grad_fn.sensitivity_bound(batch_size=padded_batch_size, parts=parts)
+    factor = 1.0 if strategy is None else strategy.sensitivity_factor(padded_batch_size)
     noised = private_optimizer(
         optimizer,
         noise_multiplier=noise_multiplier,
-        l2_clip_norm=sensitivity["sensitivity"],
+        l2_clip_norm=sensitivity["sensitivity"] * factor,
+        strategy=strategy,
         expected_batch_size=expected_batch_size,
         prng_key=noise_key,
         policy=grad_fn.policy,
@@ -326,6 +334,7 @@ def private_step(
         param_specs=specs,
         chunked=chunked,
         frozen=frozen,
+        strategy=strategy,
     )
 
 
