@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpmp.accounting._registry import accountant_names
 from dpmp.app.config_checkpoint import check_checkpoint
+from dpmp.app.config_mechanism import check_bands, check_mechanism
 from dpmp.app.config_text import check_tokenizer
 from dpmp.app.config_toml import coerce, parse_value
 from dpmp.app.config_users import check_unit, check_user_field
@@ -413,6 +414,10 @@ class PrivacyConfig:
     allow_large_delta: train with ``delta`` >= 1/n (a mechanism that publishes
       one record in the clear meets such a guarantee): the report and the log
       then say the run is NOT differentially private.
+    mechanism: ``"dpsgd"`` (independent noise) or ``"banded_mf"`` (noise correlated
+      over ``bands`` steps, jax-privacy's optimised banded Toeplitz strategy, on
+      b-cyclic Poisson samples: ``training.expected_batch_size`` of ``n // bands``).
+    bands: the bands b of ``"banded_mf"``, in [1, training.steps].
     """
 
     target_epsilon: float = 2.0
@@ -427,6 +432,8 @@ class PrivacyConfig:
     noise_sampler: str = "snapped"
     reproducible_noise: bool = False
     allow_large_delta: bool = False
+    mechanism: str = "dpsgd"
+    bands: int = 1
 
     def __post_init__(self):
         _positive("privacy.target_epsilon", self.target_epsilon, at_most=MAX_EPSILON)
@@ -440,6 +447,7 @@ class PrivacyConfig:
         _choice("privacy.clip_method", self.clip_method, CLIP_METHODS)
         check_unit(self, ConfigError)
         _choice("privacy.noise_sampler", self.noise_sampler, sampler_names())
+        check_mechanism(self, ConfigError)
         for key in ("reproducible_noise", "allow_large_delta"):
             if not isinstance(value := getattr(self, key), bool):
                 raise ConfigError(f"privacy.{key}: must be true or false, got {value!r}")
@@ -687,6 +695,7 @@ class Config:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         object.__setattr__(self, "policy", str(policy))
+        check_bands(self, ConfigError)
         kinds = _pretrained_kinds() if self.pretrain.enabled else ()
         if self.pretrain.enabled and self.model.kind not in kinds:
             raise ConfigError(

@@ -76,7 +76,7 @@ from dpmp.noise._sharding import NoiseSharding
 from dpmp.precision._policy import Policy
 from dpmp.precision._stages import STAGES
 
-__all__ = ["BANDED_MF", "BandedMF", "BandedMFMechanism", "BandedMFState", "optimized_coefs"]
+__all__ = ["BandedMF", "BandedMFState", "optimized_coefs"]
 
 
 class BandedMFState(NamedTuple):
@@ -298,18 +298,3 @@ def _stream_step(draw, coefs, scales, first: int, m: int, sums, state: BandedMFS
     sums_ring = jax.tree.map(lambda r, v: r.at[slot].set(v), state.sums, sums)
     out_ring = jax.tree.map(lambda r, v: r.at[slot].set(v), state.outputs, u)
     return x, BandedMFState(noise, t + 1, sums_ring, out_ring)
-
-
-@dataclasses.dataclass(frozen=True)
-class BandedMFMechanism:
-    """``privacy.mechanism = "banded_mf"`` (a ``dpmp.noise.NoiseMechanism``)."""
-
-    name: str = "banded_mf"
-    cyclic: bool = True
-
-    def strategy(self, steps: int, bands: int) -> BandedMF:
-        """jax-privacy's optimised strategy for the run's steps and bands."""
-        return BandedMF.optimized(steps, bands)
-
-
-BANDED_MF = BandedMFMechanism()

@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 from dpmp._registry import Registry
 
 __all__ = [
+    "BANDED_MF",
     "DPSGD",
     "MECHANISM_REGISTRY",
     "NoiseMechanism",
@@ -64,9 +65,26 @@ class _Independent:
 
 DPSGD = _Independent()
 
+
+@dataclasses.dataclass(frozen=True)
+class _BandedMF:
+    """``privacy.mechanism = "banded_mf"``: jax-privacy's optimised banded Toeplitz
+    strategy (``dpmp.noise._banded_mf.BandedMF``) on b-cyclic Poisson samples."""
+
+    name: str = "banded_mf"
+    cyclic: bool = True
+
+    def strategy(self, steps: int, bands: int) -> Any:
+        from dpmp.noise._banded_mf import BandedMF
+
+        return BandedMF.optimized(steps, bands)
+
+
+BANDED_MF = _BandedMF()
+
 MECHANISM_REGISTRY: Registry[NoiseMechanism] = Registry(
     "mechanism",
-    {"dpsgd": "dpmp.noise._mechanisms:DPSGD", "banded_mf": "dpmp.noise._banded_mf:BANDED_MF"},
+    {"dpsgd": "dpmp.noise._mechanisms:DPSGD", "banded_mf": "dpmp.noise._mechanisms:BANDED_MF"},
     protocol=NoiseMechanism,
 )
 
