@@ -15,6 +15,7 @@ from typing import Any
 from dpmp.accounting._registry import accountant_names
 from dpmp.app import config
 from dpmp.app.config_users import UNITS
+from dpmp.noise._mechanisms import mechanism_names
 from dpmp.noise._registry import sampler_names
 
 __all__ = ["config_reference", "markdown_table"]
@@ -39,6 +40,7 @@ _ALLOWED = {
     "pretrain.path": "path to a .txt or .jsonl file (text)",
     "privacy.delta": "number in (0, 1)",
     "privacy.user_records": "integer in [1, 65536]",
+    "privacy.bands": "integer in [1, training.steps]",
     "data.user_field": "a JSONL field (text, chat) or an array name (npz), or unset",
     "training.seed": "integer in [0, 2^32 - 1]",
     "pretrain.seed": "integer in [0, 2^32 - 1]",
@@ -65,6 +67,7 @@ _CHOICES = {
     "privacy.clip_method": config.CLIP_METHODS,
     "privacy.unit": UNITS,
     "privacy.noise_sampler": sampler_names,
+    "privacy.mechanism": mechanism_names,
     "training.optimizer": config.OPTIMIZERS,
     "loss_scale.kind": config.LOSS_SCALE_KINDS,
     "data.standardize": config.STANDARDIZE_MODES,
