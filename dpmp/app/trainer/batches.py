@@ -19,15 +19,19 @@ device sees one at a time.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from dpmp.app.config import Config, ConfigError
 from dpmp.app.trainer.plan import max_truncation_prob
 from dpmp.clipping._users import RECORD_MASK
+from dpmp.data._cyclic_sampling import CyclicPoissonSampler
 from dpmp.data._dataset import Dataset
 from dpmp.data._preprocess import FeatureStats, exact_feature_stats, private_feature_stats
 from dpmp.data._sampling import PoissonSampler, SampledBatch, ShuffledSampler
 from dpmp.data._user_sampling import UserBatch, UserPoissonSampler
+from dpmp.noise._mechanisms import mechanism
 from dpmp.step._step import physical_chunks
 
 __all__ = [
@@ -81,15 +85,31 @@ def make_sampler(config: Config, num_train: int, seed: int, devices: int = 1, us
             )
         return ShuffledSampler(num_train, t.expected_batch_size, seed=seed, num_steps=t.steps)
     tail = max_truncation_prob(config)
-    sampler = PoissonSampler(
+    make = _poisson_kind(config, num_train)
+    sampler = make(
         num_train, t.expected_batch_size, seed=seed, num_steps=t.steps, max_truncation_prob=tail
     )
     if unit and sampler.padded_batch_size % unit:
         padded = -(-sampler.padded_batch_size // unit) * unit
-        sampler = PoissonSampler(
+        sampler = make(
             num_train, t.expected_batch_size, padded_batch_size=padded, seed=seed, num_steps=t.steps
         )
     return sampler
+
+
+def _poisson_kind(config: Config, num_train: int):
+    """``PoissonSampler``, or for a mechanism accounted on b-cyclic Poisson samples
+    (``privacy.bands`` groups) the ``CyclicPoissonSampler`` of its bands."""
+    p, size = config.privacy, config.training.expected_batch_size
+    if not mechanism(p.mechanism).cyclic:
+        return PoissonSampler
+    if size > num_train // p.bands:
+        raise ConfigError(
+            f"privacy.bands: {p.bands} groups of {num_train // p.bands} training examples "
+            f"cannot give training.expected_batch_size = {size} per step; use at most "
+            f"{max(1, num_train // size)} bands"
+        )
+    return functools.partial(CyclicPoissonSampler, groups=p.bands)
 
 
 def _user_sampler(config: Config, users, seed: int, unit: int | None) -> UserPoissonSampler:

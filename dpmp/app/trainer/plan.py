@@ -27,6 +27,7 @@ from dpmp.data._sampling import MAX_TRUNCATION_PROB
 from dpmp.noise import drawn_sampler
 from dpmp.noise._entropy import fresh_key, fresh_seed
 from dpmp.noise._key128 import key128_impl
+from dpmp.noise._mechanisms import mechanism
 
 __all__ = [
     "NoisePlan",
@@ -132,6 +133,7 @@ def _calibrate(
             preprocessing_noise_multiplier=pre_sigma,
             noised_coordinates=coordinates,
             noise_sampler=p.noise_sampler,
+            bands=_bands(config),
         )
 
     if p.noise_multiplier is not None:
@@ -152,6 +154,7 @@ def _calibrate(
             preprocessing_noise_multiplier=pre_sigma,
             noised_coordinates=coordinates,
             noise_sampler=p.noise_sampler,
+            bands=_bands(config),
         )
     except ValueError as e:
         raise ConfigError(f"privacy.target_epsilon: cannot be reached: {e}") from e
@@ -160,6 +163,12 @@ def _calibrate(
             break
         sigma *= 1 + 1e-4
     return sigma, True, budget(sigma)
+
+
+def _bands(config: Config) -> int:
+    """The bands the accounting composes steps in: ``privacy.bands`` for a mechanism
+    on b-cyclic Poisson samples, else 1 (``dpmp.accounting._bandmf``)."""
+    return config.privacy.bands if mechanism(config.privacy.mechanism).cyclic else 1
 
 
 def count_noise_stddev(config: Config) -> float | None:
@@ -222,7 +231,8 @@ def noise_plan(
             "publishing a record in the clear; use a delta below 1/n (1e-5 is usual), or "
             "privacy.allow_large_delta = true to train anyway (NOT differentially private)"
         )
-    q = config.training.expected_batch_size / num_train
+    # within a group of n // b records on b-cyclic Poisson samples (b = 1: all n)
+    q = config.training.expected_batch_size / (num_train // _bands(config))
     count_sigma = count_noise_stddev(config)
     coordinates = _noised_coordinates(config, config.precision, params_shape)
     reserved = truncation_delta(config, truncation_probability)
