@@ -54,6 +54,7 @@ from dpmp.models._lora import lora_model
 from dpmp.models._model import Model, count_bytes, count_params
 from dpmp.models._params_file import arrange, load_params_file, param_names
 from dpmp.models.families import FAMILIES
+from dpmp.noise._mechanisms import mechanism
 from dpmp.noise._registry import sampler
 from dpmp.precision._loss_scale import (
     DynamicLossScale,
@@ -322,6 +323,8 @@ def build_private_step(
         shard_params=t.shard_params,
         frozen=model.frozen,  # an argument of the compiled step, never a constant in it
         donate=donate,
+        # correlated noise: the mechanism's strategy for the run's steps (None: DP-SGD)
+        strategy=mechanism(config.privacy.mechanism).strategy(t.steps, config.privacy.bands),
     )
     state = fn.init(params, _make_loss_scale(config, keys.loss_scale))
     init_state, shardings = state._asdict(), fn.state_shardings(state)
