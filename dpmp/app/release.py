@@ -446,9 +446,46 @@ def _standardize_section(config, step, breakdown) -> dict[str, Any]:
     return standardize
 
 
+def _mechanism_section(config, step, breakdown) -> dict[str, Any]:
+    """The noise mechanism, its strategy and its expected error: the root mean
+    squared error of the prefix sums of the steps' noise, in units of the sum's L2
+    sensitivity, beside DP-SGD's at the same epsilon (its sigma calibrated for the
+    same steps, Poisson-sampled from all n at the same expected batch, exact
+    Gaussian; jax-privacy's error: ``BandedMF.prefix_rmse``). Public: functions of
+    the plan."""
+    strategy, steps = step.fn.strategy, config.training.steps
+    if strategy is None:
+        return {"name": config.privacy.mechanism}
+    sigma = step.plan.noise_multiplier * strategy.sensitivity_factor(step.sampler.padded_batch_size)
+    try:
+        dpsgd = accounting.calibrate_noise_multiplier(
+            target_epsilon=breakdown.total,
+            sampling_prob=config.training.expected_batch_size / step.sampler.num_examples,
+            steps=steps,
+            delta=step.plan.budget.delta,
+            accountant=config.privacy.accountant,
+            noised_coordinates=None,
+        ) * math.sqrt((steps + 1) / 2)
+    except ValueError:
+        dpsgd = None
+    described = strategy.describe()
+    return described | {
+        "name": config.privacy.mechanism,
+        "sensitivity_factor": strategy.sensitivity_factor(step.sampler.padded_batch_size),
+        "prefix_rmse": sigma * described["prefix_rmse_per_stddev"],
+        "dpsgd_prefix_rmse_same_epsilon": dpsgd,
+        "groups": getattr(step.sampler, "groups", None),
+    }
+
+
 def _noise_section(config, step, breakdown) -> dict[str, Any]:
     """The gradient noise: its sampler, the residual accounted, its stddev."""
     sensitivity = step.fn.sensitivity
+    factor = (
+        1.0
+        if step.fn.strategy is None
+        else step.fn.strategy.sensitivity_factor(step.sampler.padded_batch_size)
+    )
     return {
         "sampler": config.privacy.noise_sampler,
         "noised_coordinates": step.plan.budget.noised_coordinates,
@@ -458,8 +495,9 @@ def _noise_section(config, step, breakdown) -> dict[str, Any]:
         # padded batch size, the partial sums, the dtypes and the model's shapes);
         # the noise stddev is noise_multiplier times it.
         "l2_sensitivity": sensitivity.get("sensitivity"),
-        "stddev": step.plan.noise_multiplier * sensitivity.get("sensitivity", math.nan),
+        "stddev": step.plan.noise_multiplier * sensitivity.get("sensitivity", math.nan) * factor,
         "sensitivity_bound": dict(sensitivity),
+        "mechanism": _mechanism_section(config, step, breakdown),
     }
 
 
