@@ -244,8 +244,10 @@ class BandedMF:
 
         def init(params):
             wide = _lift_to(params, dtype)
-            ring = jax.tree.map(lambda p: jnp.zeros((m, *p.shape), p.dtype), wide)
-            return BandedMFState(draw.init(params), jnp.zeros((), jnp.int32), ring, ring)
+            def ring():  # two distinct buffers: a donating step writes each in place
+                return jax.tree.map(lambda p: jnp.zeros((m, *p.shape), p.dtype), wide)
+
+            return BandedMFState(draw.init(params), jnp.zeros((), jnp.int32), ring(), ring())
 
         def update(sums, state, params=None):
             del params
