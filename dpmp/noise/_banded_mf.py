@@ -10,51 +10,53 @@ are. The coefficients are jax-privacy's (``toeplitz.optimize_banded_toeplitz``,
 the mean squared error of the prefix sums for the run's steps), computed when
 the run is set up.
 
-How the stream is drawn (``BandedMF.privatizer``), step ``t``, every vector in
-the noise dtype (float32 or wider, whatever the policy), with ``c`` the
-coefficients and ``d_t`` the norm of column ``t`` of the Toeplitz matrix::
+How the stream is drawn (``BandedMF.privatizer``), step ``t``, with ``c`` the
+float32 coefficients, ``d_t`` the norm of column ``t`` of their Toeplitz matrix
+and ``C'[t, s] = c_{t-s} / d_s`` (float64) the strategy realised::
 
-    h_t = g_t / d_t                                  # the step's clipped sum, scaled
-    a_t = c_0 h_t + sum_{j=1}^{b-1} c_j h_{t-j}      # (C X)_t, from b-1 kept sums
+    a_t = sum_{j=0}^{b-1} C'[t, t-j] g_{t-j}        # (C' X)_t, from b-1 kept sums
     y_t = snapped(a_t + z_t)                         # THE release: dpmp's snapped draw
-    u_t = (y_t - sum_{j=1}^{b-1} c_j u_{t-j}) / c_0  # C^-1 Y, from b-1 kept outputs
+    u_t = (y_t - sum_{j=1}^{b-1} c_j u_{t-j}) / c_0  # C'^-1 Y, from b-1 kept outputs
     x_t = d_t u_t                                    # what the optimizer gets
 
-The state is the index ``t`` and two ring buffers of ``b - 1`` vectors the
-size of the trained parameters (past ``h`` and past ``u``), in the noise dtype,
-inside the optimizer state: a checkpoint keeps them and the noise key, and a
-resumed run continues the same stream bit for bit.
+``a_t`` and the decoding are formed in float64 (elementwise, fused: no
+temporary the size of the model survives the step); the kept sums (exactly the
+clipped sums, float32 or the accumulate dtype if wider), the kept outputs and
+``x_t`` are in the noise dtype, float32 or wider whatever the policy. The state
+is the index ``t`` and the two ring buffers of ``b - 1`` vectors the size of
+the trained parameters, inside the optimizer state: a checkpoint keeps them
+and the noise key, and a resumed run continues the same stream bit for bit.
 
 Formal guarantees (the derivation, also in docs/privacy.md):
   * *What the analysis releases is what is drawn.* The accountant's mechanism is
-    ``Y = C' X + Z`` (``C'`` the strategy with the float32 coefficients used;
-    its largest column norm is ``column_norm``, 1 to float rounding). Each
-    ``y_t`` is dpmp's snapped Gaussian release of the query ``a_t`` -- the
-    same sampler, grid and accounting contract as a DP-SGD step -- and
-    ``x_t`` is computed from ``y_0..y_t`` and public coefficients alone:
-    post-processing. No bound on a linear combination of residuals is needed:
-    the correlation is applied after the release, never to the noise before
-    it. (Adding ``C^-1 z`` to ``g_t`` in floats, jax-privacy's form, would put
-    ``g_t``'s rounding lattice in the output: Mironov's attack on the low bits.)
+    ``Y = C' X + Z`` (its largest column norm is ``column_norm``, 1 to float
+    rounding of the coefficients). Each ``y_t`` is dpmp's snapped Gaussian
+    release of the query ``a_t`` -- the same sampler, grid and accounting
+    contract as a DP-SGD step -- and ``x_t`` is computed from ``y_0..y_t`` and
+    public coefficients alone: post-processing. No bound on a linear
+    combination of snapped residuals is needed: the correlation is applied
+    after the release, never to the noise before it. (Adding ``C^-1 z`` to
+    ``g_t`` in floats, jax-privacy's form, would put ``g_t``'s rounding lattice
+    in the output: Mironov's attack on the low bits.)
   * *The query's sensitivity, in floats.* A record joins at most one step
     ``s`` of each ``b`` consecutive ones (b-cyclic Poisson sampling), and moves
-    ``a_t`` only for ``t`` in ``[s, s + b)``. Exactly, by ``C'[t, s] (g_s -
-    g'_s)``: L2 norm at most ``column_norm * D``. Computed, each ``a_t`` is a
-    float sum of ``b`` products of scaled sums, off its exact value by at most
-    ``gamma_{b+1} sum_j |c_j| / d_{t-j} |g_{t-j}|`` per coordinate
-    (``gamma_k = k u / (1 - k u)``, ``u`` the unit roundoff of the noise dtype,
-    one more term for the division by ``d``; Higham, Accuracy and Stability,
-    3.1), in L2 at most ``E = gamma_{b+1} row_l1 B D`` with ``|g| <= B D`` for
-    a padded batch of ``B``. Both neighbours' ``a`` differ by at most
-    ``column_norm D + 2 sqrt(b) E`` over the ``b`` steps: the noise is drawn
-    for ``D`` times ``sensitivity_factor(B)`` = ``column_norm + 2 sqrt(b)
-    gamma_{b+1} row_l1 B`` (1.0000x for the sizes trained: 16 bands, B = 4096
-    give 1 + 6e-3; tests/test_banded_mf.py checks E against float64).
+    ``a_t`` only for ``t`` in ``[s, s + b)``: exactly, by ``C'[t, s] (g_s -
+    g'_s)``, of L2 norm at most ``column_norm * D`` over those steps. Computed
+    in float64 from exactly kept sums, each ``a_t`` is off its exact value by
+    at most ``gamma_{b+1} sum_j |C'[t, t-j]| |g_{t-j}|`` per coordinate
+    (``gamma_k = k u / (1 - k u)``, ``u = 2^-53``; Higham, Accuracy and
+    Stability, 3.1), in L2 at most ``E = gamma_{b+1} row_l1 B D`` with
+    ``|g| <= B D`` for a padded batch of ``B``. Both neighbours' ``a`` then
+    differ by at most ``column_norm D + 2 sqrt(b) E`` over the ``b`` steps, so
+    the noise is drawn for ``D`` times ``sensitivity_factor(B) = column_norm +
+    2 sqrt(b) gamma_{b+1} row_l1 B`` (2,000 steps, 16 bands, B = 4096:
+    1 + 2.4e-8, the coefficients' rounding; tests/test_banded_mf.py checks
+    ``E`` against an exact sum).
   * *The snapped residual.* Each of the ``steps`` draws is a snapped release
     whose mean the neighbour moves by at most ``1 / sigma`` noise stddevs (a
-    column entry is at most 1), so ``GridNoiseContract.residual`` with one
+    column's entries are at most 1), so ``GridNoiseContract.residual`` with one
     release per step holds as its derivation states it for DP-SGD: the whole
-    output's density is a mixture, over which steps sample the record, of
+    output's density is a mixture, over the steps that sample the record, of
     products of per-step Gaussians, and the drawn-to-exact ratio of a mixture
     lies between its components'.
 """
@@ -244,6 +246,7 @@ class BandedMF:
 
         def init(params):
             wide = _lift_to(params, dtype)
+
             def ring():  # two distinct buffers: a donating step writes each in place
                 return jax.tree.map(lambda p: jnp.zeros((m, *p.shape), p.dtype), wide)
 
