@@ -13,7 +13,7 @@ from scipy import stats
 import dpmp
 from dpmp.app import cli
 from dpmp.app.config import ConfigError, load_config
-from dpmp.clipping._users import RECORD_MASK, user_private_grad
+from dpmp.clipping._users import RECORD_MASK, UNIT_REASON, user_private_grad
 from dpmp.data._dataset import DataError, split_positions
 from dpmp.data._user_sampling import UserPoissonSampler
 from dpmp.data.sources import load_dataset
@@ -96,13 +96,14 @@ def _lm_case(rng, users, k):
     return _lm_loss, params, {"x": x, "y": y}
 
 
+@pytest.mark.parametrize("method", ["auto", "vmap", "ghost"])
 @pytest.mark.parametrize("case", [_mlp_case, _lm_case], ids=["mlp", "lm"])
-def test_per_user_clipped_sum_matches_float64_reference(case):
+def test_per_user_clipped_sum_matches_float64_reference(case, method):
     rng = np.random.default_rng(0)
     users, k, clip = 7, 4, 0.3
     loss_fn, params, batch = case(rng, users, k)
     real, pad_user = _masks(rng, users, k)
-    g = user_private_grad(loss_fn, l2_clip_norm=clip, policy="fp32")
+    g = user_private_grad(loss_fn, l2_clip_norm=clip, policy="fp32", method=method)
     out = _jitted(g)(params, {**batch, RECORD_MASK: real}, pad_user)
     want = _reference(loss_fn, params, batch, real, pad_user, clip)
     # Each clipped user's float32 gradient is within (depth of its arithmetic) x u32
@@ -113,7 +114,9 @@ def test_per_user_clipped_sum_matches_float64_reference(case):
     for got, ref in zip(jax.tree.leaves(out.grads), want, strict=True):
         np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=0, atol=tol)
     assert int(out.stats.num_examples) == users - 2  # the real users are the examples
-    assert g.explain(params, {**batch, RECORD_MASK: real})["method"] == "vmap"
+    info = g.explain(params, {**batch, RECORD_MASK: real})
+    assert info["unit"] == "user" and info["reason"].startswith(UNIT_REASON)
+    assert info["method"] == (method if method != "auto" else g.resolved_method)
 
 
 def test_a_crafted_user_moves_the_sum_by_at_most_the_sensitivity():
@@ -142,9 +145,11 @@ def test_a_crafted_user_moves_the_sum_by_at_most_the_sensitivity():
     assert float(jnp.linalg.norm(alone.grads)) > k * clip * (1 - 16 * U32)
 
 
-def test_ghost_with_a_user_unit_is_refused():
-    with pytest.raises(ValueError, match="user-level ghost norms"):
-        user_private_grad(_mlp_loss, l2_clip_norm=1.0, policy="fp32", method="ghost")
+def test_every_method_is_accepted_with_a_user_unit():
+    """The config takes ghost, vmap and auto per user; explain names the unit."""
+    for method in ("auto", "vmap", "ghost"):
+        config = load_config(None, ["privacy.unit=user", f"privacy.clip_method={method}"])
+        assert config.privacy.clip_method == method
 
 
 # ---- sampling over users -----------------------------------------------------------
@@ -289,10 +294,9 @@ def test_bad_user_ids_are_one_line_exit_2(tmp_path, capsys, bad, needles):
         (["privacy.unit=user", "privacy.user_records=0"], ("privacy.user_records",)),
         (["privacy.unit=user", "privacy.user_records=-3"], ("privacy.user_records",)),
         (["privacy.unit=user"], ("privacy.unit", "data.user_field")),
-        (["privacy.unit=user", "privacy.clip_method=ghost"], ("user-level ghost norms",)),
         (["privacy.unit=people"], ("privacy.unit", "record, user")),
     ],
-    ids=["k=0", "k<0", "no-users", "ghost", "unknown"],
+    ids=["k=0", "k<0", "no-users", "unknown"],
 )
 def test_bad_unit_settings_are_one_line_exit_2(tmp_path, capsys, sets, needles):
     argv = ["train", "--out", str(tmp_path / "run")]
@@ -329,6 +333,7 @@ def test_a_user_level_run_reports_its_unit_and_users(tmp_path, capsys):
         f"data.path={tmp_path / 'people.npz'}",
         "data.user_field=people",
         "privacy.unit=user",
+        "privacy.clip_method=ghost",
         "privacy.user_records=3",
         "privacy.target_epsilon=3",
         "privacy.delta=1e-3",
@@ -347,5 +352,7 @@ def test_a_user_level_run_reports_its_unit_and_users(tmp_path, capsys):
     assert report["data"]["num_users"] == train_users and report["user_records"] == 3
     assert 0 < report["epsilon"] <= 3.0 and report["private"] is True
     assert report["sampling"]["sampling_prob"] == pytest.approx(20 / train_users)
-    assert report["clipping"]["method"] == "vmap" and report["audit"]["ok"] is True
+    clipping = report["clipping"]
+    assert clipping["method"] == "ghost" and clipping["unit"] == "user"
+    assert clipping["method_reason"].startswith(UNIT_REASON) and report["audit"]["ok"] is True
     assert "privacy unit" in capsys.readouterr().out

@@ -9,16 +9,42 @@ records. ``user_private_grad`` is ``private_grad`` of the per-user loss::
     g_u    = grad(loss_u) = the sum of u's records' gradients
     grads  = sum over real users u of clip(g_u, C)
 
-so each user is one example of the per-example (vmap) machinery, and every
+so each user is one example of the private-gradient machinery, and every
 property ``private_grad`` states of an example holds of a user: a clipped
-contribution of norm at most ``C (1 + 16 u_c)``, a padding user (``is_padding_example``)
-contributing exactly zero, an overflowed user zeroed and counted, and the
-sensitivity ``g.sensitivity_bound(batch_size=padded users, ...)`` of the sum
-over users. Padding records contribute nothing to their user's loss.
+contribution of norm at most ``C (1 + 16 u_c)``, a padding user
+(``is_padding_example``) contributing exactly zero, an overflowed user zeroed
+and counted, and the sensitivity ``g.sensitivity_bound(batch_size=padded
+users, ...)`` of the sum over users.
 
-User-level ghost norms (the norm of a user's summed gradient from activations
-and output gradients) are not implemented yet: ``method="auto"`` takes vmap
-and says so, ``method="ghost"`` is refused.
+**User-level ghost norms.** ``method="ghost"`` (and ``"auto"`` where the
+modelled cost prefers it) takes ghost clipping of the per-user loss, which
+forms no per-user gradient. Inside one "example" (a user), ``user_loss`` vmaps
+the record loss over the user's ``k`` records, so a dense layer's activation
+``X`` and output gradient ``G`` of that example are ``[k, T, K]`` and ``[k, T,
+N]``: ``k T`` rows. The user's weight gradient is ``sum_{j,t} x_jt g_jt^T =
+X^T G`` over all ``k T`` rows, so the Gram form of ``dpmp.clipping.ghost``
+over those rows::
+
+    ||g_u||^2 = ||X^T G||_F^2 = <X X^T, G G^T>      # [kT, kT] Gram matrices
+
+is exactly the squared norm of the user's SUMMED gradient (cross terms between
+records included), not a sum of per-record norms; an embedding's id-gram and
+the other rules read the same ``k T`` rows alike. The certified rounding bound
+of each Gram norm (``ghost._gram.gram``) grows like ``((kT)^2 + K + N) u``: past
+5% (``kT`` above about 900 rows in float32) ``gram_mode`` makes that layer
+form its per-user gradient instead, and a layer whose per-user gradient is the
+cheaper (``K N <= kT (K + N)``) forms it anyway. The sensitivity reads the rows
+per example from the plan (``k T`` here), as it does per example.
+
+Padding records have their loss masked out (``jnp.where``), so their output
+gradients are exactly zero: their rows add nothing to a Gram matrix, to the
+cancellation floor or to the clip-weighted sum. Padding users are padding
+examples: zeroed, whatever their rows hold. A ghost layer's norm is taken as
+at least ``sum_rows |x| |g| / 64`` (``ghost._gram.cancellation_floor``): a user
+whose records' gradients cancel more than 64-fold is clipped harder than its
+norm asks (never less hard). With ``"auto"`` the choice is
+``private_grad``'s own (``dpmp.clipping._cost``, on the per-user loss's
+shapes); ``g.explain(...)`` names the unit and says why.
 """
 
 from __future__ import annotations
@@ -33,13 +59,13 @@ import jax.numpy as jnp
 from dpmp.clipping._grad_fn import PrivateGradFn
 from dpmp.clipping._private_grad import private_grad
 
-__all__ = ["AUTO_REASON", "RECORD_MASK", "user_loss", "user_private_grad"]
+__all__ = ["RECORD_MASK", "UNIT_REASON", "user_loss", "user_private_grad"]
 
 # The batch key of the real-record mask ``[users, k]``.
 RECORD_MASK = "user_records"
-AUTO_REASON = (
-    "privacy unit user: per-user gradients (vmap), each the sum of the user's records' "
-    "gradients (user-level ghost norms: not yet)"
+UNIT_REASON = (
+    "privacy unit user: each example is one user's records, and the clip bounds the norm "
+    "of the user's summed gradient (ghost layers: the Gram form over the user's k x T rows)"
 )
 
 
@@ -83,32 +109,29 @@ def user_private_grad(
         records (it is handed one record at a time).
       l2_clip_norm: C, the per-user clip norm.
       policy: the precision policy.
-      method: ``"auto"`` or ``"vmap"`` (both per-user gradients); ``"ghost"`` is
-        refused.
+      method: ``"vmap"`` (per-user gradients), ``"ghost"`` (user-level ghost
+        norms: per layer the Gram form over the user's ``k T`` rows or the
+        layer's per-user gradient, ``gram_mode``), or ``"auto"``: whichever of
+        the two ``private_grad``'s modelled cost picks for the per-user loss.
       **kwargs: the other arguments of ``private_grad`` (``microbatch_size``
         counts users); the batch is argument 1.
 
     Returns:
       A ``PrivateGradFn`` ``g(params, batch, *rest, loss_scale=...,
-      is_padding_example=[users] bool)``; ``g.explain(...)`` says the method was
-      requested as ``method`` and why vmap is used.
+      is_padding_example=[users] bool)``; ``g.explain(...)`` adds ``"unit":
+      "user"`` and a reason that names the unit before saying why the method
+      was chosen.
     """
-    if method == "ghost":
-        raise ValueError(
-            'method: "ghost" with a user as the unit: user-level ghost norms are not '
-            'implemented yet; use "vmap" or "auto"'
-        )
     g = private_grad(
-        user_loss(loss_fn), l2_clip_norm=l2_clip_norm, policy=policy, method="vmap", **kwargs
+        user_loss(loss_fn), l2_clip_norm=l2_clip_norm, policy=policy, method=method, **kwargs
     )
-    g.method = method
-    g._explain = functools.partial(_explained, g._explain, method)
+    g._explain = functools.partial(_explained, g._explain)
     return g
 
 
-def _explained(explain: Callable, requested: str, params, *args) -> dict[str, Any]:
+def _explained(explain: Callable, params, *args) -> dict[str, Any]:
     out = dict(explain(params, *args))
-    out["requested"] = requested
-    out["reason"] = AUTO_REASON if requested == "auto" else out.get("reason", "")
+    why = out.get("reason", "")
+    out["reason"] = f"{UNIT_REASON}; {why}" if why else UNIT_REASON
     out["unit"] = "user"
     return out
