@@ -243,6 +243,7 @@ def test_mechanisms_answer_for_themselves():
         (["privacy.mechanism=banded_mf", "privacy.sampling=shuffle"], "privacy.sampling"),
         (["privacy.mechanism=banded_mf", "privacy.unit=user"], "privacy.unit"),
         (["privacy.mechanism=blt"], "privacy.mechanism: 'blt' is not allowed"),
+        (["privacy.mechanism=banded_mf", "training.devices=2"], "training.devices"),
     ],
 )
 def test_bad_inputs_are_one_line_exit_2(overrides, needle, capsys):
