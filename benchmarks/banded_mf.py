@@ -1,0 +1,175 @@
+"""What banded matrix factorization costs beside DP-SGD: the private step's compiled
+memory (state and total, bytes per parameter) and, where it fits, its time.
+
+For each MLP (784 inputs, ReLU layers, 10 classes; a 2.9M-parameter one and a
+104M-parameter one) this builds dpmp's default private step (Adam, snapped noise,
+bf16 policy, the state donated) from the parameters' shapes, once with
+independent noise (DP-SGD) and once with a banded strategy of ``--bands`` bands
+(``privacy.mechanism = "banded_mf"``; the coefficients do not change the cost:
+jax-privacy's max-error ones, normalised), and prints XLA's ``memory_analysis``
+per parameter: the optimizer state (noise key, Adam's moments, and the banded
+stream's two ring buffers of ``b - 1`` float32 vectors), the arguments and the
+total the step holds at once. With ``--time`` (the small model only, by default)
+it also runs each step and reports the median of ``--repeats`` calls.
+
+    python benchmarks/banded_mf.py --json benchmarks/results/cpu_2core_banded_mf.json
+    python benchmarks/banded_mf.py --quick        # a small model: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import dpmp
+from dpmp.noise._banded_mf import BandedMF
+
+# (name, hidden widths, batch, timed)
+MODELS = (
+    ("mlp 784-1024x3-10", (1024,) * 3, 256, True),
+    ("mlp 784-4096x7-10", (4096,) * 7, 64, False),
+)
+QUICK = (("mlp 784-64x2-10", (64,) * 2, 16, True),)
+
+
+def _loss(params, batch):
+    h = batch["x"]
+    layers = len(params) // 2
+    for i in range(layers):
+        h = h @ params[f"w{i}"] + params[f"b{i}"]
+        if i < layers - 1:
+            h = jax.nn.relu(h)
+    return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
+
+
+def _shapes(hidden, batch: int):
+    widths = (784, *hidden, 10)
+    params = {}
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
+        params[f"w{i}"] = jax.ShapeDtypeStruct((a, b), jnp.float32)
+        params[f"b{i}"] = jax.ShapeDtypeStruct((b,), jnp.float32)
+    data = {
+        "x": jax.ShapeDtypeStruct((batch, 784), jnp.float32),
+        "y": jax.ShapeDtypeStruct((batch,), jnp.int32),
+    }
+    return params, data
+
+
+def strategy(steps: int, bands: int) -> BandedMF | None:
+    """A banded strategy of ``bands`` bands (None for 0: DP-SGD)."""
+    if not bands:
+        return None
+    k = np.arange(bands)
+    coefs = np.cumprod(np.where(k == 0, 1.0, (2 * k - 1) / np.maximum(2 * k, 1)))
+    coefs = (coefs / np.linalg.norm(coefs)).astype(np.float32)
+    return BandedMF(steps=steps, coefs=tuple(float(c) for c in coefs))
+
+
+def build(hidden, batch: int, policy: str, mf: BandedMF | None):
+    params, data = _shapes(hidden, batch)
+    grad_fn = dpmp.private_grad(_loss, l2_clip_norm=1.0, policy=policy)
+    return dpmp.private_step(
+        grad_fn,
+        optax.adam(1e-3),
+        params=params,
+        batch=data,
+        noise_multiplier=1.0,
+        noise_key=jax.random.key(0),
+        expected_batch_size=batch,
+        padded_batch_size=batch,
+        donate=True,
+        strategy=mf,
+    )
+
+
+def memory(step, hidden, batch: int) -> dict:
+    """``memory_analysis`` of the compiled step and the optimizer state, in bytes."""
+    params, data = _shapes(hidden, batch)
+    opt_state = jax.eval_shape(step.optimizer.init, params)
+    pad = jax.ShapeDtypeStruct((batch,), jnp.bool_)
+    args = (params, data, pad, opt_state, dpmp.NoOpLossScale())
+    t0 = time.perf_counter()
+    m = step.step_fn.lower(*args).compile().memory_analysis()
+    out = {
+        "compile_s": time.perf_counter() - t0,
+        "state": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state)),
+        "arguments": m.argument_size_in_bytes,
+        "outputs": m.output_size_in_bytes,
+        "temporaries": m.temp_size_in_bytes,
+        "aliased": m.alias_size_in_bytes,
+    }
+    out["total"] = out["arguments"] + out["outputs"] + out["temporaries"] - out["aliased"]
+    return out
+
+
+def step_time(step, hidden, batch: int, repeats: int) -> float:
+    """Median seconds of one step, run on zeros (after one warm-up call)."""
+    params, data = _shapes(hidden, batch)
+    zeros = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
+    state = step.init(jax.tree.map(zeros, params))
+    batch_arrays = jax.tree.map(zeros, data)
+    pad = jnp.zeros((batch,), jnp.bool_)
+    state, _ = step(state, batch_arrays, pad)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state, stats = step(state, batch_arrays, pad)
+        jax.block_until_ready((state, stats))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bands", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=2000, help="the strategy's steps")
+    ap.add_argument("--policy", default="bf16")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="a small model only")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    device = jax.devices()[0]
+    out = {
+        "device": f"{device.platform} {device.device_kind}",
+        "jax": jax.__version__,
+        "bands": args.bands,
+        "policy": args.policy,
+        "rows": [],
+    }
+    print(f"{out['device']}, jax {jax.__version__}; bytes per parameter, {args.bands} bands")
+    for name, hidden, batch, timed in QUICK if args.quick else MODELS:
+        n = sum(math.prod(s.shape) for s in jax.tree.leaves(_shapes(hidden, batch)[0]))
+        row = {"model": name, "params": n, "batch": batch}
+        for label, bands in (("dpsgd", 0), ("banded_mf", args.bands)):
+            step = build(hidden, batch, args.policy, strategy(args.steps, bands))
+            mem = memory(step, hidden, batch)
+            if timed:
+                mem["step_s"] = step_time(step, hidden, batch, args.repeats)
+            row[label] = mem
+            print(
+                f"{name:20} {n:12,} {label:10} state {mem['state'] / n:6.2f} "
+                f"args {mem['arguments'] / n:6.2f} temp {mem['temporaries'] / n:6.2f} "
+                f"total {mem['total'] / n:6.2f} compile {mem['compile_s']:.1f} s"
+                + (f" step {mem['step_s'] * 1e3:.1f} ms" if timed else "")
+            )
+        row["state_extra_bytes_per_param"] = (row["banded_mf"]["state"] - row["dpsgd"]["state"]) / n
+        row["total_ratio"] = row["banded_mf"]["total"] / row["dpsgd"]["total"]
+        if timed:
+            row["step_ratio"] = row["banded_mf"]["step_s"] / row["dpsgd"]["step_s"]
+        out["rows"].append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
