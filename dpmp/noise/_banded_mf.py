@@ -266,18 +266,21 @@ class BandedMF:
 
 def _weighted(x, x_weight, ring, weights):
     """``x_weight x + sum_k weights[k] ring[k]`` per leaf in float64: elementwise
-    products and one reduction over the ring's axis, no dot (no reduced-precision
-    matmul on any backend). Written as one reduction of the whole ring, XLA fuses
-    the float64 conversion into it; a Python sum of ``ring[k]`` kept a float64 copy
-    of every slot on XLA:CPU (15 bands: 120 bytes per parameter). Any order of the
-    ``b`` additions is within the bound of ``BandedMF.rounding_bound``."""
+    products and adds, no dot (no reduced-precision matmul on any backend), one
+    slot per pass of a loop. Measured on XLA:CPU, 15 slots of 10^6 written in
+    place after: the loop holds one float64 vector (8 bytes per parameter) and
+    took 54 ms; a Python sum over the slots kept a float64 copy of each (120
+    bytes per parameter, 256 ms), one reduction over the ring's axis 714 ms. Any
+    order of the ``b`` additions is within ``BandedMF.rounding_bound``."""
 
     def one(v, r):
         acc = x_weight * v.astype(jnp.float64)
-        if r.shape[0] == 0:
-            return acc
-        w = weights.reshape((-1,) + (1,) * (r.ndim - 1))
-        return acc + jnp.sum(w * r.astype(jnp.float64), axis=0)
+
+        def add(k, acc):
+            slot = jax.lax.dynamic_index_in_dim(r, k, keepdims=False)
+            return acc + weights[k] * slot.astype(jnp.float64)
+
+        return jax.lax.fori_loop(0, r.shape[0], add, acc)
 
     return jax.tree.map(one, x, ring)
 
