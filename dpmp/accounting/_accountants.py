@@ -25,6 +25,7 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpmp.accounting._events import GaussianRelease, Release
+from dpmp.accounting._groups import has_mixture, rdp_compatible
 from dpmp.accounting._registry import ACCOUNTANT_REGISTRY
 from dpmp.accounting._validate import MAX_EPSILON, NEIGHBORING_RELATIONS
 
@@ -187,7 +188,8 @@ def rdp_curve(event: dp_accounting.DpEvent) -> Any:
     dp-accounting's arithmetic overflows."""
     try:
         with _absl_quiet():
-            return dp_accounting.rdp.RdpAccountant(orders=BOUND_ORDERS).compose(event).rdp
+            accountant = dp_accounting.rdp.RdpAccountant(orders=BOUND_ORDERS)
+            return accountant.compose(rdp_compatible(event)).rdp
     except ArithmeticError:  # ZeroDivisionError, OverflowError at extreme sigmas
         return np.full(len(BOUND_ORDERS), np.inf)
 
@@ -204,7 +206,10 @@ def rdp_bound(rdp: Any, delta: float) -> float:
 
 
 def check_within_limit(event: dp_accounting.DpEvent, delta: float) -> None:
-    """Refuses a plan whose RDP bound exceeds ``MAX_EPSILON`` (see there)."""
+    """Refuses a plan whose RDP bound exceeds ``MAX_EPSILON`` (see there); a plan of
+    units of several records is not bounded so (``has_mixture``)."""
+    if has_mixture(event):
+        return
     bound = rdp_bound(rdp_curve(event), delta)
     if bound > MAX_EPSILON:
         raise ValueError(

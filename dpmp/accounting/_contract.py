@@ -74,8 +74,11 @@ class NoiseContract(Protocol):
         noise_multiplier: float,
         delta: float,
         neighboring: str,
+        records_per_unit: int = 1,
     ) -> NoiseResidual:
-        """The accounted cost of ``releases`` draws of ``coordinates`` coordinates each."""
+        """The accounted cost of ``releases`` draws of ``coordinates`` coordinates each
+        (``records_per_unit``: a privacy unit's records, each sampled on its own; it
+        is passed only when above 1, so a contract without it serves record units)."""
         ...
 
 

@@ -51,6 +51,7 @@ from typing import NamedTuple
 import dp_accounting
 
 from dpmp.accounting import _validate as check
+from dpmp.accounting._groups import unit_event
 
 __all__ = [
     "NEIGHBOURING_RELATION_NOTE",
@@ -82,17 +83,24 @@ class Release(enum.IntEnum):
 
 class GaussianRelease(NamedTuple):
     """One release: a Gaussian mechanism at ``noise_multiplier``, on a Poisson sample
-    of probability ``sampling_prob`` (``sampled``) or on every record."""
+    of probability ``sampling_prob`` (``sampled``) or on every record.
+
+    ``records_per_unit``: the most records one privacy unit gives, each sampled on
+    its own (a user of example-level sampling, ``dpmp.accounting._groups``); 1 for
+    a record, or for a user sampled as a whole. A release on every record then has
+    sensitivity ``records_per_unit``.
+    """
 
     noise_multiplier: float
     sampling_prob: float
     sampled: bool = True
+    records_per_unit: int = 1
 
     def event(self) -> dp_accounting.DpEvent:
-        gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier)
+        k = self.records_per_unit
         if not self.sampled:
-            return gaussian
-        return dp_accounting.PoissonSampledDpEvent(self.sampling_prob, gaussian)
+            return dp_accounting.GaussianDpEvent(self.noise_multiplier / k)
+        return unit_event(self.noise_multiplier, self.sampling_prob, k)
 
 
 def effective_noise_multiplier(noise_multiplier: float, count_noise_stddev: float | None) -> float:
@@ -126,13 +134,13 @@ def split_steps(steps: int, count_noise_stddev: float | None, count_every: int) 
 
 
 def _run_event(
-    sigma: float, sampling_prob: float, sigma_eff: float, plain: int, with_count: int
+    sigma: float, sampling_prob: float, sigma_eff: float, plain: int, with_count: int, k: int
 ) -> dp_accounting.DpEvent:
     parts = []
     for noise, count in ((sigma, plain), (sigma_eff, with_count)):
         if count == 0 or noise == math.inf:
             continue  # Nothing released, or pure noise: no privacy cost.
-        step = GaussianRelease(noise, sampling_prob).event()
+        step = GaussianRelease(noise, sampling_prob, records_per_unit=k).event()
         parts.append(dp_accounting.SelfComposedDpEvent(step, count))
     if not parts:
         return dp_accounting.NoOpDpEvent()
@@ -149,6 +157,7 @@ def dpsgd_event(
     count_noise_stddev: float | None = None,
     count_every: int = 1,
     preprocessing_noise_multiplier: float | None = None,
+    records_per_unit: int = 1,
 ) -> dp_accounting.DpEvent:
     """The dp-accounting event of ``steps`` DP-SGD steps and their count releases.
 
@@ -163,6 +172,8 @@ def dpsgd_event(
       preprocessing_noise_multiplier: noise multiplier of one Gaussian release
         of the whole training set made once before training (sensitivity
         normalised to 1), or ``None`` if there is none.
+      records_per_unit: the most records of one privacy unit, each Poisson-sampled
+        on its own (``GaussianRelease``); 1 for a record unit.
 
     Returns:
       A ``SelfComposedDpEvent`` of Poisson-sampled Gaussian steps, or a
@@ -177,10 +188,11 @@ def dpsgd_event(
     sigma_p = check.optional_noise(preprocessing_noise_multiplier, "preprocessing_noise_multiplier")
     sigma_eff = effective_noise_multiplier(sigma, count_noise_stddev)
     plain, with_count = split_steps(steps, count_noise_stddev, count_every)
-    run = _run_event(sigma, q, sigma_eff, plain, with_count)
+    k = check.integer("records_per_unit", records_per_unit, 1)
+    run = _run_event(sigma, q, sigma_eff, plain, with_count, k)
     if sigma_p is None or sigma_p == math.inf:
         return run
-    pre = GaussianRelease(sigma_p, 1.0, sampled=False).event()
+    pre = GaussianRelease(sigma_p, 1.0, sampled=False, records_per_unit=k).event()
     if isinstance(run, dp_accounting.NoOpDpEvent):
         return pre
     return dp_accounting.ComposedDpEvent([pre, run])

@@ -43,6 +43,7 @@ class PlanFields(TypedDict, total=False):
     noised_coordinates: int | None
     noise_sampler: str
     bands: int
+    records_per_unit: int
 
 
 def _as_plan(

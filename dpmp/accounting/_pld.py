@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import dp_accounting
+from dp_accounting import dp_event
 from dp_accounting.pld import privacy_loss_distribution
 
 from dpmp.accounting import _validate as check
@@ -113,6 +114,9 @@ class _PldCurve:
         """The plan's RDP bound exceeds ``MAX_EPSILON``: its PLD is not built."""
         rdp = 0
         for kind, n in counts.items():
+            if n > 0 and self._releases[kind].records_per_unit > 1:
+                return False  # a mixture: its RDP bound is far too loose (has_mixture)
+        for kind, n in counts.items():
             if n > 0:
                 if kind not in self._bound:
                     self._bound[kind] = rdp_curve(self._releases[kind].event())
@@ -121,13 +125,7 @@ class _PldCurve:
 
     def _one(self, kind: Release) -> Any:
         if kind not in self._single:
-            r = self._releases[kind]
-            self._single[kind] = privacy_loss_distribution.from_gaussian_mechanism(
-                standard_deviation=r.noise_multiplier,
-                value_discretization_interval=self._interval,
-                sampling_prob=r.sampling_prob if r.sampled else 1.0,
-                neighboring_relation=self._relation,
-            )
+            self._single[kind] = _release_pld(self._releases[kind], self._relation, self._interval)
         return self._single[kind]
 
     def _pld(self, counts: Mapping[Release, int]) -> Any:
@@ -159,3 +157,23 @@ class _PldCurve:
 
 
 PLD = PldAccountant()
+
+
+def _release_pld(r: GaussianRelease, relation: Any, interval: float) -> Any:
+    """The PLD of one release: a Gaussian, Poisson-sampled or not, or for a unit of
+    several records each sampled on its own the mixture of Gaussians of its event
+    (``dpmp.accounting._groups``)."""
+    event = r.event()
+    if isinstance(event, dp_event.MixtureOfGaussiansDpEvent):
+        return privacy_loss_distribution.from_mixture_gaussian_mechanism(
+            standard_deviation=event.standard_deviation,
+            sensitivities=event.sensitivities,
+            sampling_probs=event.sampling_probs,
+            value_discretization_interval=interval,
+        )
+    return privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=r.noise_multiplier / (1 if r.sampled else r.records_per_unit),
+        value_discretization_interval=interval,
+        sampling_prob=r.sampling_prob if r.sampled else 1.0,
+        neighboring_relation=relation,
+    )

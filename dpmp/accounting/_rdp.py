@@ -21,6 +21,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpmp.accounting._accountants import NEIGHBORING, Curve, EpsilonAt
 from dpmp.accounting._events import GaussianRelease, Release
+from dpmp.accounting._groups import rdp_compatible
 from dpmp.accounting._validate import name as check_name
 
 __all__ = ["RDP", "RdpAccountant"]
@@ -82,9 +83,7 @@ class RdpAccountant:
         object.__setattr__(self, "name", check_name("RdpAccountant.name", self.name))
 
     def make(self, neighboring: str) -> dp_accounting.PrivacyAccountant:
-        return dp_accounting.rdp.RdpAccountant(
-            orders=self.orders, neighboring_relation=NEIGHBORING[neighboring]
-        )
+        return _MixtureBounding(orders=self.orders, neighboring_relation=NEIGHBORING[neighboring])
 
     def for_tracking(self) -> RdpAccountant:
         return self  # RDP is as cheap at every step as once
@@ -118,3 +117,13 @@ class RdpAccountant:
 
 
 RDP = RdpAccountant()
+
+
+class _MixtureBounding(dp_accounting.rdp.RdpAccountant):
+    """dp-accounting's RDP accountant, composing a mixture of Gaussians (a unit of
+    several records, each sampled on its own) as the Poisson-subsampled Gaussian
+    that dominates it (``dpmp.accounting._groups``): dp-accounting's RDP has no
+    analysis of the mixture itself, and the bound is looser than the PLD's."""
+
+    def _maybe_compose(self, event: dp_accounting.DpEvent, count: int, do_compose: bool):
+        return super()._maybe_compose(rdp_compatible(event), count, do_compose)

@@ -43,6 +43,23 @@ def _outside_mass(reach: float, coordinates: int, t_max: float) -> float:
     return math.exp(min(log_tail + log_spread, 700.0))
 
 
+def _outside_mass_split(reach: float, coordinates: int, t_max: float) -> float:
+    """The bound of ``_outside_mass`` by another argument, tighter for shifts of a few
+    stddevs (a unit of several records): for any ``tau`` in (0, t_max], at most
+    ``(t_max / tau)^2`` coordinates have ``t_i > tau``, each with ``P(|Z + t_i| >
+    L) <= 2 Phi(-(L - t_max))``, and each of the others at most ``2 Phi(-(L -
+    tau))``; the smallest over a grid of ``tau``."""
+    if t_max <= 0:
+        return _outside_mass(reach, coordinates, t_max)
+    best = math.inf
+    for tau in t_max * np.geomspace(1e-3, 1.0, 61):
+        few = min(float(coordinates), math.ceil((t_max / tau) ** 2))
+        log_many = math.log(coordinates) + float(scipy_special.log_ndtr(-(reach - tau)))
+        log_few = math.log(few) + float(scipy_special.log_ndtr(-(reach - t_max)))
+        best = min(best, 2.0 * math.exp(min(float(np.logaddexp(log_many, log_few)), 700.0)))
+    return best
+
+
 def _tail_count(mu: float, log_target: float) -> int:
     """Fewest k with P(N > k) <= exp(log_target) for a count N of events whose
     conditional probabilities, given everything before, sum to at most ``mu``
@@ -113,6 +130,7 @@ class GridNoiseContract:
         noise_multiplier: float,
         delta: float,
         neighboring: str = "add_or_remove",
+        records_per_unit: int = 1,
     ) -> NoiseResidual:
         """The accounted cost of drawing this sampler's noise instead of an exact one.
 
@@ -125,6 +143,9 @@ class GridNoiseContract:
             stddevs in L2 norm; twice that under ``"replace_one"``).
           delta: the run's target delta (fixes how rare the failure events must be).
           neighboring: ``"add_or_remove"`` or ``"replace_one"``.
+          records_per_unit: ``k``, the most records of one privacy unit, each
+            Poisson-sampled on its own (example-level sampling of users); add or
+            remove only. See *Units of k records* below.
 
         Returns:
           The ``NoiseResidual``: the drawn noise is ``(eps + epsilon, delta)``-DP
@@ -212,6 +233,25 @@ class GridNoiseContract:
            ``beta``: the set G is defined under both neighbours' likelihoods and
            its complement's probability is taken under the drawn mechanism.)
 
+        *Units of k records* (add or remove). Given ``B``, a step is the mixture
+        ``sum_S p_S N(mu_B + g_S)`` over the subsets ``S`` of the unit's records
+        that the step sampled, ``g_S`` the sum of their clipped gradients, against
+        ``N(mu_B)``; the binomial mixture of Gaussians dominates it for the
+        accountant (``dpmp.accounting._groups``). The argument above holds with
+        ``c = 2^k`` components for the union bounds of 3 (one per subset, the
+        empty one ``mu_B``) and ``t_max = k / sigma`` (two subsets' means differ
+        by the gradients of their symmetric difference, at most ``k`` records of
+        norm ``1 / sigma`` each). In 4 and for ``beta_out`` the union over the
+        components is taken per coordinate instead: every component mean lies in
+        the box ``mu_B,i +- T_i``, ``T_i = sum_r |g_r,i|`` (``|T|_2 <= k / sigma``),
+        so coordinate ``i`` is outside some component's core only if ``|Z| > 8 - T_i``
+        under the component that drew it, at most ``2 Phi(-(8 - T_i))``: one
+        ``_outside_mass`` at ``t_max = k / sigma`` bounds the sum, and the factor
+        ``c = 2`` kept there makes ``k = 1`` the analysis above exactly. For
+        ``k > 1`` that sum is bounded by ``_outside_mass_split`` instead, tighter
+        at shifts of a few stddevs (few coordinates can hold a large part of the
+        shift).
+
         The bound grows with ``sqrt(d log T)`` per step where summing the cells'
         bounds grows with ``d``: about 7.3e-12 sqrt(2 d ln(4 T / beta_H)) T. With
         ``beta_H = beta_k = RESIDUAL_DELTA_SHARE delta / 2``: 125M coordinates x
@@ -227,14 +267,21 @@ class GridNoiseContract:
             )
         if releases == 0 or sigma == math.inf:
             return NoiseResidual(0.0, 0.0, 0.0)
+        group = check.integer("records_per_unit", records_per_unit, 1)
         replace = neighboring == "replace_one"
-        c, t_max = (3, 2.0 / sigma) if replace else (2, 1.0 / sigma)
+        if replace and group > 1:
+            raise ValueError(
+                "records_per_unit: units of several records are accounted under "
+                "add_or_remove only, not replace_one."
+            )
+        c, t_max = (3, 2.0 / sigma) if replace else (2, group / sigma)
+        c_h = 2.0**group if group > 1 else c  # the components of 3's union bounds
         eta = self.cell_log_ratio(self.core, self.ndtri_rel_error[0][1])
         eta_t = self.cell_log_ratio(self.tail, self.ndtri_rel_error[-1][1])
         slack = 1.0 / self.cells_per_stddev[0] + 1e-9  # a cell's width, and the drawn z's error
         budget = RESIDUAL_DELTA_SHARE * delta / 2.0
         # 3: concentration of the core cells, and their mean
-        s = eta * math.sqrt(2.0 * n * math.log(2.0 * c * releases / budget))
+        s = eta * math.sqrt(2.0 * n * math.log(2.0 * c_h * releases / budget))
         own = 2.0 * float(np.exp(scipy_special.log_ndtr(-(self.tail - slack))))  # beyond the tail
         core_out = 2.0 * float(np.exp(scipy_special.log_ndtr(-(self.core - slack))))
         diff = core_out * math.expm1(eta_t) + 2.0 * own  # D: drawn vs exact mass outside the core
@@ -245,9 +292,10 @@ class GridNoiseContract:
         # 4: the coordinates outside some component's core (per coordinate the union
         # bound over the c components; summed over coordinates and steps), and the
         # mass beyond the sampler's accurate reach
-        mu_tail = c * releases * _outside_mass(self.core - slack, n, t_max)
+        outside = _outside_mass if group == 1 else _outside_mass_split
+        mu_tail = c * releases * outside(self.core - slack, n, t_max)
         k = _tail_count(mu_tail, math.log(budget))
-        beta_out = c * releases * _outside_mass(self.tail - slack, n, t_max)
+        beta_out = c * releases * outside(self.tail - slack, n, t_max)
         log_ratio = releases * (s + mean) + k * eta_t
         return NoiseResidual(2.0 * log_ratio, log_ratio, 2.0 * budget + beta_out)
 
@@ -262,23 +310,27 @@ def plan_residual(
     count_noise_stddev: float | None,
     delta: float,
     neighboring: str,
+    records_per_unit: int = 1,
 ) -> NoiseResidual | None:
     """The noise residual of a plan of ``steps`` releases of ``coordinates`` gradient
     coordinates at noise multiplier ``sigma``; with count releases, the count's noise
     is one more coordinate and the neighbour's shift is that of the effective noise
     multiplier. None: the plan does not count coordinates, its sampler is accounted
-    as exact, or it releases nothing."""
+    as exact, or it releases nothing. ``records_per_unit`` (a unit's records, each
+    sampled on its own) reaches the contract only when above 1."""
     if coordinates is None or contract is None or steps == 0:
         return None
     if with_count:
         coordinates = coordinates + 1
         sigma = effective_noise_multiplier(sigma, count_noise_stddev)
+    group = {} if records_per_unit == 1 else {"records_per_unit": records_per_unit}
     return contract.residual(
         coordinates=coordinates,
         releases=steps,
         noise_multiplier=sigma,
         delta=delta,
         neighboring=neighboring,
+        **group,
     )
 
 

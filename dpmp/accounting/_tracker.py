@@ -71,6 +71,8 @@ class PrivacyBudget:
         the default when ``noised_coordinates`` is None.
       bands: 1 (DP-SGD), or the bands of amplified banded matrix factorization,
         whose steps compose in rounds of ``bands`` (``AccountingPlan.bands``).
+      records_per_unit: the most records of one privacy unit, each sampled on its
+        own (``AccountingPlan.records_per_unit``); 1 for a record unit.
 
     ``plan(steps)`` is the ``AccountingPlan`` of a run of ``steps`` steps.
     """
@@ -87,6 +89,7 @@ class PrivacyBudget:
     noised_coordinates: int | None | _Required = REQUIRED
     noise_sampler: str = DEFAULT_NOISE_SAMPLER
     bands: int = 1
+    records_per_unit: int = 1
 
     def __post_init__(self):
         acct = as_accountant(self.accountant)
@@ -104,6 +107,7 @@ class PrivacyBudget:
                 self.preprocessing_noise_multiplier, "preprocessing_noise_multiplier"
             ),
             noised_coordinates=check.coordinates(self.noised_coordinates),
+            records_per_unit=check.records_per_unit(self.records_per_unit, self.neighboring),
         )
         if fields["noised_coordinates"] is None:
             # No residual is accounted: the sampler plays no part in the plan, and
@@ -129,6 +133,7 @@ class PrivacyBudget:
             noised_coordinates=coordinates,
             noise=None if coordinates is None else noise_contract(self.noise_sampler),
             bands=self.bands,
+            records_per_unit=self.records_per_unit,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -147,3 +147,15 @@ def coordinates(value: Any) -> int | None:
             "draws none: an idealisation, e.g. to compare with published epsilons)"
         )
     return None if value is None else integer("noised_coordinates", value, 1)
+
+
+def records_per_unit(value: Any, neighboring: str) -> int:
+    """A privacy unit's records, each sampled on its own: an integer >= 1; above 1 only
+    under add or remove (the mixture of Gaussians is analysed for it alone)."""
+    k = integer("records_per_unit", value, 1)
+    if k > 1 and neighboring != "add_or_remove":
+        raise ValueError(
+            f"records_per_unit: {k} records per unit are accounted under add_or_remove "
+            f"only, got neighboring={neighboring!r}."
+        )
+    return k
