@@ -392,7 +392,14 @@ class PrivacyConfig:
       gives at most ``user_records`` of its records, and the clip bounds the
       norm of the sum of their gradients (ghost norms over the user's records, or vmap).
     user_records: ``unit = "user"``: the most records one sampled user gives a
-      step (k; chosen uniformly at random among its records).
+      step (k; chosen uniformly at random among its records), or with
+      ``user_sampling = "records"`` the most records a user keeps at all.
+    user_sampling: ``unit = "user"``: ``"users"`` (default: users are
+      Poisson-sampled and each user's summed gradient clipped, ULS) or
+      ``"records"`` (each user keeps at most ``user_records`` records, chosen at
+      random; records are Poisson-sampled and clipped on their own, and the
+      accounting is of one user's up to k records, the binomial mixture of
+      Gaussians, ELS; ``training.expected_batch_size`` counts records).
     accountant: the registered accountant that composes the run's releases
       (``dpmp.accounting.register_accountant`` adds one; the choices are read
       from the registry when a config is checked).
@@ -426,6 +433,7 @@ class PrivacyConfig:
     l2_clip_norm: float = 1.0
     unit: str = "record"
     user_records: int = 8
+    user_sampling: str = "users"
     accountant: str = "pld"
     sampling: str = "poisson"
     clip_method: str = "auto"

@@ -14,7 +14,7 @@ from typing import Any
 
 from dpmp.accounting._registry import accountant_names
 from dpmp.app import config
-from dpmp.app.config_users import UNITS
+from dpmp.app.config_users import UNITS, USER_SAMPLINGS
 from dpmp.noise._mechanisms import mechanism_names
 from dpmp.noise._registry import sampler_names
 
@@ -66,6 +66,7 @@ _CHOICES = {
     "privacy.sampling": config.SAMPLINGS,
     "privacy.clip_method": config.CLIP_METHODS,
     "privacy.unit": UNITS,
+    "privacy.user_sampling": USER_SAMPLINGS,
     "privacy.noise_sampler": sampler_names,
     "privacy.mechanism": mechanism_names,
     "training.optimizer": config.OPTIMIZERS,

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["UNITS", "check_unit", "check_user_field"]
+__all__ = ["UNITS", "USER_SAMPLINGS", "check_unit", "check_user_field", "records_per_unit"]
 
 # privacy.unit: what the guarantee protects.
 UNITS = ("record", "user")
+# privacy.user_sampling: users sampled whole (ULS), or their records on their own (ELS).
+USER_SAMPLINGS = ("users", "records")
 # privacy.user_records: larger is a typo (each user's block is that many rows).
 MAX_USER_RECORDS = 65536
 
@@ -37,8 +39,15 @@ def check_unit(privacy: Any, error: type[Exception]) -> None:
             f"privacy.user_records: must be an integer in [1, {MAX_USER_RECORDS}] (the most "
             f"records one sampled user gives a step), got {k!r}"
         )
+    if privacy.user_sampling not in USER_SAMPLINGS:
+        raise error(
+            f"privacy.user_sampling: {privacy.user_sampling!r} is not allowed; allowed: "
+            f"{', '.join(USER_SAMPLINGS)}"
+        )
     if privacy.unit != "user":
         return
+    if privacy.user_sampling == "records":
+        _check_records_sampling(privacy, error)
     if privacy.sampling != "poisson":
         raise error(
             f'privacy.sampling: {privacy.sampling!r} with privacy.unit = "user": users are '
@@ -50,3 +59,21 @@ def check_user_field(field: Any, error: type[Exception]) -> None:
     """``data.user_field`` is unset or a non-empty string."""
     if field is not None and not (isinstance(field, str) and field):
         raise error(f"data.user_field: must be a field name (a string), got {field!r}")
+
+
+def _check_records_sampling(privacy: Any, error: type[Exception]) -> None:
+    """Example-level sampling of users is accounted for DP-SGD steps on Poisson
+    samples under add or remove (``dpmp.accounting._groups``)."""
+    if getattr(privacy, "mechanism", "dpsgd") != "dpsgd":
+        raise error(
+            f'privacy.user_sampling: "records" is accounted for DP-SGD steps, not for '
+            f"privacy.mechanism = {privacy.mechanism!r}; use user_sampling = \"users\""
+        )
+
+
+def records_per_unit(privacy: Any) -> int:
+    """The records of one user a step's Poisson sample may hold, each sampled on its
+    own: ``user_records`` under example-level sampling of users, else 1."""
+    if privacy.unit == "user" and privacy.user_sampling == "records":
+        return privacy.user_records
+    return 1
