@@ -701,7 +701,7 @@ PUBLIC_REPORT_KEYS = {
     "delta_parts": {"accountant", "truncation_reserved", "note"},
     "noise": {
         "sampler", "noised_coordinates", "epsilon_residual", "l2_sensitivity", "stddev",
-        "sensitivity_bound",
+        "sensitivity_bound", "mechanism",
     },
     "overflow": {
         "privatized", "count_releases", "count_noise_stddev", "epsilon_cost",
