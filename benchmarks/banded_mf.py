@@ -14,6 +14,16 @@ it also runs each step and reports the median of ``--repeats`` calls.
 
     python benchmarks/banded_mf.py --json benchmarks/results/cpu_2core_banded_mf.json
     python benchmarks/banded_mf.py --quick        # a small model: a smoke run
+
+With ``--rmse`` it instead tables the expected error at equal epsilon: jax-privacy's
+optimised strategy for ``--steps`` steps and ``--bands`` bands (and how long it
+takes to optimise and evaluate), the noise multipliers calibrated for banded MF
+(b-cyclic Poisson, ``expected batch / (n // b)``) and DP-SGD (Poisson,
+``expected batch / n``) at each epsilon, and the RMSE of the prefix sums in units
+of the sum's sensitivity (``BandedMF.prefix_rmse`` times sigma; DP-SGD's
+``sqrt((steps + 1) / 2)`` times sigma).
+
+    python benchmarks/banded_mf.py --rmse --json benchmarks/results/cpu_2core_banded_mf_rmse.json
 """
 
 from __future__ import annotations
@@ -127,6 +137,46 @@ def step_time(step, hidden, batch: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def rmse_table(steps: int, bands: int, num_examples: int, batch: int, delta: float) -> dict:
+    """The expected error of banded MF and DP-SGD at equal epsilon (see the docstring)."""
+    import dpmp.accounting as accounting
+    from dpmp.noise._mechanisms import dpsgd_prefix_rmse
+
+    t0 = time.perf_counter()
+    mf = BandedMF.optimized(steps, bands)
+    optimize_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    per = mf.prefix_rmse()
+    out = {
+        "steps": steps,
+        "bands": bands,
+        "num_examples": num_examples,
+        "expected_batch_size": batch,
+        "delta": delta,
+        "optimize_s": optimize_s,
+        "prefix_rmse_s": time.perf_counter() - t0,
+        "prefix_rmse_per_stddev": per,
+        "dpsgd_prefix_rmse_per_stddev": dpsgd_prefix_rmse(steps),
+        "rows": [],
+    }
+    for eps in (1.0, 3.0, 8.0):
+        common = dict(target_epsilon=eps, steps=steps, delta=delta, noised_coordinates=None)
+        q_mf = batch / (num_examples // bands)
+        s_mf = accounting.calibrate_noise_multiplier(sampling_prob=q_mf, bands=bands, **common)
+        s_dp = accounting.calibrate_noise_multiplier(sampling_prob=batch / num_examples, **common)
+        row = {
+            "epsilon": eps,
+            "sigma_banded_mf": s_mf,
+            "sigma_dpsgd": s_dp,
+            "rmse_banded_mf": s_mf * per,
+            "rmse_dpsgd": s_dp * dpsgd_prefix_rmse(steps),
+        }
+        row["rmse_ratio"] = row["rmse_banded_mf"] / row["rmse_dpsgd"]
+        print(json.dumps(row))
+        out["rows"].append(row)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bands", type=int, default=16)
@@ -135,7 +185,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="a small model only")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--rmse", action="store_true", help="the error table instead")
+    ap.add_argument("--examples", type=int, default=60000, help="--rmse: n")
+    ap.add_argument("--batch", type=int, default=512, help="--rmse: expected batch")
     args = ap.parse_args(argv)
+    if args.rmse:
+        out = rmse_table(args.steps, args.bands, args.examples, args.batch, 1e-5)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     device = jax.devices()[0]
     out = {
         "device": f"{device.platform} {device.device_kind}",
