@@ -483,6 +483,45 @@ def llm_families(name: str) -> str:
     return _table(header, rows)
 
 
+USER_LEVEL_ROWS = {"small": "byte LM (`configs/lm.toml`)", "100m": "byte LM, width 768, depth 14"}
+
+
+def user_level(name: str) -> str:
+    """The user-level private step beside the record-level one (the same records a
+    step): compiled memory, step time where measured, and their ratios."""
+    data = _load(name)
+    by_step = {(r["row"], r["method"], r["unit"]): r for r in data["rows"]}
+
+    def cell(r: dict) -> str:
+        timed = f", {1000 * r['step_s']:,.0f} ms" if "step_s" in r else " (compiled only)"
+        return f"{r['compiled_mb']:,.0f} MB{timed}"
+
+    rows = []
+    for ratio in data["ratios"]:
+        record, user = (by_step[(ratio["row"], ratio["method"], u)] for u in ("record", "user"))
+        ratios = f"{ratio['memory_ratio']:.2f}x memory"
+        if "time_ratio" in ratio:
+            ratios += f", {ratio['time_ratio']:.2f}x time"
+        rows.append(
+            [
+                f"{USER_LEVEL_ROWS[ratio['row']]}, {record['trainable_params']:,} parameters",
+                f"`{ratio['method']}`",
+                cell(record),
+                cell(user),
+                ratios,
+            ]
+        )
+    first = data["ratios"][0]
+    header = [
+        f"model (bf16, {data['rows'][0]['tokens']} tokens a record)",
+        "clip method",
+        f"record level: {first['records_per_step']} records",
+        f"user level: {first['users_per_step']} users x {first['user_records']} records",
+        "user / record",
+    ]
+    return _table(header, rows)
+
+
 OPERAND_MODELS = {
     "mlp": "MLP 784-1024-1024-1024-10",
     "cnn": "CNN",
@@ -746,6 +785,7 @@ TABLES: dict[str, Callable[..., str]] = {
     "lora_compile": lora_compile,
     "gpt2_step": gpt2_step,
     "llm_families": llm_families,
+    "user_level": user_level,
     "gpt2_checkpoint": gpt2_checkpoint,
     "ghost_operands": ghost_operands,
     "reproduction": reproduction,
