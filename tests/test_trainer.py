@@ -695,7 +695,7 @@ PUBLIC_REPORT_KEYS = {
         "config", "versions", "num_params", "finite_params", "noise",
         "starting_point",  # pre-trained on public text, or given (and then the caller's)
         "mesh", "delta_parts",
-        "privacy_unit", "num_users", "user_records",  # the unit and its public plan
+        "privacy_unit", "num_users", "user_records", "user_sampling",  # the unit, its plan
     },
     "mesh": {"devices", "processes", "platform", "sharded_params", "all_reduce"},
     "delta_parts": {"accountant", "truncation_reserved", "note"},

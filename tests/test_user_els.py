@@ -141,3 +141,123 @@ def test_bad_records_per_unit_is_refused_in_one_line(kw, match):
     with pytest.raises((ValueError, TypeError), match=match) as e:
         _eps(noise_multiplier=2.0, **kw)
     assert "\n" not in str(e.value)
+
+
+# ---- the sampler: records kept per user, then Poisson over records ------------------
+
+
+def _users(rng, n_users=40, n=600):
+    users = rng.integers(0, n_users, size=n)
+    users[: n_users * 2] = np.repeat(np.arange(n_users), 2)  # every user has records
+    users[-50:] = 3  # one user with many records
+    return users
+
+
+def test_each_user_keeps_at_most_k_of_its_own_records():
+    from dpmp.data._capped_sampling import CappedUserSampler, kept_records
+
+    rng = np.random.default_rng(0)
+    users, k = _users(rng), 4
+    kept = kept_records(users, k, seed=7)
+    counts = np.bincount(users)
+    assert (np.bincount(users[kept], minlength=len(counts)) == np.minimum(counts, k)).all()
+    assert len(np.unique(kept)) == len(kept)
+    assert not np.array_equal(kept, kept_records(users, k, seed=8))  # the seed chooses
+    sampler = CappedUserSampler(users, 20, records_per_user=k, seed=7)
+    assert sampler.num_examples == np.minimum(counts, k).sum()
+    for step in range(30):
+        b = sampler.batch(step)
+        real = b.indices[~b.is_padding_example]
+        assert np.isin(real, kept).all() and len(np.unique(real)) == len(real)
+        assert (b.indices[b.is_padding_example] == -1).all()
+
+
+def test_kept_records_are_uniform_among_a_users_records():
+    """A user of 10 records keeping 3: each record is kept with probability 3/10; over
+    2,000 seeds the counts are within z standard deviations (Bonferroni over 10)."""
+    from dpmp.data._capped_sampling import kept_records
+
+    users = np.array([0] * 10 + [1] * 2)
+    hits = np.zeros(10)
+    seeds = 2000
+    for seed in range(seeds):
+        kept = kept_records(users, 3, seed)
+        hits[kept[kept < 10]] += 1
+    z = stats.norm.isf(1e-6 / 20)
+    sd = math.sqrt(seeds * 0.3 * 0.7)
+    assert np.abs(hits - seeds * 0.3).max() <= z * sd
+
+
+def test_records_are_included_at_the_sampling_rate_and_the_sampler_resumes():
+    from dpmp.data._capped_sampling import CappedUserSampler
+
+    rng = np.random.default_rng(1)
+    users = _users(rng)
+    q, steps = 0.1, 400
+    sampler = CappedUserSampler(users, sampling_prob=q, records_per_user=3, seed=3)
+    total = sum(int((~sampler.batch(t).is_padding_example).sum()) for t in range(steps))
+    n = sampler.num_examples
+    z = stats.norm.isf(1e-6 / 2)
+    assert abs(total - steps * n * q) <= z * math.sqrt(steps * n * q * (1 - q))
+    a = CappedUserSampler(users, 20, records_per_user=3, seed=5, num_steps=10)
+    for _ in range(4):
+        next(a)
+    b = a.from_state_dict(a.state_dict(), num_steps=10)
+    assert b.step == 4 and (next(b).indices == next(a).indices).all()
+    # the padded size is that of k more records, a neighbour's most
+    assert a.truncation_probability <= 1e-6 or a.padded_batch_size >= 20
+
+
+# ---- a whole run ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_records_sampled_user_level_run_accounts_k_records_per_user(tmp_path, capsys):
+    import json
+
+    from dpmp.app import cli
+    from dpmp.data._dataset import split_positions
+
+    rng = np.random.default_rng(0)
+    n = 600
+    x = rng.normal(size=(n, 6)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    ids = rng.integers(0, 150, size=n)
+    np.savez(tmp_path / "people.npz", x=x, y=y, people=np.array([f"p{u}" for u in ids]))
+    out = tmp_path / "run"
+    sets = [
+        "data.dataset=npz",
+        f"data.path={tmp_path / 'people.npz'}",
+        "data.user_field=people",
+        "privacy.unit=user",
+        "privacy.user_sampling=records",
+        "privacy.user_records=2",
+        "privacy.target_epsilon=3",
+        "privacy.delta=1e-3",
+        "training.steps=3",
+        "training.expected_batch_size=40",
+        "training.eval_every=0",
+        "model.hidden=[8]",
+    ]
+    argv = ["train", "--out", str(out)]
+    for item in sets:
+        argv += ["--set", item]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    train_ids = ids[split_positions(n, 0.2, 0)[0]]
+    kept = int(np.minimum(np.unique(train_ids, return_counts=True)[1], 2).sum())
+    assert report["user_sampling"] == "records" and report["user_records"] == 2
+    assert report["sampling"]["sampling_prob"] == pytest.approx(40 / kept)
+    assert report["clipping"]["unit"] == "example" and report["private"] is True
+    assert 0 < report["epsilon"] <= 3.0
+    # the accountant's epsilon is that of k = 2 records per user at the run's plan
+    sigma = report["noise_multiplier"]
+    e2 = acc.epsilon(
+        noise_multiplier=sigma, sampling_prob=40 / kept, steps=3, delta=1e-3,
+        noised_coordinates=None, records_per_unit=2,
+    )  # fmt: skip
+    e1 = acc.epsilon(
+        noise_multiplier=sigma, sampling_prob=40 / kept, steps=3, delta=1e-3,
+        noised_coordinates=None,
+    )  # fmt: skip
+    assert report["epsilon"] >= e2 * (1 - 1e-3) > e1

@@ -124,6 +124,21 @@ USER_LEVEL = (
     "records, and the clip bounds the norm of the sum of their gradients. The numbers of "
     "users and of records are public."
 )
+USER_LEVEL_RECORDS = (
+    "privacy.unit = 'user' with privacy.user_sampling = 'records': the guarantee protects "
+    "all of one user's training records together (zero-out neighbours of a user); each "
+    "user keeps at most privacy.user_records records, chosen at random, every kept record "
+    "is Poisson-sampled and clipped on its own, and the accountant composes one user's up "
+    "to user_records sampled records (the binomial mixture of Gaussians). The numbers of "
+    "users and of records are public."
+)
+
+
+def user_relation(config) -> str:
+    """The neighbouring relation of the run, in words (report)."""
+    if config.privacy.unit != "user":
+        return accounting.NEIGHBOURING_RELATION_NOTE
+    return USER_LEVEL if config.privacy.user_sampling == "users" else USER_LEVEL_RECORDS
 
 
 def unit_text(config, data) -> str:
@@ -133,7 +148,11 @@ def unit_text(config, data) -> str:
     return (
         f"of a user: all of one user's records null (the {data.num_users:,} users and "
         f"{data.num_train:,} records are public; at most {config.privacy.user_records} "
-        "records of a user per step)"
+        + (
+            "records of a user per step)"
+            if config.privacy.user_sampling == "users"
+            else "records of a user kept, each sampled on its own)"
+        )
     )
 
 
@@ -512,9 +531,8 @@ def _privacy_section(config, step, breakdown, warnings_: list[str]) -> dict[str,
         "privacy_unit": p.unit,
         "num_users": step.data.num_users if p.unit == "user" else None,
         "user_records": p.user_records if p.unit == "user" else None,
-        "neighbouring_relation": (
-            USER_LEVEL if p.unit == "user" else accounting.NEIGHBOURING_RELATION_NOTE
-        ),
+        "user_sampling": p.user_sampling if p.unit == "user" else None,
+        "neighbouring_relation": user_relation(config),
         "accounting_relation": "add_or_remove",
         # the guarantee: the tracker's epsilon, the one calibrated to, stopped at and
         # shown in every metrics.jsonl record; its parts are breakdown's

@@ -9,7 +9,10 @@ covered by the Poisson epsilon). The padded size is a multiple of
 
 With ``privacy.unit = "user"`` the sampler draws users
 (``dpmp.data._user_sampling.UserPoissonSampler``): the expected, physical and
-micro batch sizes count users, and a batch is ``[padded users, k, ...]``.
+micro batch sizes count users, and a batch is ``[padded users, k, ...]``;
+with ``privacy.user_sampling = "records"`` it draws records, each user's
+capped at ``privacy.user_records`` (``dpmp.data._capped_sampling``), and the
+batches are record batches.
 
 ``gather`` reads a batch's examples from the training split -- an in-memory
 array, a memory-mapped ``.npy`` file or any random-access source -- so only
@@ -26,6 +29,7 @@ import numpy as np
 from dpmp.app.config import Config, ConfigError
 from dpmp.app.trainer.plan import max_truncation_prob
 from dpmp.clipping._users import RECORD_MASK
+from dpmp.data._capped_sampling import CappedUserSampler
 from dpmp.data._cyclic_sampling import CyclicPoissonSampler
 from dpmp.data._dataset import Dataset
 from dpmp.data._preprocess import FeatureStats, exact_feature_stats, private_feature_stats
@@ -66,7 +70,7 @@ def make_sampler(config: Config, num_train: int, seed: int, devices: int = 1, us
     padded batches split evenly over ``devices`` devices; with ``privacy.unit =
     "user"``, over the users of ``users`` (``Dataset.users_train``)."""
     t = config.training
-    by_user = config.privacy.unit == "user"
+    by_user = config.privacy.unit == "user" and config.privacy.user_sampling == "users"
     count, what = (int(users.max()) + 1, "users") if by_user else (num_train, "examples")
     # a batch never holds more than every example (a larger physical or micro
     # batch would be padding, allocated)
@@ -86,6 +90,8 @@ def make_sampler(config: Config, num_train: int, seed: int, devices: int = 1, us
         return ShuffledSampler(num_train, t.expected_batch_size, seed=seed, num_steps=t.steps)
     tail = max_truncation_prob(config)
     make = _poisson_kind(config, num_train)
+    if config.privacy.unit == "user":  # records sampled on their own, capped per user
+        make = functools.partial(_capped, users=users, records_per_user=config.privacy.user_records)
     sampler = make(
         num_train, t.expected_batch_size, seed=seed, num_steps=t.steps, max_truncation_prob=tail
     )
@@ -172,3 +178,10 @@ def _gather_users(data: Dataset, batch: UserBatch) -> tuple[dict[str, np.ndarray
     out = {name: value.reshape(*shape, *value.shape[1:]) for name, value in rows.items()}
     out[RECORD_MASK] = ~np.asarray(batch.is_padding_record, bool)
     return out, np.asarray(batch.is_padding_example, bool)
+
+
+def _capped(num_train: int, *args, users, records_per_user: int, **kwargs) -> CappedUserSampler:
+    """``CappedUserSampler`` called as ``PoissonSampler`` is (its ``num_train`` is that
+    of the users' records, all of them)."""
+    del num_train
+    return CappedUserSampler(users, *args, records_per_user=records_per_user, **kwargs)

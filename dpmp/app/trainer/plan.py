@@ -19,9 +19,11 @@ import math
 from typing import Any
 
 import jax
+import numpy as np
 
 import dpmp.accounting as accounting
 from dpmp.app.config import Config, ConfigError
+from dpmp.app.config_users import records_per_unit
 from dpmp.data._preprocess import release_noise_multiplier
 from dpmp.data._sampling import MAX_TRUNCATION_PROB
 from dpmp.noise import drawn_sampler
@@ -38,6 +40,7 @@ __all__ = [
     "population",
     "run_keys",
     "truncation_delta",
+    "units",
 ]
 
 
@@ -134,6 +137,7 @@ def _calibrate(
             noised_coordinates=coordinates,
             noise_sampler=p.noise_sampler,
             bands=_bands(config),
+            records_per_unit=records_per_unit(config.privacy),
         )
 
     if p.noise_multiplier is not None:
@@ -155,6 +159,7 @@ def _calibrate(
             noised_coordinates=coordinates,
             noise_sampler=p.noise_sampler,
             bands=_bands(config),
+            records_per_unit=records_per_unit(config.privacy),
         )
     except ValueError as e:
         raise ConfigError(f"privacy.target_epsilon: cannot be reached: {e}") from e
@@ -203,15 +208,34 @@ class NoisePlan:
 
 
 def population(config: Config, data: Any) -> int:
-    """n of the accounting: the training records, or with ``privacy.unit = "user"``
-    the users (``Dataset.num_users``), sampled with ``q = expected_batch_size / n``."""
+    """n of the sampling, ``q = expected_batch_size / n``: the training records, or with
+    ``privacy.unit = "user"`` the users (``Dataset.num_users``), or under example-level
+    sampling of users the records kept, ``sum over users of min(count, k)``
+    (``dpmp.data._capped_sampling``)."""
+    p = config.privacy
+    if p.unit != "user" or data.num_users is None:
+        return data.num_train
+    if p.user_sampling == "users":
+        return data.num_users
+    counts = np.bincount(np.asarray(data.users_train))
+    return int(np.minimum(counts, p.user_records).sum())
+
+
+def units(config: Config, data: Any) -> int:
+    """The privacy units the guarantee counts (delta must be below 1/this): the
+    training records, or the users with ``privacy.unit = "user"``."""
     if config.privacy.unit == "user" and data.num_users is not None:
         return data.num_users
     return data.num_train
 
 
 def noise_plan(
-    config: Config, *, num_train: int, params_shape: Any, truncation_probability: float = 0.0
+    config: Config,
+    *,
+    num_train: int,
+    params_shape: Any,
+    truncation_probability: float = 0.0,
+    num_units: int | None = None,
 ) -> NoisePlan:
     """The noise multiplier and budget of ``config`` for ``num_train`` examples (users,
     with ``privacy.unit = "user"``: see ``population``) and
@@ -222,12 +246,14 @@ def noise_plan(
     ``privacy.delta`` is the run's whole delta: the accountant (whose epsilon
     covers the snapped noise's residual, its failure probability included) gets
     what a possibly truncated Poisson sample (``truncation_probability`` per
-    step) leaves of it."""
+    step) leaves of it. ``num_units``: the privacy units delta is checked against
+    (``units``; default ``num_train``)."""
     what = "users" if config.privacy.unit == "user" else "training records"
-    if config.privacy.delta >= 1 / num_train and not config.privacy.allow_large_delta:
+    n = num_train if num_units is None else num_units
+    if config.privacy.delta >= 1 / n and not config.privacy.allow_large_delta:
         raise ConfigError(
-            f"privacy.delta: {config.privacy.delta:g} is not below 1/n = {1 / num_train:.3g} "
-            f"for the n = {num_train:,} {what}, so the guarantee would allow "
+            f"privacy.delta: {config.privacy.delta:g} is not below 1/n = {1 / n:.3g} "
+            f"for the n = {n:,} {what}, so the guarantee would allow "
             "publishing a record in the clear; use a delta below 1/n (1e-5 is usual), or "
             "privacy.allow_large_delta = true to train anyway (NOT differentially private)"
         )

@@ -42,7 +42,14 @@ from dpmp.app.published import start_from_checkpoint
 from dpmp.app.trainer.batches import feature_stats as compute_feature_stats
 from dpmp.app.trainer.batches import gather, make_sampler
 from dpmp.app.trainer.mesh import make_mesh, shared_keys
-from dpmp.app.trainer.plan import NoisePlan, RunKeys, max_truncation_prob, noise_plan, run_keys
+from dpmp.app.trainer.plan import (
+    NoisePlan,
+    RunKeys,
+    max_truncation_prob,
+    noise_plan,
+    run_keys,
+    units,
+)
 from dpmp.audit._precision import audit_precision
 from dpmp.audit._privacy import privacy_audit
 from dpmp.clipping._private_grad import private_grad
@@ -296,11 +303,13 @@ def build_private_step(
     sampler = make_sampler(config, data.num_train, keys.sampler_seed, devices, users)
     plan = noise_plan(
         config,
-        num_train=sampler.num_examples,  # the users, with privacy.unit = "user"
+        num_train=sampler.num_examples,  # the users, or the kept records (user_sampling)
         params_shape=params_shape,
         truncation_probability=_truncation_bound(config, sampler),
+        num_units=units(config, data),
     )
-    grad_fn = _grad_fn(config, model, per_user=users is not None)
+    per_user = users is not None and config.privacy.user_sampling == "users"
+    grad_fn = _grad_fn(config, model, per_user=per_user)
     params = jax.jit(model.init)(init_key)
     size = t.physical_batch_size
     first = sampler.batch(0)
