@@ -38,7 +38,9 @@ per example from the plan (``k T`` here), as it does per example.
 
 Padding records have their loss masked out (``jnp.where``), so their output
 gradients are exactly zero: their rows add nothing to a Gram matrix, to the
-cancellation floor or to the clip-weighted sum. Padding users are padding
+cancellation floor or to the clip-weighted sum (their values must be finite,
+as the trainer's are, copies of real records: ``0 x inf`` is not 0, with
+per-user gradients too). Padding users are padding
 examples: zeroed, whatever their rows hold. A ghost layer's norm is taken as
 at least ``sum_rows |x| |g| / 64`` (``ghost._gram.cancellation_floor``): a user
 whose records' gradients cancel more than 64-fold is clipped harder than its
