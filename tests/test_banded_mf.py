@@ -238,7 +238,7 @@ def test_mechanisms_answer_for_themselves():
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        (["privacy.bands=0"], "privacy.bands: must be an integer >= 1"),
+        (["privacy.bands=0"], "privacy.bands: must be an integer in [1, 10^6]"),
         (["privacy.mechanism=banded_mf", "privacy.bands=301"], "is more than training.steps"),
         (["privacy.mechanism=banded_mf", "privacy.sampling=shuffle"], "privacy.sampling"),
         (["privacy.mechanism=banded_mf", "privacy.unit=user"], "privacy.unit"),

@@ -13,7 +13,10 @@ from typing import Any
 
 from dpmp.noise._mechanisms import mechanism, mechanism_names
 
-__all__ = ["check_bands", "check_mechanism"]
+__all__ = ["MAX_BANDS", "check_bands", "check_mechanism"]
+
+# privacy.bands: no more than training.steps can have (10^6).
+MAX_BANDS = 10**6
 
 
 def check_mechanism(privacy: Any, error: type[Exception]) -> None:
@@ -30,8 +33,8 @@ def check_mechanism(privacy: Any, error: type[Exception]) -> None:
             f"privacy.mechanism: {privacy.mechanism!r} is not allowed; allowed: {', '.join(names)}"
         )
     b = privacy.bands
-    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-        raise error(f"privacy.bands: must be an integer >= 1, got {b!r}")
+    if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_BANDS:
+        raise error(f"privacy.bands: must be an integer in [1, 10^6], got {b!r}")
     if not mechanism(privacy.mechanism).cyclic:
         return
     what = f"privacy.mechanism = {privacy.mechanism!r} is accounted for b-cyclic Poisson sampling"
