@@ -12,7 +12,8 @@ import scipy.stats
 from jax_privacy import auditing as jp_auditing
 
 from dpmp import cli
-from dpmp.app.audit_run import _setup, _train, _zero_out, audit_run
+from dpmp.app.audit_run import _setup, _train, audit_run
+from dpmp.app.audit_users import zero_out_users
 from dpmp.app.config import Config, ConfigError, load_config
 from dpmp.app.inputs import load_data
 from dpmp.audit._one_run import auc, epsilon_lower_bound, exact_gaussian_game, guess
@@ -185,7 +186,7 @@ def test_zero_out_makes_excluded_records_padding():
     sampled = SampledBatch(np.array([3, 7, 1, -1], np.int32), np.array([0, 0, 0, 1], bool))
     out = np.zeros(8, bool)
     out[7] = True
-    got = _zero_out(sampled, out)
+    got = zero_out_users(sampled, out)
     np.testing.assert_array_equal(got.is_padding_example, [False, True, False, True])
     np.testing.assert_array_equal(got.indices, sampled.indices)
 

@@ -55,6 +55,11 @@ on public data (the default digits) they disclose nothing private. The
 canaries' membership ``S`` is the audit's own secret, revealed in ``--out``
 only once the audit is over.
 
+With ``privacy.unit = "user"`` the canaries are users of ``privacy.user_records``
+identical records each, in or out whole (``dpmp.app.audit_users``); the rate
+q' is over the users (or, with ``privacy.user_sampling = "records"``, over the
+kept records, and the claim is the accountant's of k records per user).
+
 What the audit cannot see: it scores the final model only (black box), so
 its bound is a lower bound that a weak attack keeps low; canaries that share
 a model interfere with each other's scores. The exact-Gaussian column says
@@ -75,16 +80,18 @@ import jax
 import numpy as np
 
 import dpmp.accounting as accounting
+from dpmp.app.audit_users import record_out, with_canary_users, zero_out_users
 from dpmp.app.config import Config, ConfigError
+from dpmp.app.config_users import records_per_unit
 from dpmp.app.inputs import load_data
 from dpmp.app.run_dir import ProgressBar
 from dpmp.app.trainer.batches import feature_stats, input_dtype
 from dpmp.app.trainer.evaluate import evaluator
 from dpmp.app.trainer.mesh import local
+from dpmp.app.trainer.plan import population
 from dpmp.app.trainer.step import PrivateStep, build_private_step
 from dpmp.audit._one_run import auc, epsilon_lower_bound, exact_gaussian_game, guess
 from dpmp.data._dataset import Dataset
-from dpmp.data._sampling import SampledBatch
 from dpmp.noise._entropy import fresh_seed
 
 __all__ = ["DEFAULT_CANARIES", "RunAuditReport", "audit_run"]
@@ -241,7 +248,11 @@ def _check_config(config: Config) -> None:
         )
 
 
-def _check_data(data: Dataset) -> None:
+def _check_data(config: Config, data: Dataset) -> None:
+    if config.privacy.unit == "user" and data.users_train is None:
+        raise ConfigError(
+            'privacy.unit: "user" needs a user id per training record to audit: set data.user_field'
+        )
     if data.task != "classify":
         raise ConfigError(
             "data.dataset: the run audit needs a classification dataset (its canaries are "
@@ -271,13 +282,6 @@ def _with_canaries(base: Dataset, x: np.ndarray, y: np.ndarray) -> Dataset:
 # ---- training -----------------------------------------------------------------------
 
 
-def _zero_out(sampled: SampledBatch, out: np.ndarray) -> SampledBatch:
-    """``sampled`` with the slots of excluded records (``out[index]``) made padding."""
-    pad = np.asarray(sampled.is_padding_example, bool)
-    idx = np.where(pad, 0, np.asarray(sampled.indices))
-    return sampled._replace(is_padding_example=pad | out[idx])
-
-
 def _train(step: PrivateStep, steps: int, out: np.ndarray, progress: bool) -> Any:
     """Runs ``step`` for ``steps`` steps, excluded records zeroed out; the final
     parameters. Each step is the trainer's own (``PrivateStep.step_fn`` on
@@ -288,7 +292,7 @@ def _train(step: PrivateStep, steps: int, out: np.ndarray, progress: bool) -> An
     state = dict(step.init_state)
     sampler = copy.deepcopy(step.sampler)
     for t in range(1, steps + 1):
-        batch, pad = step.batch(_zero_out(next(sampler), out))
+        batch, pad = step.batch(zero_out_users(next(sampler), out))
         params, opt_state, loss_scale, _ = step.step_fn(
             state["params"], batch, pad, state["opt_state"], state["loss_scale"]
         )
@@ -331,6 +335,7 @@ def _epsilon(
         count_every=1,
         preprocessing_noise_multiplier=b.preprocessing_noise_multiplier if preprocessing else None,
         noised_coordinates=b.noised_coordinates,
+        records_per_unit=records_per_unit(config.privacy),
     )
 
 
@@ -356,6 +361,11 @@ class _Setup:
     def num_train(self) -> int:
         return self.own.data.num_train
 
+    @property
+    def copies(self) -> int:
+        """Records per canary: ``privacy.user_records`` for canary users, else 1."""
+        return self.config.privacy.user_records if self.config.privacy.unit == "user" else 1
+
 
 def _setup(config: Config, base: Dataset, m: int, seed: int | None) -> _Setup:
     """Draws the canaries and their membership, and builds the audit run's step:
@@ -365,22 +375,27 @@ def _setup(config: Config, base: Dataset, m: int, seed: int | None) -> _Setup:
     rng = np.random.default_rng(fresh_seed() if seed is None else seed)
     x, y = make_canaries(rng, m, base.input_shape, base.num_classes)
     member = rng.random(m) < 0.5
-    records = base.num_train + m
-    batch = min(records, max(1, round(own.plan.sampling_prob * records)))
+    if config.privacy.unit == "user":
+        data = with_canary_users(base, x, y, config.privacy.user_records)
+    else:
+        data = _with_canaries(base, x, y)
+    units = population(config, data)  # records, users, or kept records: what is sampled
+    batch = min(units, max(1, round(own.plan.sampling_prob * units)))
     audit_config = _with_plan(
         config, noise_multiplier=own.plan.noise_multiplier, expected_batch_size=batch
     )
     stats = None
     if config.data.standardize != "none":  # from the n records: the canaries play no part
         stats = feature_stats(config, base, fresh_seed())
-    step = build_private_step(audit_config, _with_canaries(base, x, y), feature_stats=stats)
+    step = build_private_step(audit_config, data, feature_stats=stats)
     return _Setup(config, own, audit_config, step, x, y, member)
 
 
 def _scores(setup: _Setup, params: Any) -> np.ndarray:
     """Each canary's loss at the initial minus the final parameters (higher: in)."""
     step, n = setup.step, setup.num_train
-    x = np.asarray(step.data.x_train[n:], np.float32)  # standardised as it was trained on
+    # each canary's first record, standardised as it was trained on
+    x = np.asarray(step.data.x_train[n :: setup.copies], np.float32)
     initial = local(step.init_state["params"])
     return _losses(step, initial, x, setup.y) - _losses(step, params, x, setup.y)
 
@@ -438,7 +453,7 @@ def audit_run(
     m, k = _checked_counts(num_canaries, num_guesses, significance)
     _check_config(config)
     base = load_data(config.data, config.training.seed) if data is None else data
-    _check_data(base)
+    _check_data(config, base)
     setup = _setup(config, base, m, seed)
     step = setup.step
     _say(
@@ -447,8 +462,7 @@ def audit_run(
         f"{step.plan.sampling_prob:.5g}, sigma {step.plan.noise_multiplier:.4g}, "
         f"{config.training.steps} steps)",
     )
-    out = np.zeros(step.data.num_train, bool)
-    out[setup.num_train :] = ~setup.member
+    out = record_out(setup.num_train, setup.member, setup.copies)
     params = _train(step, config.training.steps, out, progress)
     scores = _scores(setup, params)
     _say(progress, "simulating the same audit of the exact Gaussian mechanism")
@@ -465,11 +479,16 @@ def _report(
     config, m = setup.config, len(member)
     delta = config.privacy.delta
     correct = guess(scores, member, k)
+    sigma = accounting.effective_noise_multiplier(
+        step.plan.noise_multiplier, step.plan.count_noise_stddev
+    )
+    q, group = step.plan.sampling_prob, records_per_unit(config.privacy)
+    # k records per canary user, each sampled on its own: the game of the Poisson step
+    # that dominates their mixture (rate 1 - (1 - q)^k, noise sigma / k), an upper
+    # bound on what the mixture can show
     game = exact_gaussian_game(
-        noise_multiplier=accounting.effective_noise_multiplier(
-            step.plan.noise_multiplier, step.plan.count_noise_stddev
-        ),
-        sampling_prob=step.plan.sampling_prob,
+        noise_multiplier=sigma / group,
+        sampling_prob=-np.expm1(group * np.log1p(-q)) if group > 1 else q,
         steps=config.training.steps,
         num_canaries=m,
         num_guesses=k,
