@@ -386,20 +386,12 @@ class PrivacyConfig:
       ``steps`` spend exactly ``target_epsilon``. A given sigma too small for
       ``training.steps`` within ``target_epsilon`` is refused before training.
     l2_clip_norm: C, the per-example clip norm (per user with ``unit = "user"``).
-    unit: what the guarantee protects: ``"record"`` (one record) or ``"user"`` (all
-      of a user's records, ``data.user_field``): users are Poisson-sampled
-      (``training.expected_batch_size`` then counts users), each sampled user
-      gives at most ``user_records`` of its records, and the clip bounds the
-      norm of the sum of their gradients (ghost norms over the user's records, or vmap).
-    user_records: ``unit = "user"``: the most records one sampled user gives a
-      step (k; chosen uniformly at random among its records), or with
-      ``user_sampling = "records"`` the most records a user keeps at all.
-    user_sampling: ``unit = "user"``: ``"users"`` (default: users are
-      Poisson-sampled and each user's summed gradient clipped, ULS) or
-      ``"records"`` (each user keeps at most ``user_records`` records, chosen at
-      random; records are Poisson-sampled and clipped on their own, and the
-      accounting is of one user's up to k records, the binomial mixture of
-      Gaussians, ELS; ``training.expected_batch_size`` counts records).
+    unit: what the guarantee protects: ``"record"`` or ``"user"`` (all of a user's
+      records, ``data.user_field``; how: ``dpmp.app.config_users``).
+    user_records: ``unit = "user"``: k, the most records a sampled user gives a step
+      (``user_sampling = "users"``) or a user keeps (``"records"``).
+    user_sampling: ``unit = "user"``: ``"users"`` (users sampled, each user's summed
+      gradient clipped) or ``"records"`` (records sampled and clipped on their own).
     accountant: the registered accountant that composes the run's releases
       (``dpmp.accounting.register_accountant`` adds one; the choices are read
       from the registry when a config is checked).

@@ -1,5 +1,20 @@
-"""Checks of the config's user-level keys: ``privacy.unit``, ``privacy.user_records``
-and ``data.user_field``.
+"""Checks of the config's user-level keys: ``privacy.unit``, ``privacy.user_records``,
+``privacy.user_sampling`` and ``data.user_field``.
+
+With ``privacy.unit = "user"`` the guarantee protects all of one user's records
+(``data.user_field`` names whose each record is), in one of two ways (Charles
+et al., SaTML 2025):
+
+* ``user_sampling = "users"`` (ULS, default): users are Poisson-sampled
+  (``training.expected_batch_size`` counts users), each sampled user gives at
+  most ``user_records`` (k) of its records, chosen at random, and the clip
+  bounds the norm of the sum of their gradients (ghost norms over the user's
+  records, or vmap);
+* ``user_sampling = "records"`` (ELS): each user keeps at most k records, chosen
+  at random; the kept records are Poisson-sampled and clipped on their own
+  (``training.expected_batch_size`` counts records), and the accountant
+  composes one user's up to k sampled records (the binomial mixture of
+  Gaussians, ``dpmp.accounting._groups``).
 
 ``check_unit`` is called by ``PrivacyConfig`` and ``check_user_field`` by
 ``DataConfig`` when a config is made. Whether the data carries users is known
