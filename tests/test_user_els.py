@@ -261,3 +261,20 @@ def test_a_records_sampled_user_level_run_accounts_k_records_per_user(tmp_path, 
         noised_coordinates=None,
     )  # fmt: skip
     assert report["epsilon"] >= e2 * (1 - 1e-3) > e1
+
+
+def test_budget_accounts_records_per_user(capsys):
+    """``dpmp budget --records-per-user K`` prints the k-record epsilon of the library."""
+    import json
+
+    from dpmp import cli
+
+    argv = ["budget", "--noise-multiplier", "2", "--steps", "60", "--sampling-prob", "0.02"]
+    argv += ["--exact-gaussian", "--json"]
+    assert cli.main([*argv, "--records-per-user", "2"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["records_per_user"] == 2
+    assert got["epsilon"] == pytest.approx(_eps(noise_multiplier=2.0, records_per_unit=2))
+    assert cli.main([*argv, "--records-per-user", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--records-per-user" in err and len(err.splitlines()) == 1

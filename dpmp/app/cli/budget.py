@@ -68,6 +68,15 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="account an exact Gaussian sampler instead (an idealisation: no residual)",
     )
+    p.add_argument(
+        "--records-per-user",
+        type=int,
+        default=1,
+        metavar="K",
+        help="user-level privacy with records sampled on their own (privacy.user_sampling = "
+        '"records"): each user has at most K records, each Poisson-sampled at Q '
+        "(default: 1, a record or a user sampled whole)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -138,12 +147,15 @@ def _plan(args: argparse.Namespace, common: dict) -> dict:
 def _run(args: argparse.Namespace) -> int:
     q = _sampling_prob(args)
     _check_noise(args)
+    if args.records_per_user < 1:
+        raise UsageError(f"--records-per-user: must be >= 1, got {args.records_per_user}")
     common = dict(
         sampling_prob=q,
         delta=args.delta,
         accountant=args.accountant,
         count_noise_stddev=args.count_noise_stddev,
         noised_coordinates=args.params,
+        records_per_unit=args.records_per_user,
     )
     result = _plan(args, common)
     result.update(
@@ -151,6 +163,7 @@ def _run(args: argparse.Namespace) -> int:
         delta=args.delta,
         accountant=args.accountant,
         noised_coordinates=args.params,
+        records_per_user=args.records_per_user,
         noise="exact Gaussian (idealised)" if args.exact_gaussian else "snapped (dpmp's)",
     )
     if args.json:

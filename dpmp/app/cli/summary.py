@@ -90,7 +90,12 @@ def _privacy_rows(report: dict) -> list[tuple[str, str]]:
             (
                 "privacy unit",
                 f"user ({fmt(report.get('num_users'))} users, at most "
-                f"{fmt(report.get('user_records'))} records of each per step)",
+                f"{fmt(report.get('user_records'))} records of each "
+                + (
+                    "kept, each sampled on its own)"
+                    if report.get("user_sampling") == "records"
+                    else "per step)"
+                ),
             )
         )
     elif report.get("privacy_unit"):
