@@ -24,6 +24,7 @@ import dpmp.accounting as acc
 from dpmp import noise
 from dpmp._registry import Registry, members
 from dpmp.accounting._registry import ACCOUNTANT_REGISTRY
+from dpmp.noise._mechanisms import MECHANISM_REGISTRY
 from dpmp.noise._registry import SAMPLER_REGISTRY
 
 TOY_ORDERS = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
@@ -234,6 +235,7 @@ def _registries():
     return {
         "accountant": ACCOUNTANT_REGISTRY,
         "sampler": SAMPLER_REGISTRY,
+        "mechanism": MECHANISM_REGISTRY,
         "data source": SOURCES,
         "public text": PUBLIC_TEXT,
         "model family": FAMILIES,

@@ -1,6 +1,8 @@
 """Noise: Gaussian samplers as registered strategies (``"snapped"``, ``"plain"``),
-each carrying its accounting contract; the privatizer and private optimizer
-that add their noise; and the OS-entropy keys that protect privacy.
+each carrying its accounting contract; the mechanisms that correlate the noise
+over steps (``"dpsgd"``, ``"banded_mf"``), registered too; the privatizer and
+private optimizer that add their noise; and the OS-entropy keys that protect
+privacy.
 
 The names are imported on first use (PEP 562): listing the samplers (the
 config's choices, ``dpmp --help``) imports no JAX.
@@ -19,6 +21,10 @@ _PUBLIC = {
     "register_sampler": ("dpmp.noise._registry", "register_sampler"),
     "sampler": ("dpmp.noise._registry", "sampler"),
     "sampler_names": ("dpmp.noise._registry", "sampler_names"),
+    "NoiseMechanism": ("dpmp.noise._mechanisms", "NoiseMechanism"),
+    "mechanism": ("dpmp.noise._mechanisms", "mechanism"),
+    "mechanism_names": ("dpmp.noise._mechanisms", "mechanism_names"),
+    "register_mechanism": ("dpmp.noise._mechanisms", "register_mechanism"),
     "NoiseSharding": ("dpmp.noise._sharding", "NoiseSharding"),
     "gaussian_privatizer": ("dpmp.noise._noise", "gaussian_privatizer"),
     "private_optimizer": ("dpmp.noise._noise", "private_optimizer"),
@@ -28,6 +34,10 @@ _PUBLIC = {
 
 if TYPE_CHECKING:
     from dpmp.noise._entropy import fresh_key as fresh_key
+    from dpmp.noise._mechanisms import NoiseMechanism as NoiseMechanism
+    from dpmp.noise._mechanisms import mechanism as mechanism
+    from dpmp.noise._mechanisms import mechanism_names as mechanism_names
+    from dpmp.noise._mechanisms import register_mechanism as register_mechanism
     from dpmp.noise._noise import gaussian_privatizer as gaussian_privatizer
     from dpmp.noise._noise import private_optimizer as private_optimizer
     from dpmp.noise._registry import NoiseSampler as NoiseSampler
@@ -55,12 +65,16 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "NoiseMechanism",
     "NoiseSampler",
     "NoiseSharding",
     "drawn_sampler",
     "fresh_key",
     "gaussian_privatizer",
+    "mechanism",
+    "mechanism_names",
     "private_optimizer",
+    "register_mechanism",
     "register_sampler",
     "sampler",
     "sampler_names",
