@@ -82,7 +82,7 @@ def _check_records_sampling(privacy: Any, error: type[Exception]) -> None:
     if getattr(privacy, "mechanism", "dpsgd") != "dpsgd":
         raise error(
             f'privacy.user_sampling: "records" is accounted for DP-SGD steps, not for '
-            f"privacy.mechanism = {privacy.mechanism!r}; use user_sampling = \"users\""
+            f'privacy.mechanism = {privacy.mechanism!r}; use user_sampling = "users"'
         )
 
 
