@@ -367,3 +367,27 @@ def test_a_run_states_the_cut_rule_and_keeps_the_count_private(tmp_path):
     assert cut["cut_to"] == "12 bytes" and cut["train"] + cut["test"] >= 1
     for name in ("report.json", "metrics.jsonl", "train.log"):
         assert "records_cut" not in (out / name).read_text()
+
+
+@pytest.mark.slow
+def test_a_held_out_split_without_labels_reports_no_test_loss_and_says_why(tmp_path):
+    """Every held-out label -1: no test loss, accuracy or perplexity anywhere public
+    (not 0 and 1: a perfect score of nothing), and train.log says why once."""
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 8, (36, 6)).astype(np.int32)
+    y = np.roll(x, -1, axis=1)
+    y[:, -1] = IGNORE
+    y[32:] = IGNORE
+    data = dpmp.Dataset.from_tokens((x[:32], y[:32]), (x[32:], y[32:]), vocab_size=8)
+    sets = ["training.steps=2", "training.expected_batch_size=8", "training.eval_every=1"]
+    out = tmp_path / "run"
+    config = load_config(None, sets + ["training.checkpoint_every=0"])
+    report = dpmp.train(config, out_dir=out, model=TinyLM(8), data=data, progress=False)
+    assert report["steps"] == 2
+    assert report["test_loss"] is report["test_perplexity"] is report["test_accuracy"] is None
+    assert json.loads((out / "report.json").read_text())["test_perplexity"] is None
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in records if "test_loss" in r]
+    assert evaluated and all(r["test_loss"] is r["test_accuracy"] is None for r in evaluated)
+    log = (out / "train.log").read_text()
+    assert log.count("held-out split holds no labelled prediction") == 1

@@ -358,9 +358,20 @@ def progress_fields(record: dict[str, Any]) -> dict[str, str]:
     fields = {"eps": epsilon_text(record["epsilon"]), "scale": f"{record['next_loss_scale']:g}"}
     if "noised_overflow_total" in record:
         fields["noised overflow"] = f"{record['noised_overflow_total']:.0f}"
-    if "test_accuracy" in record:
+    if record.get("test_accuracy") is not None:  # None: no labelled held-out prediction
         fields["test acc"] = f"{record['test_accuracy']:.3f}"
     return fields
+
+
+def held_out_text(evaluation: dict[str, Any]) -> str:
+    """The held-out evaluation as ``train.log``'s last line states it: its accuracy,
+    or why the run reports no test accuracy, loss or perplexity."""
+    if evaluation.get("test_accuracy") is None:
+        return (
+            "no test accuracy, loss or perplexity (the held-out split holds no labelled "
+            "prediction: no records, or every label -1)"
+        )
+    return f"test accuracy {evaluation['test_accuracy']:.4f}"
 
 
 # ---- end of run --------------------------------------------------------------------

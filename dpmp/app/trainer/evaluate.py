@@ -3,7 +3,9 @@
 The test split is held out, so its numbers are public (``metrics.jsonl``); the
 same numbers on the training split are exact statistics of private data and
 go to ``private/`` only (``dpmp.app.release``). A split is read in chunks of
-``chunk`` rows, so a memory-mapped one is never loaded whole.
+``chunk`` rows, so a memory-mapped one is never loaded whole. A split without
+a single prediction (no rows, or next-token records whose labels are all -1)
+has no accuracy or loss: both are None, never the 0 (perplexity 1) of a 0/0.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def evaluator(model: Model, chunk: int = 512, input_dtype=np.float32) -> Callabl
     ``model.metrics`` gives per example a summed loss, a number of correct
     predictions and a number of predictions (1, 0/1, 1 for a classifier; sums
     over the real tokens of a record for next-token prediction), so the mean
-    loss and the accuracy are per prediction. The model's frozen arrays (a
+    loss and the accuracy are per prediction; ``(None, None)`` when the rows
+    hold no prediction (an empty split, or every label -1): there is nothing to
+    average, and a 0 would read as a perfect loss. The model's frozen arrays (a
     LoRA base) are an argument of the compiled function, not constants in it.
     """
 
@@ -39,7 +43,7 @@ def evaluator(model: Model, chunk: int = 512, input_dtype=np.float32) -> Callabl
             jnp.where(valid, counts, 0).sum(dtype=jnp.int32),
         )
 
-    def evaluate(params, x, y) -> tuple[float, float]:
+    def evaluate(params, x, y) -> tuple[float, float] | tuple[None, None]:
         loss, correct, total = 0.0, 0, 0
         for start in range(0, len(x), chunk):  # one compiled shape for every chunk
             xb = np.asarray(x[start : start + chunk], input_dtype)
@@ -54,6 +58,8 @@ def evaluator(model: Model, chunk: int = 512, input_dtype=np.float32) -> Callabl
             loss += float(s_loss)
             correct += int(s_correct)
             total += int(s_total)
-        return correct / max(total, 1), loss / max(total, 1)
+        if total == 0:  # no prediction to average over
+            return None, None
+        return correct / total, loss / total
 
     return evaluate

@@ -772,8 +772,7 @@ class _Run:
                 )
             )
             self.run_dir.log(
-                f"done: {self.completed} steps, test accuracy "
-                f"{self.last_eval['test_accuracy']:.4f}, "
+                f"done: {self.completed} steps, {release.held_out_text(self.last_eval)}, "
                 f"epsilon {release.epsilon_text(report['epsilon'])} at delta "
                 f"{self.config.privacy.delta:g}"
                 + (
