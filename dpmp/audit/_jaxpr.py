@@ -52,6 +52,7 @@ from dpmp.audit._values import (
     shape_of,
 )
 from dpmp.audit.rules import Rule, Step, rule_for
+from dpmp.audit.rules._correlated import stream_stage_call
 from dpmp.audit.rules._noise import sampler_call
 
 # Parameters under which call-like primitives hold the jaxpr they call.
@@ -167,6 +168,7 @@ class Walker:
         if len(outs) != len(eqn.outvars):
             return self.opaque(step)
         outs = sampler_call(step, outs)
+        stream_stage_call(step)
         return [
             dataclasses.replace(av, bax=right_aligned(av.bax, shape_of(w), shape_of(v)))
             for av, v, w in zip(outs, eqn.outvars, jaxpr.outvars, strict=True)

@@ -27,6 +27,12 @@ sites in at least ``clip``, ``noise_*`` in at least ``noise``, and ``update``
 in at least ``param``. "Runs in" means every dtype of the site: a
 ``reduce_sum`` of bf16 values returns bf16 even where XLA accumulates in f32
 internally, so its total is rounded to bf16 and it is a violation.
+
+A correlated-noise stream (banded matrix factorization) adds sites of these kinds
+at its stages (``dpmp/audit/rules/_correlated.py``): its ring buffer of kept sums
+(``batch_reduction``, at least ``accumulate``), the release query it forms from
+them (float64: the accounted rounding bound's), its ring of kept outputs and the
+decoding (``noise_add``, at least ``noise``).
 """
 
 from __future__ import annotations

@@ -78,7 +78,15 @@ from dpmp.noise._sharding import NoiseSharding
 from dpmp.precision._policy import Policy
 from dpmp.precision._stages import STAGES
 
-__all__ = ["BandedMF", "BandedMFState", "optimized_coefs"]
+__all__ = [
+    "STREAM_STAGES",
+    "BandedMF",
+    "BandedMFState",
+    "StreamStage",
+    "banded_mf_decode",
+    "banded_mf_query",
+    "optimized_coefs",
+]
 
 
 class BandedMFState(NamedTuple):
@@ -264,25 +272,90 @@ class BandedMF:
         return optax.GradientTransformation(init, update)
 
 
-def _weighted(x, x_weight, ring, weights):
+@dataclasses.dataclass(frozen=True)
+class StreamStage:
+    """A stage of the stream that the precision audit checks, by the name of the jit
+    it runs in (``dpmp/audit/rules/_correlated.py``): one per parameter leaf, called
+    as ``stage(vector, ring, vector_weight, ring_weights)``.
+
+    Attributes:
+      jit_name: the jitted function's name (``eqn.params["name"]`` in a jaxpr).
+      kind: the audit's kind of its sites (``dpmp.audit.KINDS``).
+      vector: what its first input is.
+      ring: what its ring buffer (the second input) holds; it must reach the
+        policy's ``ring_role`` dtype (and float32: the audit's floor).
+      ring_role: ``"accumulate"`` or ``"noise"``.
+      result: what its output is.
+      result_dtype: the dtype its output must reach: ``"float64"`` where the
+        accounted rounding bound assumes it, else a policy role.
+    """
+
+    jit_name: str
+    kind: str
+    vector: str
+    ring: str
+    ring_role: str
+    result: str
+    result_dtype: str
+
+
+def _combine(v, r, v_weight, weights):
+    """``v_weight v + sum_k weights[k] r[k]`` in float64 (one leaf; see ``_weighted``)."""
+    acc = v_weight * v.astype(jnp.float64)
+
+    def add(k, acc):
+        slot = jax.lax.dynamic_index_in_dim(r, k, keepdims=False)
+        return acc + weights[k] * slot.astype(jnp.float64)
+
+    return jax.lax.fori_loop(0, r.shape[0], add, acc)
+
+
+@jax.jit
+def banded_mf_query(v, r, v_weight, weights):
+    """The release query ``a_t = (C' X)_t`` of one leaf, from the step's clipped sum
+    ``v`` and the ring of kept sums ``r`` (a named jit: the audit's stage)."""
+    return _combine(v, r, v_weight, weights)
+
+
+@jax.jit
+def banded_mf_decode(v, r, v_weight, weights):
+    """``y_t - sum_j c_j u_{t-j}`` of one leaf, from the release ``v`` and the ring of
+    kept outputs ``r`` (a named jit: the audit's stage)."""
+    return _combine(v, r, v_weight, weights)
+
+
+STREAM_STAGES = (
+    StreamStage(
+        jit_name="banded_mf_query",
+        kind="batch_reduction",
+        vector="the step's clipped sum",
+        ring="ring buffer of the last b - 1 clipped sums (kept unrounded)",
+        ring_role="accumulate",
+        result="the release query a_t = (C' X)_t (its rounding bound is for float64)",
+        result_dtype="float64",
+    ),
+    StreamStage(
+        jit_name="banded_mf_decode",
+        kind="noise_add",
+        vector="the release y_t",
+        ring="ring buffer of the last b - 1 decoded outputs",
+        ring_role="noise",
+        result="the decoding of C'^-1 Y (post-processing of the releases)",
+        result_dtype="noise",
+    ),
+)
+
+
+def _weighted(x, x_weight, ring, weights, stage=banded_mf_query):
     """``x_weight x + sum_k weights[k] ring[k]`` per leaf in float64: elementwise
     products and adds, no dot (no reduced-precision matmul on any backend), one
-    slot per pass of a loop. Measured on XLA:CPU, 15 slots of 10^6 written in
-    place after: the loop holds one float64 vector (8 bytes per parameter) and
-    took 54 ms; a Python sum over the slots kept a float64 copy of each (120
-    bytes per parameter, 256 ms), one reduction over the ring's axis 714 ms. Any
-    order of the ``b`` additions is within ``BandedMF.rounding_bound``."""
-
-    def one(v, r):
-        acc = x_weight * v.astype(jnp.float64)
-
-        def add(k, acc):
-            slot = jax.lax.dynamic_index_in_dim(r, k, keepdims=False)
-            return acc + weights[k] * slot.astype(jnp.float64)
-
-        return jax.lax.fori_loop(0, r.shape[0], add, acc)
-
-    return jax.tree.map(one, x, ring)
+    slot per pass of a loop, in the named jit ``stage``. Measured on XLA:CPU, 15
+    slots of 10^6 written in place after: the loop holds one float64 vector (8
+    bytes per parameter) and took 54 ms; a Python sum over the slots kept a
+    float64 copy of each (120 bytes per parameter, 256 ms), one reduction over the
+    ring's axis 714 ms. Any order of the ``b`` additions is within
+    ``BandedMF.rounding_bound``."""
+    return jax.tree.map(lambda v, r: stage(v, r, x_weight, weights), x, ring)
 
 
 def _stream_step(draw, coefs, scales, first: int, m: int, sums, state: BandedMFState):
@@ -298,9 +371,9 @@ def _stream_step(draw, coefs, scales, first: int, m: int, sums, state: BandedMFS
         slots = steps_back[1:] % max(m, 1)
         sum_w = jnp.zeros((m,), jnp.float64).at[slots].set(w[1:])
         out_w = jnp.zeros((m,), jnp.float64).at[slots].set(-c[1:])
-        a = _weighted(sums, w[0], state.sums, sum_w)  # (C' X)_t
+        a = _weighted(sums, w[0], state.sums, sum_w, banded_mf_query)  # (C' X)_t
         y, noise = draw.update(a, state.noise)  # the release: snapped(a_t + z_t)
-        back = _weighted(y, jnp.ones((), jnp.float64), state.outputs, out_w)
+        back = _weighted(y, jnp.ones((), jnp.float64), state.outputs, out_w, banded_mf_decode)
         d_t = d[jnp.clip(steps_back[0] - first, 0, len(scales) - 1)]
         u = jax.tree.map(lambda v: v / c[0], back)  # (C'^-1 Y)_t / d_t
         x = jax.tree.map(lambda v, g: (v * d_t).astype(g.dtype), u, sums)

@@ -13,6 +13,7 @@ _reductions      reduce_*, argmax/argmin, cumulative sums and products
 _contractions    dot_general, conv_general_dilated
 _norms           squares, sums of squares, square roots, the clip
 _noise           random bits, Gaussian draws (and dpmp's sampler calls)
+_correlated      a correlated stream's stages (calls): ring buffers, combinations
 _adds            add, add_any, sub: noise addition, parameter update
 _casts           convert_element_type of protected values
 _collectives     psum and the other cross-device sums
@@ -28,6 +29,7 @@ from dpmp.audit.rules import _casts as _casts
 from dpmp.audit.rules import _collectives as _collectives
 from dpmp.audit.rules import _contractions as _contractions
 from dpmp.audit.rules import _control_flow as _control_flow
+from dpmp.audit.rules import _correlated as _correlated
 from dpmp.audit.rules import _layout as _layout
 from dpmp.audit.rules import _noise as _noise
 from dpmp.audit.rules import _norms as _norms
