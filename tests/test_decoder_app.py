@@ -146,3 +146,35 @@ def test_generation_stops_at_the_checkpoints_end_of_sequence_token(tmp_path):
     eos = loaded._replace(generation=GenerationDefaults(eos_token_ids=(int(free[n]),)))
     want = loaded.tokenizer.decode([int(i) for i in free[: n + 1]])
     assert generate_text(eos, "the cat", max_new_tokens=new) == want
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_checkpoint_loads_reading_its_config_json_once(tmp_path, monkeypatch, kind):
+    """``load_checkpoint`` hands the folder to the family, whose ``load`` reads
+    ``config.json``; nothing reads it again on the way to a model."""
+    import builtins
+    import io
+    from pathlib import Path
+
+    from dpmp.app.published import load_checkpoint
+    from tests.test_gpt2 import _tensors, _write
+
+    if kind == "gpt2":
+        folder = _write(tmp_path / "ckpt", _tensors(np.random.default_rng(0)))
+    else:
+        folder = _checkpoint(tmp_path / "ckpt", kind)
+    reads = []
+
+    def counting(real):
+        def opened(file, *args, **kwargs):
+            if isinstance(file, str | Path) and Path(file) == folder / "config.json":
+                reads.append(file)
+            return real(file, *args, **kwargs)
+
+        return opened
+
+    # pathlib's read_text and read_bytes open through io.open; json.load takes a file
+    monkeypatch.setattr(io, "open", counting(io.open))
+    monkeypatch.setattr(builtins, "open", counting(builtins.open))
+    loaded = load_checkpoint(kind, folder, "f32")
+    assert loaded.params is not None and len(reads) == 1

@@ -62,6 +62,10 @@ def load_checkpoint(kind: str, folder: Path, policy: Any) -> Any:
     """The checkpoint in ``folder`` as the family ``model.kind = kind`` loads it
     (``CheckpointFamily.load``): ``model``, ``params``, ``tokenizer``, ``config``.
 
+    The family's ``load`` is the one reader of ``config.json`` on the way to a
+    model; only when it refuses the folder is the file's ``model_type`` read
+    again, to name the family that reads it.
+
     Raises:
       DataError: the folder's ``config.json`` ``model_type`` is one another family
         reads (named), or as the family's ``load``.
@@ -69,20 +73,21 @@ def load_checkpoint(kind: str, folder: Path, policy: Any) -> Any:
     from dpmp.models.families import FAMILIES, family_reading
 
     family = FAMILIES.get(kind)
-    found = _model_type(folder / "config.json")
-    if found is not None and found not in family.model_types:
-        other = family_reading(found)
-        if other is not None:
-            raise DataError(
-                f"{folder / 'config.json'}: model_type {found!r} is not supported by "
-                f"model.kind = {kind!r}; model.kind = {other.name!r} reads it"
-            )
-    return family.load(folder, policy)
+    try:
+        return family.load(folder, policy)
+    except DataError:
+        found = _model_type(folder / "config.json")
+        other = None if found in family.model_types else family_reading(found)
+        if other is None:
+            raise
+        raise DataError(
+            f"{folder / 'config.json'}: model_type {found!r} is not supported by "
+            f"model.kind = {kind!r}; model.kind = {other.name!r} reads it"
+        ) from None
 
 
 def _model_type(path: Path) -> Any:
-    """``path``'s ``model_type`` if it is a readable JSON object, else None (the
-    family's ``load`` names what is wrong)."""
+    """``path``'s ``model_type`` if it is a readable JSON object, else None."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
