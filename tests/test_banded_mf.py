@@ -334,3 +334,44 @@ def test_a_crashed_run_resumes_the_same_correlated_stream(tmp_path, monkeypatch)
     for a, b in zip(params(tmp_path / "run"), params(tmp_path / "whole"), strict=True):
         np.testing.assert_array_equal(a, b)  # parameters, optimizer state, ring buffers
     assert resumed["epsilon"] == ref["epsilon"]
+
+
+def test_budget_bands_is_the_amplified_event(capsys):
+    """``dpmp budget --bands B``: the epsilon of jax-privacy's amplified event composed
+    by dp-accounting, the library's calibrated noise, and q within one of B groups."""
+    import json
+
+    steps, bands, q, sigma, delta = 100, 4, 0.05, 1.3, 1e-6
+    argv = ["budget", "--steps", str(steps), "--delta", str(delta), "--accountant", "rdp"]
+    argv += ["--exact-gaussian", "--json", "--bands", str(bands)]
+    assert cli.main([*argv, "--noise-multiplier", str(sigma), "--sampling-prob", str(q)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    ref, _ = _epsilons(steps, bands, q, sigma, delta, "rdp")
+    assert got["bands"] == bands and got["epsilon"] == pytest.approx(ref, rel=1e-9)
+    # the batch over one group's records: 1,003 records make 4 groups of 250 (n // b)
+    assert (
+        cli.main([*argv, "--target-epsilon", "3", "--batch-size", "10", "--num-examples", "1003"])
+        == 0
+    )
+    got = json.loads(capsys.readouterr().out)
+    assert got["sampling_prob"] == 10 / 250
+    found = accounting.calibrate_noise_multiplier(
+        target_epsilon=3, sampling_prob=10 / 250, steps=steps, delta=delta, bands=bands,
+        accountant="rdp", noised_coordinates=None,
+    )  # fmt: skip
+    assert got["noise_multiplier"] == found and got["epsilon"] <= 3
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--bands", "0"], "--bands: must be in [1, --steps], got 0"),
+        (["--bands", "101"], "--bands: must be in [1, --steps], got 101"),
+        (["--bands", "4", "--records-per-user", "2"], "--records-per-user"),
+    ],
+)
+def test_budget_bad_bands_are_one_line_exit_2(extra, needle, capsys):
+    argv = ["budget", "--noise-multiplier", "1", "--steps", "100", "--sampling-prob", "0.1"]
+    assert cli.main([*argv, "--exact-gaussian", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err

@@ -1,8 +1,9 @@
 """``dpmp budget``: the epsilon a plan spends, or the noise multiplier for a target.
 
 Both go through ``dpmp.accounting``, as a run's own accounting does: the
-DP-SGD steps, a noised overflow count when one is released, and the residual
-of dpmp's snapped noise on ``--params`` coordinates.
+DP-SGD steps (or, with ``--bands``, amplified banded matrix factorization's
+rounds), a noised overflow count when one is released, and the residual of
+dpmp's snapped noise on ``--params`` coordinates.
 """
 
 from __future__ import annotations
@@ -77,6 +78,15 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         '"records"): each user has at most K records, each Poisson-sampled at Q '
         "(default: 1, a record or a user sampled whole)",
     )
+    p.add_argument(
+        "--bands",
+        type=int,
+        default=1,
+        metavar="B",
+        help='amplified banded matrix factorization (privacy.mechanism = "banded_mf") '
+        "with B bands on b-cyclic Poisson samples: Q is within a group, --batch-size "
+        "over --num-examples // B records (default: 1, DP-SGD)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -93,7 +103,7 @@ def _sampling_prob(args: argparse.Namespace) -> float:
             raise UsageError("give --sampling-prob, or --batch-size and --num-examples")
         if args.num_examples <= 0:
             raise UsageError(f"--num-examples: must be > 0, got {args.num_examples}")
-        q = args.batch_size / args.num_examples
+        q = args.batch_size / (args.num_examples // args.bands or 1)  # one group's records
     return q
 
 
@@ -145,6 +155,13 @@ def _plan(args: argparse.Namespace, common: dict) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.bands < 1 or (args.steps is not None and args.bands > max(args.steps, 1)):
+        raise UsageError(f"--bands: must be in [1, --steps], got {args.bands}")
+    if args.bands > 1 and args.records_per_user > 1:
+        raise UsageError(
+            "--records-per-user: k records per user are accounted for DP-SGD steps, "
+            "not with --bands > 1 (banded matrix factorization)"
+        )
     q = _sampling_prob(args)
     _check_noise(args)
     if args.records_per_user < 1:
@@ -156,6 +173,7 @@ def _run(args: argparse.Namespace) -> int:
         count_noise_stddev=args.count_noise_stddev,
         noised_coordinates=args.params,
         records_per_unit=args.records_per_user,
+        bands=args.bands,
     )
     result = _plan(args, common)
     result.update(
@@ -164,6 +182,7 @@ def _run(args: argparse.Namespace) -> int:
         accountant=args.accountant,
         noised_coordinates=args.params,
         records_per_user=args.records_per_user,
+        bands=args.bands,
         noise="exact Gaussian (idealised)" if args.exact_gaussian else "snapped (dpmp's)",
     )
     if args.json:
