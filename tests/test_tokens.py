@@ -391,3 +391,36 @@ def test_a_held_out_split_without_labels_reports_no_test_loss_and_says_why(tmp_p
     assert evaluated and all(r["test_loss"] is r["test_accuracy"] is None for r in evaluated)
     log = (out / "train.log").read_text()
     assert log.count("held-out split holds no labelled prediction") == 1
+
+
+@pytest.mark.parametrize("tokenized", [False, True])
+def test_records_dataset_splits_at_the_positions_a_source_gives(tmp_path, tokenized):
+    """A ``Split`` of the source's own (Shakespeare's users) replaces the seeded one:
+    each record lands in the split its position says, encoded as it would be."""
+    from dpmp.data._text import BOS, PAD, Split
+    from dpmp.data._tokens import records_dataset
+
+    words = ["<unk>"] + [f"w{i}" for i in range(13)]
+    records = [f"w{i} w{i + 1}" for i in range(12)]
+    tokenizer = str(_word_tokenizer(tmp_path, words)) if tokenized else None
+    split = Split(np.array([0, 2, 3, 5, 6, 7, 8, 9, 10, 11]), np.array([1, 4]), "split by hand")
+    data = records_dataset(
+        records, "hand", tokenizer=tokenizer, seq_len=4, test_fraction=0.5, seed=0, split=split
+    )
+    for where, x, y in (
+        (split.train, data.x_train, data.y_train),
+        (split.test, data.x_test, data.y_test),
+    ):
+        assert len(x) == len(y) == len(where)
+        for i, row, labels in zip(where, x, y, strict=True):
+            if tokenized:  # two words: one prediction, the rest padding
+                assert row.tolist() == [i + 1, i + 2, 0, 0] and labels.tolist() == [
+                    i + 2,
+                    -1,
+                    -1,
+                    -1,
+                ]
+            else:  # BOS, the first 4 bytes, and how many
+                text = records[i].encode()[:4]
+                assert row.tolist() == [BOS, *text] + [PAD] * (4 - len(text)) and labels == 4
+    assert "split by hand" in data.description and "10 train / 2 test records" in data.description

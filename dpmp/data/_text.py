@@ -4,9 +4,10 @@ A record (one line of a ``.txt`` file, one ``{"text": ...}`` object of a
 ``.jsonl`` file, one line of a shipped corpus) is one example, the privacy
 unit. ``encode_records`` makes it ``BOS``, its first ``seq_len`` UTF-8 bytes,
 then ``PAD``; ``text_dataset`` splits the records into train and test at
-positions a seeded permutation picks (``split_positions``: never a function of
-the records). ``read_text_file`` reads a user's file; ``distinct_lines`` is how the
-shipped corpora (``dpmp.data.sources``) turn documents into records.
+the positions of a ``Split``: by default those a seeded permutation picks
+(``seeded_split``: never a function of the records). ``read_text_file``
+reads a user's file; ``distinct_lines`` is how the shipped corpora
+(``dpmp.data.sources``) turn documents into records.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,9 +26,11 @@ __all__ = [
     "MIN_LINE",
     "PAD",
     "VOCAB",
+    "Split",
     "distinct_lines",
     "encode_records",
     "read_text_file",
+    "seeded_split",
     "text_dataset",
 ]
 
@@ -37,16 +41,34 @@ VOCAB = 258
 MIN_LINE = 16
 
 
-def text_dataset(
-    records: list[str], source: str, seq_len: int, test_fraction: float, seed: int
-) -> Dataset:
-    """A next-token ``Dataset`` of ``records`` (byte tokens), split by ``split_positions``.
+class Split(NamedTuple):
+    """Which records a dataset trains on and which it holds out: ``train`` and
+    ``test``, int positions among all the records (each in increasing order), and
+    ``how`` they were chosen, in the words of the dataset's description."""
+
+    train: np.ndarray
+    test: np.ndarray
+    how: str
+
+
+def seeded_split(n: int, test_fraction: float, seed: int) -> Split:
+    """The ``Split`` of ``n`` records by ``split_positions(n, test_fraction, seed)``.
+
+    Raises:
+      DataError: too few records to train and test on.
+    """
+    train, test = split_positions(n, test_fraction, seed)
+    return Split(train, test, f"split test_fraction={test_fraction}, seed={seed}")
+
+
+def text_dataset(records: list[str], source: str, seq_len: int, split: Split) -> Dataset:
+    """A next-token ``Dataset`` of ``records`` (byte tokens), split at ``split``.
 
     ``x`` is ``[n, seq_len + 1]`` int32 tokens, ``y`` each record's token
     count, ``num_classes`` the vocabulary (``VOCAB``); ``source`` says where
     the records came from.
     """
-    train, test = split_positions(len(records), test_fraction, seed)
+    train, test = split.train, split.test
     tokens, counts = encode_records(records, seq_len)
     cut = np.fromiter((len(r.encode("utf-8")) > seq_len for r in records), bool, len(records))
     return Dataset(
@@ -58,8 +80,7 @@ def text_dataset(
         input_shape=(seq_len + 1,),
         description=(
             f"{source}: {len(train)} train / {len(test)} test records, UTF-8 bytes, "
-            f"{seq_len} per record (longer ones cut; split test_fraction="
-            f"{test_fraction}, seed={seed})"
+            f"{seq_len} per record (longer ones cut; {split.how})"
         ),
         task="next_token",
         cut_to=f"{seq_len} bytes",

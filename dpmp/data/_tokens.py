@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from dpmp.data._dataset import MIN_TRAIN_EXAMPLES, DataError, Dataset, split_positions
-from dpmp.data._text import text_dataset
+from dpmp.data._dataset import MIN_TRAIN_EXAMPLES, DataError, Dataset
+from dpmp.data._text import Split, seeded_split, text_dataset
 from dpmp.data._tokenizer import load_tokenizer, vocab_size
 
 __all__ = [
@@ -67,21 +67,25 @@ def records_dataset(
     seq_len: int,
     test_fraction: float,
     seed: int,
+    split: Split | None = None,
 ) -> Dataset:
     """Text ``records`` as a next-token ``Dataset``: encoded by the ``tokenizer.json``
     at ``tokenizer`` (``token_dataset``), or as UTF-8 bytes when it is None
     (``text_dataset``). The private data and the public pre-training text both
-    come through here, so that they are encoded alike."""
+    come through here, so that they are encoded alike.
+
+    ``split``: the train and test positions of a source that chooses them itself
+    (the Shakespeare speeches are split by users); by default
+    ``seeded_split(len(records), test_fraction, seed)``.
+
+    Raises:
+      DataError: too few records to split, or the tokenizer cannot be loaded.
+    """
+    if split is None:
+        split = seeded_split(len(records), test_fraction, seed)
     if tokenizer is None:
-        return text_dataset(records, source, seq_len, test_fraction, seed)
-    return token_dataset(
-        records,
-        source,
-        tokenizer=tokenizer,
-        seq_len=seq_len,
-        test_fraction=test_fraction,
-        seed=seed,
-    )
+        return text_dataset(records, source, seq_len, split)
+    return token_dataset(records, source, tokenizer=tokenizer, seq_len=seq_len, split=split)
 
 
 def token_dataset(
@@ -90,29 +94,28 @@ def token_dataset(
     *,
     tokenizer: str,
     seq_len: int,
-    test_fraction: float,
-    seed: int,
+    split: Split,
     field: str = "data.tokenizer",
 ) -> Dataset:
     """A next-token ``Dataset`` of ``records`` encoded by the ``tokenizer.json`` at
-    ``tokenizer``, one example per record, split at random (as byte-level text is).
+    ``tokenizer``, one example per record, split at ``split`` (as byte-level text is).
 
     Raises:
-      DataError: the tokenizer cannot be loaded (the message names ``field``),
-        or there are too few records.
+      DataError: the tokenizer cannot be loaded (the message names ``field``).
     """
     encoder = load_tokenizer(tokenizer, field)
-    train, test = split_positions(len(records), test_fraction, seed)
     vocab = vocab_size(encoder)
     ids = [e.ids for e in encoder.encode_batch(records)]
     x, y = encode_token_records(ids, seq_len)
     _check_ids("x_train", x, vocab, low=0)  # a tokenizer's ids are below its vocab_size
     description = (
-        f"{source}: {len(train)} train / {len(test)} test records, tokenized by "
+        f"{source}: {len(split.train)} train / {len(split.test)} test records, tokenized by "
         f"{Path(str(tokenizer)).name} ({vocab} token ids), {seq_len} predicted tokens "
-        f"per record (longer ones cut; split test_fraction={test_fraction}, seed={seed})"
+        f"per record (longer ones cut; {split.how})"
     )
-    return split_token_records(x, y, ids, train, test, vocab=vocab, description=description)
+    return split_token_records(
+        x, y, ids, split.train, split.test, vocab=vocab, description=description
+    )
 
 
 def split_token_records(

