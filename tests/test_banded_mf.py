@@ -375,3 +375,68 @@ def test_budget_bad_bands_are_one_line_exit_2(extra, needle, capsys):
     assert cli.main([*argv, "--exact-gaussian", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+
+
+_MESH_STREAM = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+import dpmp
+from dpmp.noise._banded_mf import BandedMF
+from dpmp.step import DataParallelMesh
+
+assert jax.device_count() == 4
+mesh = DataParallelMesh(jax.devices())
+coefs = np.array([1.0, 0.5, 0.375, 0.25])
+strategy = BandedMF(steps=7, coefs=tuple(float(c) for c in (coefs / np.linalg.norm(coefs))))
+rng = np.random.default_rng(0)
+# split along either axis, one that no axis of which 4 divides, one smaller than 4
+shapes = {"k": (24, 64), "m": (40, 6), "w": (1001,), "b": (3,)}
+params = {n: jnp.zeros(s, jnp.float32) for n, s in shapes.items()}
+specs = mesh.param_specs(params)
+sums = [{n: jnp.asarray(rng.standard_normal(s), jnp.float32) for n, s in shapes.items()}
+        for _ in range(strategy.steps)]
+
+
+def stream(sharding):
+    priv = strategy.privatizer(stddev=0.8, prng_key=5, policy="bf16", sharding=sharding)
+    state = priv.init(params)
+    layout = None
+    if sharding is not None:
+        layout = mesh.state_shardings({"params": params, "opt_state": state}, specs)
+        state = mesh.put(state, layout["opt_state"])
+    update = jax.jit(priv.update)
+    xs = []
+    for g in sums:
+        if layout is not None:
+            g = mesh.put(g, layout["params"])
+        x, state = update(g, state)
+        xs.append(jax.tree.map(np.asarray, x))
+    return xs, state
+
+
+one, _ = stream(None)
+many, state = stream(dpmp.NoiseSharding(mesh.mesh, "data", specs))
+rows = lambda r: [list(s.data.shape) for s in r.addressable_shards]
+print("JSON" + json.dumps({
+    "equal": [all(np.array_equal(a[n], b[n]) for n in shapes) for a, b in zip(one, many)],
+    "specs": {n: list(specs[n]) for n in shapes},
+    "sums": {n: rows(state.sums[n]) for n in shapes},
+    "outputs": {n: rows(state.outputs[n]) for n in shapes},
+}))
+"""
+
+
+@pytest.mark.slow  # a 4-device subprocess (~10 s)
+def test_a_mesh_stream_is_the_one_device_stream(tmp_path):
+    """On 4 forced CPU devices, with the parameters sharded (FSDP) and the ring buffers
+    laid out as the run's state is (``state_shardings``): each device keeps its rows
+    of a split parameter's rings, and every x_t equals the one-device stream's bit for
+    bit over more steps than bands (the rings wrap)."""
+    from ._devices import run_on_host_devices
+
+    got = run_on_host_devices(tmp_path, "banded_mesh.py", _MESH_STREAM, timeout=300)
+    assert got["equal"] == [True] * 7, got
+    assert got["specs"] == {"k": [None, "data"], "m": ["data"], "w": [], "b": []}, got
+    for ring in ("sums", "outputs"):  # 3 slots; a quarter of the split axis each
+        assert got[ring]["k"] == [[3, 24, 16]] * 4 and got[ring]["m"] == [[3, 10, 6]] * 4
+        assert got[ring]["w"] == [[3, 1001]] * 4 and got[ring]["b"] == [[3, 3]] * 4

@@ -121,20 +121,30 @@ class DataParallelMesh:
 
     def state_shardings(self, state: dict[str, Any], specs: Any = None) -> dict[str, Any]:
         """The sharding of every leaf of a run's state: replicated, or with ``specs``
-        (``param_specs``) the parameters sharded, and every optimizer slot of a
-        parameter's shape (Adam's moments) sharded as that parameter is."""
+        (``param_specs``) the parameters sharded, every optimizer slot of a
+        parameter's shape (Adam's moments) sharded as that parameter is, and every
+        stack of such slots (a correlated stream's ring buffers, ``[b - 1, *shape]``)
+        sharded as it along the parameter's axes: each device keeps its rows."""
         if specs is None:
             return jax.tree.map(lambda _: self.replicated, state)
-        by_shape = {}
+        by_shape: dict[tuple, P] = {}
         for leaf, spec in zip(
             jax.tree.leaves(state["params"]), jax.tree.leaves(specs, is_leaf=_is_spec)
         ):
             by_shape.setdefault(tuple(leaf.shape), spec)
+
+        def slot_spec(shape: tuple) -> P:
+            if shape in by_shape:
+                return by_shape[shape]
+            if len(shape) > 1 and shape[1:] in by_shape:  # a stack of slots
+                return P(None, *by_shape[shape[1:]])
+            return P()
+
         named = lambda spec: NamedSharding(self.mesh, spec)  # noqa: E731
         out = jax.tree.map(lambda _: self.replicated, state)
         out["params"] = jax.tree.map(named, specs, is_leaf=_is_spec)
         out["opt_state"] = jax.tree.map(
-            lambda a: named(by_shape.get(tuple(jnp.shape(a)), P())), state["opt_state"]
+            lambda a: named(slot_spec(tuple(jnp.shape(a)))), state["opt_state"]
         )
         return out
 
