@@ -243,7 +243,6 @@ def test_mechanisms_answer_for_themselves():
         (["privacy.mechanism=banded_mf", "privacy.sampling=shuffle"], "privacy.sampling"),
         (["privacy.mechanism=banded_mf", "privacy.unit=user"], "privacy.unit"),
         (["privacy.mechanism=blt"], "privacy.mechanism: 'blt' is not allowed"),
-        (["privacy.mechanism=banded_mf", "training.devices=2"], "training.devices"),
     ],
 )
 def test_bad_inputs_are_one_line_exit_2(overrides, needle, capsys):
@@ -440,3 +439,33 @@ def test_a_mesh_stream_is_the_one_device_stream(tmp_path):
     for ring in ("sums", "outputs"):  # 3 slots; a quarter of the split axis each
         assert got[ring]["k"] == [[3, 24, 16]] * 4 and got[ring]["m"] == [[3, 10, 6]] * 4
         assert got[ring]["w"] == [[3, 1001]] * 4 and got[ring]["b"] == [[3, 3]] * 4
+
+
+_MESH_RUN = """
+import json, sys
+import jax
+from dpmp.app.config import Config, load_config
+from dpmp.app.inputs import load_data
+from dpmp.app.trainer import train
+
+assert jax.device_count() == 4
+cfg = load_config(None, ["model.hidden=[16]", "training.steps=6", "training.eval_every=6",
+    "training.expected_batch_size=32", "privacy.mechanism=banded_mf", "privacy.bands=3",
+    "training.devices=4", "training.shard_params=true"])
+report = train(cfg, out_dir=sys.argv[0] + ".run", progress=False, data=load_data(Config().data, 0))
+print("JSON" + json.dumps({"audit": report["audit"], "noise": report["noise"]["mechanism"],
+                           "epsilon": report["epsilon"], "target": report["target_epsilon"]}))
+"""
+
+
+@pytest.mark.slow  # a 4-device subprocess training 6 steps (~45 s on 2 cores)
+def test_a_banded_run_trains_on_a_mesh(tmp_path):
+    """``privacy.mechanism = "banded_mf"`` on 4 devices with sharded parameters: the run
+    trains, its precision audit passes (the stream's stages and the all-reduce among
+    its sites) and it spends no more than its target."""
+    from ._devices import run_on_host_devices
+
+    got = run_on_host_devices(tmp_path, "banded_run.py", _MESH_RUN, timeout=500)
+    assert got["audit"]["ok"] is True and "all_reduce" in got["audit"]["expect"], got
+    assert (got["noise"]["name"], got["noise"]["bands"]) == ("banded_mf", 3)
+    assert got["epsilon"] <= got["target"]

@@ -45,17 +45,11 @@ def check_mechanism(privacy: Any, error: type[Exception]) -> None:
 
 
 def check_bands(config: Any, error: type[Exception]) -> None:
-    """``privacy.bands`` is at most ``training.steps`` when the mechanism uses bands,
-    and such a run is on one device (its buffers are not yet laid out on a mesh).
-    """
+    """``privacy.bands`` is at most ``training.steps`` when the mechanism uses bands
+    (on a mesh its ring buffers are laid out as the parameters are)."""
     p, steps = config.privacy, config.training.steps
     if not mechanism(p.mechanism).cyclic:
         return
-    if config.training.devices != 1:
-        raise error(
-            f"training.devices: {config.training.devices!r}: privacy.mechanism = "
-            f"{p.mechanism!r} runs on one device for now; use 1"
-        )
     if p.bands > steps:
         raise error(
             f"privacy.bands: {p.bands} is more than training.steps = {steps}; a banded "
