@@ -83,3 +83,19 @@ def test_records_sampled_users_leak_what_a_record_level_claim_would_miss(
     assert naive["epsilon_claimed"] <= 2.0 + 1e-9
     assert naive["noise_multiplier"] < honest["noise_multiplier"]
     assert status == 1 and naive["epsilon_lower"] > naive["epsilon_claimed"], naive
+
+
+@pytest.mark.slow
+def test_sampled_users_stay_below_their_claim(tmp_path, capsys):
+    """User-level sampling (users Poisson-sampled, each user's summed gradient
+    clipped): canary users of k = 4 identical records are one unit each; the audit's
+    lower bound stays below the claim, and a canary user's k copies are clipped as
+    one (its exact-Gaussian column is that of the user-level Poisson step)."""
+    data = _wide_users(tmp_path / "wide.npz")
+    sets = ["--set", "privacy.user_sampling=users", "--set", "training.expected_batch_size=16"]
+    status, report = _audit(capsys, data, *sets)
+    assert status == 0 and report["ok"], report
+    assert report["epsilon_lower"] <= report["epsilon_claimed"] <= 2.0 + 1e-9
+    assert report["num_train"] == 200 and report["sampling_prob"] == pytest.approx(
+        round(16 / 50 * 1050) / 1050, rel=1e-9
+    )
