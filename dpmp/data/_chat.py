@@ -10,7 +10,9 @@ A chat file is JSONL, one conversation per line::
 One line is one record, one example, the privacy unit (as a line of text is).
 ``read_chat_file`` reads and checks it; ``load_chat_template`` reads the
 template beside a ``tokenizer.json``; a ``ChatEncoder`` renders a conversation
-and tokenizes it, marking the tokens the assistant wrote; ``chat_dataset``
+and tokenizes it, marking the tokens the assistant wrote (and, for generation,
+gives the ids of a conversation followed by the assistant's header and the token
+that ends its reply); ``chat_dataset``
 makes the next-token ``Dataset`` of per-token labels (``dpmp.data._tokens``):
 ``y[i, t]`` is the token after ``x[i, t]`` where that token is the
 assistant's, else ``IGNORE`` (no loss).
@@ -72,6 +74,7 @@ __all__ = [
     "TOKENIZER_CONFIG",
     "ChatEncoder",
     "ChatTemplate",
+    "NoChatTemplate",
     "chat_dataset",
     "load_chat_template",
     "read_chat_file",
@@ -140,6 +143,11 @@ def _conversation(line: str, where: str) -> list[Message]:
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: no assistant message (the loss is on assistant tokens only)")
     return [dict(m) for m in messages]
+
+
+class NoChatTemplate(DataError):
+    """A tokenizer folder without a chat template: no ``tokenizer_config.json``, or
+    neither ``chat_template.jinja`` nor a ``chat_template`` in it."""
 
 
 class ChatTemplate:
@@ -236,13 +244,14 @@ def load_chat_template(folder: str | Path) -> ChatTemplate:
     the special tokens ``tokenizer_config.json`` names.
 
     Raises:
-      DataError: no ``tokenizer_config.json``, not a JSON object, or no template
-        (one line naming the file and what to do), or a template Jinja cannot parse.
+      NoChatTemplate: no ``tokenizer_config.json``, or no template in it (one line
+        naming the file and what to do).
+      DataError: not a JSON object, or a template Jinja cannot parse.
     """
     folder = Path(folder)
     file = folder / TOKENIZER_CONFIG
     if not file.is_file():
-        raise DataError(
+        raise NoChatTemplate(
             f"{file}: no such file; chat records are rendered by the chat_template of the "
             f"tokenizer's {TOKENIZER_CONFIG}: use the folder of a chat (instruct) model"
         )
@@ -261,7 +270,7 @@ def load_chat_template(folder: str | Path) -> ChatTemplate:
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
     if not isinstance(source, str) or not source.strip():
-        raise DataError(
+        raise NoChatTemplate(
             f"{file}: no chat_template; chat records are rendered by it (as the model's "
             f'serving stack renders them): add your model\'s template, or use data.dataset = "text"'
         )
@@ -318,6 +327,32 @@ class ChatEncoder:
                     assistant[after : j + 1] = True
                     break
         return list(ids), assistant
+
+    def prompt(self, messages: Sequence[Message]) -> list[int]:
+        """The token ids of ``messages`` rendered with the generation prompt (the
+        assistant's header after them) and tokenized as ``__call__`` tokenizes: what
+        a model trained on such records reads before it writes the next reply.
+
+        Raises:
+          DataError: the template fails.
+        """
+        text = self.template.render(messages, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def end_of_turn(self, messages: Sequence[Message]) -> int | None:
+        """The special token that ends an assistant's reply after ``messages`` (the
+        last of a reply's tokens ``__call__`` marks: ``<|im_end|>``, ``<|eot_id|>``,
+        ``<end_of_turn>``), found by rendering a reply to them; None if the
+        template writes no special token after a reply.
+
+        Raises:
+          DataError: as ``__call__``.
+        """
+        ids, assistant = self([*messages, {"role": "assistant", "content": "ok"}])
+        marked = np.flatnonzero(assistant)
+        if marked.size and ids[marked[-1]] in self.special:
+            return int(ids[marked[-1]])
+        return None
 
 
 def _first_at(offsets: Sequence[tuple[int, int]], start: int) -> int:
