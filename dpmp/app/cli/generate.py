@@ -34,7 +34,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         type=integer(0, 1_000_000),
         default=20,
         metavar="N",
-        help="tokens to add (default: %(default)s)",
+        help="the most tokens to add; fewer when an end-of-sequence token is written "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--temperature",
