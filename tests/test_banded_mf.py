@@ -1,6 +1,7 @@
 """Banded matrix factorization (``privacy.mechanism = "banded_mf"``): the stream's
 covariance against the strategy's (float64 numpy), its decoding, its rounding bound
-against exact arithmetic, resume bit for bit, the b-cyclic sampler, the accounting
+against exact arithmetic, resume bit for bit, no copy of a donated ring, the
+b-cyclic sampler, the accounting
 against jax-privacy's event composed by dp-accounting, bad inputs, a tiny run."""
 
 import math
@@ -114,6 +115,31 @@ def test_resume_continues_the_stream_bit_for_bit(strategy, tmp_path):
     restored, _ = load_checkpoint(ckpt, template)
     rest, _ = _stream(strategy, g[3:], state=restored, update=update)
     np.testing.assert_array_equal(np.concatenate([first, rest]), whole)
+
+
+def test_a_donated_stream_keeps_no_copy_of_its_rings():
+    """Compiled with its state donated (as the step donates it), a step of the stream at
+    16 bands holds as temporaries only the float64 query ``a_t`` (8 bytes a
+    parameter, drawn on in place) and at most one float32 vector more: no copy of a
+    ring (60 bytes a parameter). A ring read and then updated in place is copied
+    (XLA orders the update after the reads only by data dependence): the stream
+    so had 68 bytes a parameter of temporaries here."""
+    bands, shape = 16, (256, 256)
+    coefs = np.cumprod(np.r_[1.0, (2 * np.arange(1, bands) - 1) / (2 * np.arange(1, bands))])
+    coefs = (coefs / np.linalg.norm(coefs)).astype(np.float32)
+    mf = BandedMF(steps=64, coefs=tuple(float(c) for c in coefs))
+    params = {
+        "w": jax.ShapeDtypeStruct(shape, jnp.float32),
+        "b": jax.ShapeDtypeStruct(shape[1:], jnp.float32),
+    }
+    n = math.prod(shape) + shape[1]
+    priv = mf.privatizer(stddev=1.0, prng_key=0, policy="bf16")
+    state = jax.eval_shape(priv.init, params)
+    memory = jax.jit(priv.update, donate_argnums=1).lower(params, state).compile().memory_analysis()
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    assert state_bytes >= 2 * (bands - 1) * 4 * n  # the two rings are there
+    assert memory.alias_size_in_bytes == state_bytes  # all of it updated in place
+    assert memory.temp_size_in_bytes <= (8 + 4) * n, memory.temp_size_in_bytes / n
 
 
 def test_one_band_is_dpsgd():
