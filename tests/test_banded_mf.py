@@ -1,8 +1,8 @@
 """Banded matrix factorization (``privacy.mechanism = "banded_mf"``): the stream's
 covariance against the strategy's (float64 numpy), its decoding, its rounding bound
 against exact arithmetic, resume bit for bit, no copy of a donated ring, the
-b-cyclic sampler, the accounting
-against jax-privacy's event composed by dp-accounting, bad inputs, a tiny run."""
+b-cyclic sampler, the accounting against jax-privacy's event composed by
+dp-accounting, bad inputs, a tiny run."""
 
 import math
 from fractions import Fraction
