@@ -8,9 +8,12 @@ independent noise (DP-SGD) and once with a banded strategy of ``--bands`` bands
 (``privacy.mechanism = "banded_mf"``; the coefficients do not change the cost:
 jax-privacy's max-error ones, normalised), and prints XLA's ``memory_analysis``
 per parameter: the optimizer state (noise key, Adam's moments, and the banded
-stream's two ring buffers of ``b - 1`` float32 vectors), the arguments and the
-total the step holds at once. With ``--time`` (the small model only, by default)
-it also runs each step and reports the median of ``--repeats`` calls.
+stream's two ring buffers of ``b - 1`` float32 vectors and the previous step's
+sum and output), the arguments and the total the step holds at once. For the
+small model it also runs both steps, in turns (one call of each per round, so
+that a slow spell of a shared machine falls on both), and reports each one's
+median of ``--repeats`` calls and their ratio, with the machine's load average
+when they ran.
 
     python benchmarks/banded_mf.py --json benchmarks/results/cpu_2core_banded_mf.json
     python benchmarks/banded_mf.py --quick        # a small model: a smoke run
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 
@@ -120,21 +124,24 @@ def memory(step, hidden, batch: int) -> dict:
     return out
 
 
-def step_time(step, hidden, batch: int, repeats: int) -> float:
-    """Median seconds of one step, run on zeros (after one warm-up call)."""
+def step_times(steps: dict, hidden, batch: int, repeats: int) -> dict[str, float]:
+    """Median seconds of one call of each step, run on zeros (after one warm-up call
+    each); the steps take turns, one call of each per round."""
     params, data = _shapes(hidden, batch)
     zeros = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
-    state = step.init(jax.tree.map(zeros, params))
     batch_arrays = jax.tree.map(zeros, data)
     pad = jnp.zeros((batch,), jnp.bool_)
-    state, _ = step(state, batch_arrays, pad)
-    times = []
+    states = {}
+    for label, step in steps.items():
+        states[label], _ = step(step.init(jax.tree.map(zeros, params)), batch_arrays, pad)
+    times: dict[str, list[float]] = {label: [] for label in steps}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        state, stats = step(state, batch_arrays, pad)
-        jax.block_until_ready((state, stats))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for label, step in steps.items():
+            t0 = time.perf_counter()
+            states[label], stats = step(states[label], batch_arrays, pad)
+            jax.block_until_ready((states[label], stats))
+            times[label].append(time.perf_counter() - t0)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def rmse_table(steps: int, bands: int, num_examples: int, batch: int, delta: float) -> dict:
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bands", type=int, default=16)
     ap.add_argument("--steps", type=int, default=2000, help="the strategy's steps")
     ap.add_argument("--policy", default="bf16")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="a small model only")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--rmse", action="store_true", help="the error table instead")
@@ -207,22 +214,28 @@ def main(argv=None) -> int:
     for name, hidden, batch, timed in QUICK if args.quick else MODELS:
         n = sum(math.prod(s.shape) for s in jax.tree.leaves(_shapes(hidden, batch)[0]))
         row = {"model": name, "params": n, "batch": batch}
+        steps = {}
         for label, bands in (("dpsgd", 0), ("banded_mf", args.bands)):
-            step = build(hidden, batch, args.policy, strategy(args.steps, bands))
-            mem = memory(step, hidden, batch)
-            if timed:
-                mem["step_s"] = step_time(step, hidden, batch, args.repeats)
-            row[label] = mem
+            steps[label] = build(hidden, batch, args.policy, strategy(args.steps, bands))
+            mem = row[label] = memory(steps[label], hidden, batch)
             print(
                 f"{name:20} {n:12,} {label:10} state {mem['state'] / n:6.2f} "
                 f"args {mem['arguments'] / n:6.2f} temp {mem['temporaries'] / n:6.2f} "
                 f"total {mem['total'] / n:6.2f} compile {mem['compile_s']:.1f} s"
-                + (f" step {mem['step_s'] * 1e3:.1f} ms" if timed else "")
             )
         row["state_extra_bytes_per_param"] = (row["banded_mf"]["state"] - row["dpsgd"]["state"]) / n
         row["total_ratio"] = row["banded_mf"]["total"] / row["dpsgd"]["total"]
         if timed:
+            row["load_before"] = os.getloadavg()[0]
+            for label, seconds in step_times(steps, hidden, batch, args.repeats).items():
+                row[label]["step_s"] = seconds
+            row["load_after"] = os.getloadavg()[0]
             row["step_ratio"] = row["banded_mf"]["step_s"] / row["dpsgd"]["step_s"]
+            print(
+                f"{name:20} step {row['dpsgd']['step_s'] * 1e3:.1f} ms (DP-SGD), "
+                f"{row['banded_mf']['step_s'] * 1e3:.1f} ms (banded): {row['step_ratio']:.2f}x "
+                f"(load {row['load_before']:.1f} to {row['load_after']:.1f})"
+            )
         out["rows"].append(row)
     if args.json:
         with open(args.json, "w") as f:
