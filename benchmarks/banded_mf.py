@@ -27,6 +27,14 @@ of the sum's sensitivity (``BandedMF.prefix_rmse`` times sigma; DP-SGD's
 ``sqrt((steps + 1) / 2)`` times sigma).
 
     python benchmarks/banded_mf.py --rmse --json benchmarks/results/cpu_2core_banded_mf_rmse.json
+
+With ``--stream`` it times the noise alone on the small model's parameters, each
+compiled with its state donated and all taking turns: DP-SGD's snapped draw (in
+float32) and the banded stream at 1 band (no ring: the snapped draw of a float64
+query, and the decoding), 2 bands and ``--bands`` bands (where the step's extra
+time goes).
+
+    python benchmarks/banded_mf.py --stream --json benchmarks/results/cpu_2core_banded_mf_noise.json
 """
 
 from __future__ import annotations
@@ -144,6 +152,32 @@ def step_times(steps: dict, hidden, batch: int, repeats: int) -> dict[str, float
     return {label: statistics.median(t) for label, t in times.items()}
 
 
+def stream_times(hidden, bands: int, policy: str, repeats: int) -> dict:
+    """Median seconds of the noise alone (see the docstring), in turns."""
+    from dpmp.noise._noise import gaussian_privatizer
+
+    params, _ = _shapes(hidden, 1)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
+    noises = {"dpsgd": gaussian_privatizer(stddev=1.0, prng_key=0, policy=policy)}
+    for b in sorted({1, 2, bands}):
+        noises[f"banded_{b}"] = strategy(2000, b).privatizer(stddev=1.0, prng_key=0, policy=policy)
+    calls = {name: jax.jit(priv.update, donate_argnums=1) for name, priv in noises.items()}
+    states = {name: priv.init(zeros) for name, priv in noises.items()}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for name, update in calls.items():
+            t0 = time.perf_counter()
+            x, states[name] = update(zeros, states[name])
+            jax.block_until_ready((x, states[name]))
+            if round_:
+                times[name].append(time.perf_counter() - t0)
+    n = sum(math.prod(s.shape) for s in jax.tree.leaves(params))
+    out = {"params": n, "policy": policy, "load": os.getloadavg()[0]}
+    out["seconds"] = {name: statistics.median(t) for name, t in times.items()}
+    print(json.dumps(out))
+    return out
+
+
 def rmse_table(steps: int, bands: int, num_examples: int, batch: int, delta: float) -> dict:
     """The expected error of banded MF and DP-SGD at equal epsilon (see the docstring)."""
     import dpmp.accounting as accounting
@@ -193,11 +227,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a small model only")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--rmse", action="store_true", help="the error table instead")
+    ap.add_argument("--stream", action="store_true", help="the noise alone, timed")
     ap.add_argument("--examples", type=int, default=60000, help="--rmse: n")
     ap.add_argument("--batch", type=int, default=512, help="--rmse: expected batch")
     args = ap.parse_args(argv)
-    if args.rmse:
-        out = rmse_table(args.steps, args.bands, args.examples, args.batch, 1e-5)
+    if args.rmse or args.stream:
+        if args.rmse:
+            out = rmse_table(args.steps, args.bands, args.examples, args.batch, 1e-5)
+        else:
+            out = stream_times(MODELS[0][1], args.bands, args.policy, args.repeats)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
