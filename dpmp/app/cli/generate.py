@@ -81,13 +81,20 @@ def _run(args: argparse.Namespace) -> int:
         system=args.system,
     )
     print(text)
-    if not args.chat and run_config(args.run_dir).data.dataset == "chat":
+    if not args.chat and _renders_chat(run_config(args.run_dir).data.dataset):
         print(
             "dpmp generate: note: the run was trained on chat records; --chat prompts it "
             "as they were rendered and prints the reply alone",
             file=sys.stderr,
         )
     return 0
+
+
+def _renders_chat(dataset: str) -> bool:
+    """Whether the run's data source renders conversations by a chat template."""
+    from dpmp.data.sources import SOURCES
+
+    return bool(getattr(SOURCES.get(dataset), "renders_chat", False))
 
 
 COMMAND = Command(

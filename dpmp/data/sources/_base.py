@@ -120,6 +120,8 @@ class TextSource:
     task = "next_token"
     # records -> Dataset (``records_dataset``'s signature); a chat source's renders them first
     dataset = staticmethod(records_dataset)
+    # its records are conversations rendered by a chat template (``dpmp generate --chat``)
+    renders_chat = False
 
     def __init__(self, corpus: TextCorpus):
         self.corpus = corpus

@@ -32,6 +32,7 @@ class ChatSource(TextSource):
     conversation per example, labels on the assistant's tokens."""
 
     dataset = staticmethod(chat_dataset)
+    renders_chat = True
 
 
 register_source(ChatSource(ChatFile()))
