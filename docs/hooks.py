@@ -522,6 +522,25 @@ def user_level(name: str) -> str:
     return _table(header, rows)
 
 
+def privacy_units(name: str) -> str:
+    """Held-out perplexity at equal epsilon with a record or a user as the unit (the
+    Shakespeare speakers): each run's plan and its test perplexity."""
+    data = _load(name)
+    rows = [
+        [
+            r["unit"],
+            f"{r['epsilon']:.2f}",
+            f"{r['noise_multiplier']:.3g}",
+            f"{r['sampling_prob']:.4f}",
+            f"`{r['clip_method']}`",
+            f"{r['test_perplexity']:.2f}",
+        ]
+        for r in data["rows"]
+    ]
+    header = ["privacy unit", "epsilon", "noise multiplier", "q", "clip", "test perplexity"]
+    return _table(header, rows)
+
+
 OPERAND_MODELS = {
     "mlp": "MLP 784-1024-1024-1024-10",
     "cnn": "CNN",
@@ -786,6 +805,7 @@ TABLES: dict[str, Callable[..., str]] = {
     "gpt2_step": gpt2_step,
     "llm_families": llm_families,
     "user_level": user_level,
+    "privacy_units": privacy_units,
     "gpt2_checkpoint": gpt2_checkpoint,
     "ghost_operands": ghost_operands,
     "reproduction": reproduction,

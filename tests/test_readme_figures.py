@@ -321,6 +321,7 @@ def _result(name: str, *keys, scale: float = 1.0, fmt: str = ".1f") -> str:
 
 
 MESH, NOISE_COMPILE = "cpu_mesh.json", "mesh_noise_compile.json"
+UNITS = "cpu_2core_privacy_units.json"
 DIFFS = ("runs", "4_devices", "max_param_diff_relative")
 MEMORY = ("memory_per_device_mlp_1024x1024",)
 
@@ -393,7 +394,34 @@ HAND_WRITTEN = [
         "for 2.9M coordinates",
         lambda: f"{_params('cpu_2core_peers.json', 'mlp') / 1e6:.1f}",
     ),
+    ("language-models.md", "22% above the record-level", lambda: _unit_ppl_gap()),
+    (
+        "language-models.md",
+        "needs noise 4.32 and",
+        lambda: f"{_unit_row('els')['noise_multiplier']:.2f}",
+    ),
+    (
+        "language-models.md",
+        "does worse, 9.76",
+        lambda: f"{_unit_row('els')['test_perplexity']:.2f}",
+    ),
+    (
+        "language-models.md",
+        "would need noise 4.94",
+        lambda: _result(UNITS, "group_privacy", "noise_multiplier", fmt=".2f"),
+    ),
 ]
+
+
+def _unit_row(run: str) -> dict:
+    rows = json.loads((RESULTS / UNITS).read_text())["rows"]
+    (row,) = [r for r in rows if r["run"] == run]
+    return row
+
+
+def _unit_ppl_gap() -> str:
+    users, records = _unit_row("uls")["test_perplexity"], _unit_row("record")["test_perplexity"]
+    return f"{100 * (users / records - 1):.0f}"
 
 
 # ids from the page and the phrase alone (a function's repr differs between
