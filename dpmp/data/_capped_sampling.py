@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from dpmp.data._sampling import (
     MAX_TRUNCATION_PROB,
@@ -36,6 +35,7 @@ from dpmp.data._sampling import (
     SampledBatch,
     _check_int,
 )
+from dpmp.data._user_sampling import checked_users
 from dpmp.noise._entropy import fresh_seed
 
 __all__ = ["CappedUserSampler", "kept_records"]
@@ -91,9 +91,7 @@ class CappedUserSampler(PoissonSampler):
         seed: int | None = None,
         num_steps: int | None = None,
     ):
-        users = np.asarray(users)
-        if users.ndim != 1 or not len(users) or users.dtype.kind not in "iu" or users.min() < 0:
-            raise ValueError("users: a non-empty 1-D array of user indices >= 0 is needed.")
+        users = checked_users(users)
         self.records_per_user = _check_int("records_per_user", records_per_user, 1)
         seed = fresh_seed() if seed is None else _check_int("seed", seed, 0)
         self._users = users
@@ -108,20 +106,10 @@ class CappedUserSampler(PoissonSampler):
             num_steps=num_steps,
         )
 
-    def _default_padded_size(self, tail: float) -> int:
-        """``PoissonSampler``'s, at ``k`` more records (a neighbour's most)."""
-        n, q = self.num_examples + self.records_per_user, self.sampling_prob
-        low, high = -1, n
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (low, mid) if stats.binom.sf(mid, n, q) <= tail else (mid, high)
-        return max(high, 1)
-
-    @property
-    def truncation_probability(self) -> float:
-        """P(one step's sample exceeds ``padded_batch_size``), at ``k`` more records."""
-        n = self.num_examples + self.records_per_user
-        return float(stats.binom.sf(self.padded_batch_size, n, self.sampling_prob))
+    def _neighbour_draws(self) -> int:
+        """A neighbour may have ``k`` more kept records (a user's most): the padded size
+        and the truncation probability are taken at them."""
+        return self.num_examples + self.records_per_user
 
     def _draw(self, step: int) -> tuple[SampledBatch, int]:
         batch, dropped = super()._draw(step)

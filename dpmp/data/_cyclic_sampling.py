@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from dpmp.data._sampling import PoissonSampler, SampledBatch, _check_int, _pad
 
@@ -89,27 +88,13 @@ class CyclicPoissonSampler(PoissonSampler):
         """Records in each group: ``n // groups``."""
         return (self.num_examples if n is None else n) // self.groups
 
-    def _default_padded_size(self, tail: float) -> int:
-        """The smallest size whose truncation probability, for a group one record
-        larger (a neighbour's), is at most ``tail``."""
-        n, q = self.group_size() + 1, self.sampling_prob
-        low, high = -1, n
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (low, mid) if stats.binom.sf(mid, n, q) <= tail else (mid, high)
-        return max(high, 1)
+    def _neighbour_draws(self) -> int:
+        """A step draws from one group: a neighbour's is one record larger."""
+        return self.group_size() + 1
 
     @property
     def expected_batch_size(self) -> float:
         return self.group_size() * self.sampling_prob
-
-    @property
-    def truncation_probability(self) -> float:
-        """P(one step's sample exceeds ``padded_batch_size``), at a group of
-        ``n // groups + 1`` records."""
-        return float(
-            stats.binom.sf(self.padded_batch_size, self.group_size() + 1, self.sampling_prob)
-        )
 
     def _draw(self, step: int) -> tuple[SampledBatch, int]:
         rng = np.random.default_rng([self.seed, step])

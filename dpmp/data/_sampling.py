@@ -223,12 +223,17 @@ class PoissonSampler(_TruncatedSteps):
         self.num_truncated = 0
         self.num_dropped = 0
 
-    # A neighbouring dataset may have one more example: size for n + 1.
+    def _neighbour_draws(self) -> int:
+        """The most records a neighbouring dataset's step draws from at the sampling
+        probability: a neighbour may have one more example, n + 1. The padded size
+        and the truncation probability are taken at it."""
+        return self.num_examples + 1
+
     def _default_padded_size(self, tail: float) -> int:
         """The smallest size whose truncation probability is at most ``tail``: a
         bisection on the binomial tail (``binom.sf`` stays accurate down to 1e-300;
         ``binom.isf`` returns n below about 1e-17)."""
-        n, q = self.num_examples + 1, self.sampling_prob
+        n, q = self._neighbour_draws(), self.sampling_prob
         low, high = -1, n  # sf(n) = 0 <= tail
         while high - low > 1:
             mid = (low + high) // 2
@@ -241,9 +246,10 @@ class PoissonSampler(_TruncatedSteps):
 
     @property
     def truncation_probability(self) -> float:
-        """P(one step's sample exceeds ``padded_batch_size``), at n + 1 examples."""
+        """P(one step's sample exceeds ``padded_batch_size``), at a neighbour's most
+        records (``_neighbour_draws``: n + 1 examples)."""
         return float(
-            stats.binom.sf(self.padded_batch_size, self.num_examples + 1, self.sampling_prob)
+            stats.binom.sf(self.padded_batch_size, self._neighbour_draws(), self.sampling_prob)
         )
 
     def truncation_delta(self, steps: int, epsilon: float) -> float:

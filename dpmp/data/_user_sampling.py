@@ -34,7 +34,15 @@ from dpmp.data._sampling import (
     _TruncatedSteps,
 )
 
-__all__ = ["UserBatch", "UserPoissonSampler"]
+__all__ = ["UserBatch", "UserPoissonSampler", "checked_users"]
+
+
+def checked_users(users: Any) -> np.ndarray:
+    """``users`` as an array: a non-empty 1-D array of user indices >= 0, else refused."""
+    users = np.asarray(users)
+    if users.ndim != 1 or not len(users) or users.dtype.kind not in "iu" or users.min() < 0:
+        raise ValueError("users must be a non-empty 1-D array of user indices >= 0.")
+    return users
 
 
 class UserBatch(NamedTuple):
@@ -105,9 +113,7 @@ class UserPoissonSampler(_TruncatedSteps):
         seed: int | None = None,
         num_steps: int | None = None,
     ):
-        users = np.asarray(users)
-        if users.ndim != 1 or not len(users) or users.dtype.kind not in "iu" or users.min() < 0:
-            raise ValueError("users must be a non-empty 1-D array of user indices >= 0.")
+        users = checked_users(users)
         self.records_per_user = _check_int("records_per_user", records_per_user, 1)
         order = np.argsort(users, kind="stable")
         counts = np.bincount(users)
