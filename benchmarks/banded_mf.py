@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _mlp import mlp_loss, mlp_shapes  # benchmarks/_mlp.py
 
 import dpmp
 from dpmp.noise._banded_mf import BandedMF
@@ -60,29 +61,6 @@ MODELS = (
     ("mlp 784-4096x7-10", (4096,) * 7, 64, False),
 )
 QUICK = (("mlp 784-64x2-10", (64,) * 2, 16, True),)
-
-
-def _loss(params, batch):
-    h = batch["x"]
-    layers = len(params) // 2
-    for i in range(layers):
-        h = h @ params[f"w{i}"] + params[f"b{i}"]
-        if i < layers - 1:
-            h = jax.nn.relu(h)
-    return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
-
-
-def _shapes(hidden, batch: int):
-    widths = (784, *hidden, 10)
-    params = {}
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
-        params[f"w{i}"] = jax.ShapeDtypeStruct((a, b), jnp.float32)
-        params[f"b{i}"] = jax.ShapeDtypeStruct((b,), jnp.float32)
-    data = {
-        "x": jax.ShapeDtypeStruct((batch, 784), jnp.float32),
-        "y": jax.ShapeDtypeStruct((batch,), jnp.int32),
-    }
-    return params, data
 
 
 def strategy(steps: int, bands: int) -> BandedMF | None:
@@ -96,8 +74,8 @@ def strategy(steps: int, bands: int) -> BandedMF | None:
 
 
 def build(hidden, batch: int, policy: str, mf: BandedMF | None):
-    params, data = _shapes(hidden, batch)
-    grad_fn = dpmp.private_grad(_loss, l2_clip_norm=1.0, policy=policy)
+    params, data = mlp_shapes(hidden, batch)
+    grad_fn = dpmp.private_grad(mlp_loss, l2_clip_norm=1.0, policy=policy)
     return dpmp.private_step(
         grad_fn,
         optax.adam(1e-3),
@@ -114,7 +92,7 @@ def build(hidden, batch: int, policy: str, mf: BandedMF | None):
 
 def memory(step, hidden, batch: int) -> dict:
     """``memory_analysis`` of the compiled step and the optimizer state, in bytes."""
-    params, data = _shapes(hidden, batch)
+    params, data = mlp_shapes(hidden, batch)
     opt_state = jax.eval_shape(step.optimizer.init, params)
     pad = jax.ShapeDtypeStruct((batch,), jnp.bool_)
     args = (params, data, pad, opt_state, dpmp.NoOpLossScale())
@@ -135,7 +113,7 @@ def memory(step, hidden, batch: int) -> dict:
 def step_times(steps: dict, hidden, batch: int, repeats: int) -> dict[str, float]:
     """Median seconds of one call of each step, run on zeros (after one warm-up call
     each); the steps take turns, one call of each per round."""
-    params, data = _shapes(hidden, batch)
+    params, data = mlp_shapes(hidden, batch)
     zeros = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
     batch_arrays = jax.tree.map(zeros, data)
     pad = jnp.zeros((batch,), jnp.bool_)
@@ -156,7 +134,7 @@ def stream_times(hidden, bands: int, policy: str, repeats: int) -> dict:
     """Median seconds of the noise alone (see the docstring), in turns."""
     from dpmp.noise._noise import gaussian_privatizer
 
-    params, _ = _shapes(hidden, 1)
+    params, _ = mlp_shapes(hidden, 1)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
     noises = {"dpsgd": gaussian_privatizer(stddev=1.0, prng_key=0, policy=policy)}
     for b in sorted({1, 2, bands}):
@@ -250,7 +228,7 @@ def main(argv=None) -> int:
     }
     print(f"{out['device']}, jax {jax.__version__}; bytes per parameter, {args.bands} bands")
     for name, hidden, batch, timed in QUICK if args.quick else MODELS:
-        n = sum(math.prod(s.shape) for s in jax.tree.leaves(_shapes(hidden, batch)[0]))
+        n = sum(math.prod(s.shape) for s in jax.tree.leaves(mlp_shapes(hidden, batch)[0]))
         row = {"model": name, "params": n, "batch": batch}
         steps = {}
         for label, bands in (("dpsgd", 0), ("banded_mf", args.bands)):

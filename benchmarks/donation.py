@@ -22,6 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
+from _mlp import mlp_loss, mlp_shapes  # benchmarks/_mlp.py
 
 import dpmp
 
@@ -33,33 +34,10 @@ MODELS = (
 QUICK = (("mlp 784-64x2-10", (64,) * 2, 16),)
 
 
-def _loss(params, batch):
-    h = batch["x"]
-    layers = len(params) // 2
-    for i in range(layers):
-        h = h @ params[f"w{i}"] + params[f"b{i}"]
-        if i < layers - 1:
-            h = jax.nn.relu(h)
-    return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
-
-
-def _shapes(hidden, batch: int):
-    widths = (784, *hidden, 10)
-    params = {}
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
-        params[f"w{i}"] = jax.ShapeDtypeStruct((a, b), jnp.float32)
-        params[f"b{i}"] = jax.ShapeDtypeStruct((b,), jnp.float32)
-    data = {
-        "x": jax.ShapeDtypeStruct((batch, 784), jnp.float32),
-        "y": jax.ShapeDtypeStruct((batch,), jnp.int32),
-    }
-    return params, data
-
-
 def step_memory(hidden, batch: int, policy: str, donate: bool) -> dict:
     """``memory_analysis`` of the compiled private step, in bytes."""
-    params, data = _shapes(hidden, batch)
-    grad_fn = dpmp.private_grad(_loss, l2_clip_norm=1.0, policy=policy)
+    params, data = mlp_shapes(hidden, batch)
+    grad_fn = dpmp.private_grad(mlp_loss, l2_clip_norm=1.0, policy=policy)
     step = dpmp.private_step(
         grad_fn,
         optax.adam(1e-3),
@@ -99,7 +77,7 @@ def main(argv=None) -> int:
         f"{'temp':>6} {'alias':>6} {'total':>6}  donated / kept"
     )
     for name, hidden, batch in QUICK if args.quick else MODELS:
-        n = sum(math.prod(s.shape) for s in jax.tree.leaves(_shapes(hidden, batch)[0]))
+        n = sum(math.prod(s.shape) for s in jax.tree.leaves(mlp_shapes(hidden, batch)[0]))
         for policy in args.policies.split(","):
             row = {"model": name, "params": n, "batch": batch, "policy": policy}
             for donate in (False, True):
