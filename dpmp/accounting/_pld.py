@@ -160,9 +160,9 @@ PLD = PldAccountant()
 
 
 def _release_pld(r: GaussianRelease, relation: Any, interval: float) -> Any:
-    """The PLD of one release: a Gaussian, Poisson-sampled or not, or for a unit of
-    several records each sampled on its own the mixture of Gaussians of its event
-    (``dpmp.accounting._groups``)."""
+    """The PLD of one release's event (``GaussianRelease.event``): a Gaussian,
+    Poisson-sampled or not, or for a unit of several records each sampled on its own
+    the mixture of Gaussians (``dpmp.accounting._groups``)."""
     event = r.event()
     if isinstance(event, dp_event.MixtureOfGaussiansDpEvent):
         return privacy_loss_distribution.from_mixture_gaussian_mechanism(
@@ -171,9 +171,11 @@ def _release_pld(r: GaussianRelease, relation: Any, interval: float) -> Any:
             sampling_probs=event.sampling_probs,
             value_discretization_interval=interval,
         )
+    sampled = isinstance(event, dp_accounting.PoissonSampledDpEvent)
+    gaussian = event.event if sampled else event
     return privacy_loss_distribution.from_gaussian_mechanism(
-        standard_deviation=r.noise_multiplier / (1 if r.sampled else r.records_per_unit),
+        standard_deviation=gaussian.noise_multiplier,
         value_discretization_interval=interval,
-        sampling_prob=r.sampling_prob if r.sampled else 1.0,
+        sampling_prob=event.sampling_probability if sampled else 1.0,
         neighboring_relation=relation,
     )

@@ -80,6 +80,7 @@ import jax
 import numpy as np
 
 import dpmp.accounting as accounting
+from dpmp.accounting._groups import rdp_compatible, unit_event
 from dpmp.app.audit_users import record_out, with_canary_users, zero_out_users
 from dpmp.app.config import Config, ConfigError
 from dpmp.app.config_users import records_per_unit
@@ -482,13 +483,15 @@ def _report(
     sigma = accounting.effective_noise_multiplier(
         step.plan.noise_multiplier, step.plan.count_noise_stddev
     )
-    q, group = step.plan.sampling_prob, records_per_unit(config.privacy)
     # k records per canary user, each sampled on its own: the game of the Poisson step
     # that dominates their mixture (rate 1 - (1 - q)^k, noise sigma / k), an upper
-    # bound on what the mixture can show
+    # bound on what the mixture can show; k = 1: the step itself
+    step_event = rdp_compatible(
+        unit_event(sigma, step.plan.sampling_prob, records_per_unit(config.privacy))
+    )
     game = exact_gaussian_game(
-        noise_multiplier=sigma / group,
-        sampling_prob=-np.expm1(group * np.log1p(-q)) if group > 1 else q,
+        noise_multiplier=step_event.event.noise_multiplier,
+        sampling_prob=step_event.sampling_probability,
         steps=config.training.steps,
         num_canaries=m,
         num_guesses=k,
